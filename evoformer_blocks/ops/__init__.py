@@ -1,0 +1,25 @@
+"""The functional op ``evoformer_attention`` and its backends.
+
+Backends: ``"eager"`` (plain PyTorch, any device and float dtype), ``"cutlass"`` (the fused CUDA
+kernel, float16/bfloat16 on compute capability >= 8.0) and ``"auto"`` (cutlass where it can run,
+else eager). See :func:`evoformer_attention`.
+"""
+
+from . import eager as _eager  # noqa: F401  (registers the eager backend)
+from ._dispatch import Backend, Capabilities, backend, backend_names, get_backend, get_default_backend, set_backend
+from ._inputs import AttentionInputs, validate
+from .attention import DS4Sci_EvoformerAttention, evoformer_attention
+
+__all__ = [
+    "evoformer_attention",
+    "DS4Sci_EvoformerAttention",
+    "set_backend",
+    "backend",
+    "get_default_backend",
+    "get_backend",
+    "backend_names",
+    "Backend",
+    "Capabilities",
+    "AttentionInputs",
+    "validate",
+]

@@ -1,0 +1,156 @@
+"""Validation of the attention op's inputs: the one place where user input is checked.
+
+Every rule raises ``ValueError`` naming the argument, the rule, and the shape, dtype, device and
+stride of every tensor involved, so a caller can see at once what was passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Validated inputs of ``evoformer_attention``.
+
+    Dimension legend: B batch, N rows sharing the pair bias (MSA sequences or pair rows), Lq/Lk
+    query/key length, H heads, D head dim (``c_hidden``).
+    """
+
+    q: torch.Tensor  # [B, N, Lq, H, D]
+    k: torch.Tensor  # [B, N, Lk, H, D]
+    v: torch.Tensor  # [B, N, Lk, H, D]
+    mask_bias: Optional[torch.Tensor]  # [B|1, N|1, 1, 1, Lk]
+    pair_bias: Optional[torch.Tensor]  # [B|1, 1, H|1, Lq, Lk]
+    scale: float
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def len_q(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def len_k(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[4]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def tensors(self) -> dict[str, Optional[torch.Tensor]]:
+        return {"q": self.q, "k": self.k, "v": self.v, "mask_bias": self.mask_bias, "pair_bias": self.pair_bias}
+
+
+def describe(tensors: dict[str, Optional[torch.Tensor]]) -> str:
+    """One line per argument: shape, dtype, device and stride (or what it is if not a tensor)."""
+    lines = []
+    for name, t in tensors.items():
+        if t is None:
+            lines.append(f"  {name}: None")
+        elif isinstance(t, torch.Tensor):
+            lines.append(
+                f"  {name}: shape={tuple(t.shape)} dtype={t.dtype} device={t.device} stride={tuple(t.stride())}"
+            )
+        else:
+            lines.append(f"  {name}: {type(t).__name__} (not a torch.Tensor)")
+    return "\n".join(lines)
+
+
+def _fail(argument: str, rule: str, tensors: dict) -> None:
+    raise ValueError(f"evoformer_attention: invalid `{argument}`: {rule}\n{describe(tensors)}")
+
+
+def validate(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> AttentionInputs:
+    """Checks the op's arguments and returns them as :class:`AttentionInputs`.
+
+    Rules: q, k, v are floating tensors of rank 5 on one device with one dtype; q is
+    ``[B, N, Lq, H, D]`` and k, v are ``[B, N, Lk, H, D]``; ``mask_bias`` is ``[B|1, N|1, 1, 1, Lk]``
+    and ``pair_bias`` is ``[B|1, 1, H|1, Lq, Lk]`` (size-1 dimensions broadcast); each bias is a
+    floating tensor of q's dtype or float32 on q's device; ``scale`` is a positive finite number.
+    """
+    tensors = {"q": q, "k": k, "v": v, "mask_bias": mask_bias, "pair_bias": pair_bias}
+    for name in ("q", "k", "v"):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            _fail(name, "must be a torch.Tensor", tensors)
+        if t.dim() != 5:
+            _fail(name, f"must have rank 5 [B, N, L, H, D], got rank {t.dim()}", tensors)
+        if t.dtype not in FLOAT_DTYPES:
+            _fail(name, f"must be float16, bfloat16, float32 or float64, got {t.dtype}", tensors)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail("k" if k.dtype != q.dtype else "v", "q, k and v must share one dtype", tensors)
+    if k.device != q.device or v.device != q.device:
+        _fail("k" if k.device != q.device else "v", "q, k and v must be on one device", tensors)
+    if k.shape != v.shape:
+        _fail("v", "k and v must have the same shape [B, N, Lk, H, D]", tensors)
+    batch, rows, len_q, heads, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3], k.shape[4]) != (batch, rows, heads, head_dim):
+        _fail("k", "k must be [B, N, Lk, H, D] with q's B, N, H and D", tensors)
+    len_k = k.shape[2]
+    if min(batch, rows, heads, head_dim) < 1 or len_q < 1 or len_k < 1:
+        _fail("q", "every dimension must be at least 1", tensors)
+
+    def check_bias(name: str, t, expected: tuple, broadcastable: tuple) -> None:
+        if t is None:
+            return
+        if not isinstance(t, torch.Tensor):
+            _fail(name, "must be a torch.Tensor or None", tensors)
+        if t.dtype == torch.bool or not t.dtype.is_floating_point:
+            _fail(
+                name,
+                f"must be an additive floating-point bias, got {t.dtype}; convert a 0/1 mask with "
+                "`inf * (mask.to(q.dtype) - 1)`",
+                tensors,
+            )
+        if t.dtype not in (q.dtype, torch.float32):
+            _fail(name, f"dtype must be q's dtype ({q.dtype}) or torch.float32, got {t.dtype}", tensors)
+        if t.device != q.device:
+            _fail(name, f"must be on q's device ({q.device}), got {t.device}", tensors)
+        shape = tuple(t.shape)
+        ok = len(shape) == 5 and all(
+            s == e or (s == 1 and b) for s, e, b in zip(shape, expected, broadcastable)
+        )
+        if not ok:
+            pretty = ", ".join(
+                f"{e}|1" if b and e != 1 else str(e) for e, b in zip(expected, broadcastable)
+            )
+            _fail(name, f"must have shape [{pretty}] (size-1 dimensions broadcast), got {list(shape)}", tensors)
+
+    # mask bias [B|1, N|1, 1, 1, Lk]: one value per key, broadcast over heads and queries.
+    check_bias("mask_bias", mask_bias, (batch, rows, 1, 1, len_k), (True, True, False, False, False))
+    # pair bias [B|1, 1, H|1, Lq, Lk]: one value per (head, query, key), broadcast over N.
+    check_bias("pair_bias", pair_bias, (batch, 1, heads, len_q, len_k), (True, False, True, False, False))
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        _fail("scale", f"must be a Python number or None, got {type(scale).__name__}", tensors)
+    elif not (math.isfinite(scale) and scale > 0):
+        _fail("scale", f"must be positive and finite, got {scale}", tensors)
+    return AttentionInputs(q, k, v, mask_bias, pair_bias, float(scale))

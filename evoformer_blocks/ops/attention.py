@@ -1,0 +1,101 @@
+"""The public functional op and the DeepSpeed-compatible entry point."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _dispatch
+from ._inputs import describe, validate
+
+
+def evoformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask_bias: Optional[torch.Tensor] = None,
+    pair_bias: Optional[torch.Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    backend: Optional[str] = None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Evoformer attention with a per-key mask bias and a per-head pair bias.
+
+    Dimensions::
+
+        B  batch                      N  rows that share the pair bias (MSA sequences, pair rows)
+        Lq query length               Lk key length (Lq == Lk in every Evoformer attention)
+        H  heads                      D  head dim (``c_hidden``, per head)
+
+    Arguments:
+        q: ``[B, N, Lq, H, D]``; k, v: ``[B, N, Lk, H, D]``.
+        mask_bias: ``[B, N, 1, 1, Lk]`` additive bias, broadcast over heads and queries (typically
+            ``inf * (mask - 1)``). Size-1 B or N broadcast. Optional.
+        pair_bias: ``[B, 1, H, Lq, Lk]`` additive bias, broadcast over N. Size-1 B or H broadcast.
+            Optional.
+        scale: multiplies q·kᵀ; defaults to ``1 / sqrt(D)``.
+        backend: ``"auto"``, ``"eager"`` or ``"cutlass"``; None takes the default
+            (:func:`evoformer_blocks.ops.set_backend`, the ``backend(...)`` context manager or the
+            ``EVOFORMER_BLOCKS_BACKEND`` environment variable, else ``"auto"``).
+        chunk_size: eager backend only: process this many queries at a time to bound memory at
+            inference. The fused backend never materializes the logits and ignores it.
+
+    Returns:
+        ``[B, N, Lq, H, D]`` in q's dtype::
+
+            o[b, n, i, h] = sum_j softmax_j(scale * q[b, n, i, h]·k[b, n, j, h]
+                                            + mask_bias[b, n, 0, 0, j] + pair_bias[b, 0, h, i, j])
+                                  * v[b, n, j, h]
+
+    Dtypes: q, k, v share one dtype (float16, bfloat16, float32 or float64; the fused backend takes
+    float16 and bfloat16); each bias is q's dtype or float32. Softmax and bias additions run in
+    float32 for half-precision inputs. A query whose keys are all ``-inf`` gets a zero output and
+    zero gradients; with a finite mask value such as ``-1e9`` it averages v uniformly, as the math
+    says. Gradients flow to q, k, v and to each bias that requires grad.
+
+    Equivalent PyTorch code (what the eager backend computes, up to the -inf rule)::
+
+        logits = torch.einsum("bnihd,bnjhd->bnhij", q, k).float() * scale
+        logits = logits + mask_bias.float() + pair_bias.float()    # [B, N, H, Lq, Lk]
+        probs = torch.softmax(logits, dim=-1).to(v.dtype)
+        out = torch.einsum("bnhij,bnjhd->bnihd", probs, v)
+
+    Raises:
+        ValueError: an argument breaks a rule above (the message names it and shows every
+            tensor's shape, dtype, device and stride), or the requested backend cannot run the
+            inputs (the message lists why).
+    """
+    inputs = validate(q, k, v, mask_bias, pair_bias, scale)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(
+            f"evoformer_attention: invalid `chunk_size`: must be a positive int or None, got {chunk_size!r}\n"
+            + describe(inputs.tensors())
+        )
+    impl = _dispatch.select(inputs, backend)
+    return impl.forward(inputs, chunk_size)
+
+
+def DS4Sci_EvoformerAttention(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, biases: Sequence[Optional[torch.Tensor]]
+) -> torch.Tensor:
+    """Drop-in replacement for ``deepspeed.ops.deepspeed4science.DS4Sci_EvoformerAttention``.
+
+    ``Q, K, V``: ``[B, N, L, H, D]``; ``biases``: a list of at most two tensors,
+    ``[mask_bias [B, N, 1, 1, L]]`` or ``[mask_bias, pair_bias [B, 1, H, L, L]]`` (or empty).
+    Scale is ``1/sqrt(D)``. The caller's list is never modified. Runs on the default backend.
+    """
+    if not isinstance(biases, (list, tuple)):
+        raise ValueError(
+            f"DS4Sci_EvoformerAttention: invalid `biases`: must be a list of at most two tensors, "
+            f"got {type(biases).__name__}"
+        )
+    if len(biases) > 2:
+        raise ValueError(
+            f"DS4Sci_EvoformerAttention: invalid `biases`: at most two biases ([mask_bias, pair_bias]), "
+            f"got {len(biases)}"
+        )
+    mask_bias = biases[0] if len(biases) > 0 else None
+    pair_bias = biases[1] if len(biases) > 1 else None
+    return evoformer_attention(Q, K, V, mask_bias, pair_bias)
