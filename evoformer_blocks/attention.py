@@ -1,0 +1,455 @@
+"""The Evoformer attention modules of AlphaFold 2 (supplement Algorithms 7, 8, 13, 14 and 19).
+
+Each module returns the *update* of its input (add it to the residual stream yourself), and for
+the same weights computes what OpenFold's module of the same name computes (load OpenFold weights
+with :func:`evoformer_blocks.compat.load_openfold_state_dict`).
+
+The attention core of the first four modules goes through one op,
+:func:`evoformer_blocks.ops.evoformer_attention`, so the backend (``"eager"``, ``"cutlass"`` or
+``"auto"``) is chosen in one place; :class:`MSAColumnGlobalAttention` (Algorithm 19) pools its
+queries and is written in plain PyTorch.
+
+Shape legend: ``*`` batch dims (any number, including none), ``N_seq`` MSA sequences, ``N_res``
+residues, ``H`` heads (``no_heads``), ``C`` = ``c_hidden`` channels PER HEAD, ``B`` all batch dims
+flattened into one.
+
+Parameter names are flat, in AlphaFold/OpenFold style:
+``layer_norm_m``/``layer_norm_z`` (LayerNorm of the MSA/pair representation), ``linear_z`` (pair
+rep -> one bias per head), ``linear_q``/``linear_k``/``linear_v`` (projections, no bias),
+``linear_g`` (sigmoid gate) and ``linear_o`` (output). The triangle modules use the same
+``layer_norm_z``/``linear_z`` names for their pair-rep LayerNorm and triangle-bias projection
+(OpenFold calls them ``layer_norm``/``linear``; :mod:`evoformer_blocks.compat` maps the names).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .ops import backend_names, evoformer_attention
+from .primitives import Linear, check_mask, check_positive_int, check_tensor, compute_dtype, mask_to_bias
+
+__all__ = [
+    "MSARowAttentionWithPairBias",
+    "MSAColumnAttention",
+    "TriangleAttentionStartingNode",
+    "TriangleAttentionEndingNode",
+    "MSAColumnGlobalAttention",
+]
+
+
+def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) -> None:
+    check_positive_int(owner, **sizes)
+    if isinstance(inf, bool) or not isinstance(inf, (int, float)) or not (0 < inf < math.inf):
+        raise ValueError(f"{owner}: `inf` must be a positive finite number (e.g. 1e9), got {inf!r}")
+    if backend is not None and backend not in backend_names():
+        raise ValueError(f"{owner}: unknown `backend` {backend!r}; choose one of {backend_names()} or None")
+
+
+class _GatedAttention(nn.Module):
+    """Gated multi-head self-attention along the second-to-last axis of ``[*, N, L, c_in]``.
+
+    Subclasses create their LayerNorms and bias projection, then ``linear_q/k/v/g/o`` with
+    :meth:`_add_projections`, and call :meth:`_attend`. The attention core runs through
+    :func:`evoformer_attention`.
+    """
+
+    def __init__(self, c_hidden: int, no_heads: int, inf: float, backend: Optional[str], **channels: int) -> None:
+        _check_config(type(self).__name__, inf, backend, **channels, c_hidden=c_hidden, no_heads=no_heads)
+        super().__init__()
+        self.c_hidden = c_hidden
+        self.no_heads = no_heads
+        self.inf = inf
+        self.backend = backend
+
+    def _add_pair_bias(self, c_z: int) -> None:
+        """``layer_norm_z`` and ``linear_z``: the pair representation -> one logit bias per head."""
+        self.c_z = c_z
+        self.layer_norm_z = nn.LayerNorm(c_z)
+        self.linear_z = Linear(c_z, self.no_heads, bias=False, init="normal")
+
+    def _add_projections(self, c_in: int) -> None:
+        hidden = self.c_hidden * self.no_heads
+        self.linear_q = Linear(c_in, hidden, bias=False, init="glorot")
+        self.linear_k = Linear(c_in, hidden, bias=False, init="glorot")
+        self.linear_v = Linear(c_in, hidden, bias=False, init="glorot")
+        self.linear_g = Linear(c_in, hidden, init="gating")
+        self.linear_o = Linear(hidden, c_in, init="final")
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        pair_bias: Optional[torch.Tensor],
+        chunk_size: Optional[int],
+    ) -> torch.Tensor:
+        """x: [*, N, L, c_in] (normalized); mask: [*, N, L] 0/1 or None; pair_bias: [*, L, L, H] or None.
+
+        Row ``n`` attends over its ``L`` positions; ``pair_bias[..., i, j, h]`` is added to the
+        logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns [*, N, L, c_in].
+        """
+        batch_shape = x.shape[:-3]
+        n, length, c_in = x.shape[-3:]
+        b = math.prod(batch_shape)
+        heads, c = self.no_heads, self.c_hidden
+
+        x = x.reshape(b, n, length, c_in)  # [B, N, L, c_in]
+        q = self.linear_q(x).view(b, n, length, heads, c)  # [B, N, L, H, C]
+        k = self.linear_k(x).view(b, n, length, heads, c)  # [B, N, L, H, C]
+        v = self.linear_v(x).view(b, n, length, heads, c)  # [B, N, L, H, C]
+
+        mask_bias = None
+        if mask is not None:
+            mask_bias = mask_to_bias(mask, self.inf, q.dtype).reshape(b, n, 1, 1, length)  # [B, N, 1, 1, L]
+        if pair_bias is not None:
+            pair_bias = pair_bias.reshape(b, 1, length, length, heads)  # [B, 1, L, L, H]
+            pair_bias = pair_bias.permute(0, 1, 4, 2, 3)  # [B, 1, H, L, L]
+
+        if q.numel() == 0:
+            o = q  # an empty batch, row set or sequence: nothing to attend over
+        else:
+            o = evoformer_attention(
+                q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
+            )  # [B, N, L, H, C]
+
+        g = torch.sigmoid(self.linear_g(x)).view(b, n, length, heads, c)  # [B, N, L, H, C]
+        o = (o * g).reshape(b, n, length, heads * c)  # [B, N, L, H * C]
+        out = self.linear_o(o)  # [B, N, L, c_in]
+        return out.reshape(*batch_shape, n, length, c_in)  # [*, N, L, c_in]
+
+
+class MSARowAttentionWithPairBias(_GatedAttention):
+    """MSA row-wise gated self-attention with pair bias (AF2 supplement Algorithm 7).
+
+    Each MSA sequence attends over its residues; the pair representation adds one bias per head
+    and residue pair, shared by all sequences.
+
+    Args:
+        c_m: MSA channels.
+        c_z: pair channels.
+        c_hidden: channels PER HEAD of queries, keys and values (AlphaFold: 32).
+        no_heads: number of heads (AlphaFold: 8).
+        inf: mask value; a masked key gets the logit bias ``-inf`` (finite, as in AlphaFold).
+        backend: attention backend name for :func:`evoformer_attention`
+            (``"auto"``, ``"eager"``, ``"cutlass"``); None follows the global default.
+
+    Parameters: ``layer_norm_m``, ``layer_norm_z``, ``linear_z`` (c_z -> no_heads, no bias),
+    ``linear_q``/``linear_k``/``linear_v`` (c_m -> no_heads * c_hidden, no bias), ``linear_g``
+    (gate, weight 0 / bias 1 at init), ``linear_o`` (no_heads * c_hidden -> c_m, zeros at init).
+    """
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden: int,
+        no_heads: int,
+        inf: float = 1e9,
+        backend: Optional[str] = None,
+    ) -> None:
+        super().__init__(c_hidden, no_heads, inf, backend, c_m=c_m, c_z=c_z)
+        self.c_m = c_m
+        self.layer_norm_m = nn.LayerNorm(c_m)
+        self._add_pair_bias(c_z)
+        self._add_projections(c_m)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: Optional[int] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            m: ``[*, N_seq, N_res, c_m]`` MSA representation.
+            z: ``[*, N_res, N_res, c_z]`` pair representation (same batch dims as m).
+            mask: ``[*, N_seq, N_res]`` 0/1 MSA mask (1 = keep; float, int or bool); None = all ones.
+            chunk_size: attend this many query residues at a time (eager backend; bounds the
+                logits' memory at inference). None = all at once.
+
+        Returns:
+            ``[*, N_seq, N_res, c_m]``, the update of m (no residual added).
+        """
+        name = type(self).__name__
+        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        *batch, n_seq, n_res, _ = m.shape
+        check_tensor(
+            name, "z", z, (*batch, n_res, n_res, self.c_z), f"[*, N_res={n_res}, N_res, c_z={self.c_z}] with m's batch dims", exact=True
+        )
+        if mask is not None:
+            check_mask(name, "mask", mask, m.shape[:-1], "[*, N_seq, N_res]")
+
+        m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
+        pair_bias = self.linear_z(self.layer_norm_z(z))  # [*, N_res, N_res, H]
+        return self._attend(m, mask, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
+
+
+class MSAColumnAttention(_GatedAttention):
+    """MSA column-wise gated self-attention (AF2 supplement Algorithm 8).
+
+    Each residue column attends over the MSA sequences; no pair bias.
+
+    Args:
+        c_m: MSA channels.
+        c_hidden: channels PER HEAD (AlphaFold: 32).
+        no_heads: number of heads (AlphaFold: 8).
+        inf: mask value (a masked sequence gets the logit bias ``-inf``).
+        backend: attention backend for :func:`evoformer_attention`; None = the global default.
+
+    Parameters: ``layer_norm_m``, ``linear_q``/``linear_k``/``linear_v``, ``linear_g``, ``linear_o``.
+    """
+
+    def __init__(
+        self,
+        c_m: int,
+        c_hidden: int,
+        no_heads: int,
+        inf: float = 1e9,
+        backend: Optional[str] = None,
+    ) -> None:
+        super().__init__(c_hidden, no_heads, inf, backend, c_m=c_m)
+        self.c_m = c_m
+        self.layer_norm_m = nn.LayerNorm(c_m)
+        self._add_projections(c_m)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: Optional[int] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            m: ``[*, N_seq, N_res, c_m]`` MSA representation.
+            mask: ``[*, N_seq, N_res]`` 0/1 MSA mask; None = all ones.
+            chunk_size: attend this many query sequences at a time (eager backend). None = all.
+
+        Returns:
+            ``[*, N_seq, N_res, c_m]``, the update of m.
+        """
+        name = type(self).__name__
+        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        if mask is not None:
+            check_mask(name, "mask", mask, m.shape[:-1], "[*, N_seq, N_res]")
+            mask = mask.transpose(-1, -2)  # [*, N_res, N_seq]
+
+        m = m.transpose(-2, -3)  # [*, N_res, N_seq, c_m]
+        m = self.layer_norm_m(m)  # [*, N_res, N_seq, c_m]
+        out = self._attend(m, mask, None, chunk_size)  # [*, N_res, N_seq, c_m]
+        return out.transpose(-2, -3)  # [*, N_seq, N_res, c_m]
+
+
+class _TriangleAttention(_GatedAttention):
+    """Triangle self-attention around the starting (rows) or ending (columns) node.
+
+    Ending node = starting node applied to the transposed pair representation, transposed back.
+    """
+
+    _starting: bool = True
+
+    def __init__(
+        self,
+        c_z: int,
+        c_hidden: int,
+        no_heads: int,
+        inf: float = 1e9,
+        backend: Optional[str] = None,
+    ) -> None:
+        super().__init__(c_hidden, no_heads, inf, backend, c_z=c_z)
+        self._add_pair_bias(c_z)
+        self._add_projections(c_z)
+
+    def forward(
+        self,
+        z: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: Optional[int] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            z: ``[*, N_res, N_res, c_z]`` pair representation.
+            mask: ``[*, N_res, N_res]`` 0/1 pair mask; None = all ones.
+            chunk_size: attend this many query positions of a row at a time (eager backend).
+
+        Returns:
+            ``[*, N_res, N_res, c_z]``, the update of z.
+        """
+        name = type(self).__name__
+        check_tensor(name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]")
+        if z.shape[-3] != z.shape[-2]:
+            raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
+        if mask is not None:
+            check_mask(name, "mask", mask, z.shape[:-1], "[*, N_res, N_res]")
+
+        if not self._starting:
+            z = z.transpose(-2, -3)  # [*, J, I, c_z]: rows are now the ending nodes
+            if mask is not None:
+                mask = mask.transpose(-1, -2)  # [*, J, I]
+
+        z = self.layer_norm_z(z)  # [*, I, J, c_z]
+        # The bias for query (i, j) and key (i, k) comes from the third edge z[j, k].
+        triangle_bias = self.linear_z(z)  # [*, I, J, H]
+        out = self._attend(z, mask, triangle_bias, chunk_size)  # [*, I, J, c_z]
+
+        if not self._starting:
+            out = out.transpose(-2, -3)  # [*, I, J, c_z] in the caller's orientation
+        return out
+
+
+class TriangleAttentionStartingNode(_TriangleAttention):
+    """Triangle self-attention around the starting node (AF2 supplement Algorithm 13).
+
+    Edge (i, j) attends over the edges (i, k) of its row, biased by the third edge (j, k):
+    ``a[i, j, k] = softmax_k(q[i, j]·k[i, k] / sqrt(C) + b[j, k] + mask_bias[i, k])``.
+
+    Args:
+        c_z: pair channels.
+        c_hidden: channels PER HEAD (AlphaFold: 32).
+        no_heads: number of heads (AlphaFold: 4).
+        inf: mask value (a masked key gets the logit bias ``-inf``).
+        backend: attention backend for :func:`evoformer_attention`; None = the global default.
+
+    Parameters: ``layer_norm_z`` (LayerNorm of z), ``linear_z`` (c_z -> no_heads triangle bias, no
+    bias term), ``linear_q``/``linear_k``/``linear_v``, ``linear_g``, ``linear_o``. OpenFold names
+    the first two ``layer_norm`` and ``linear``.
+    """
+
+    _starting = True
+
+
+class TriangleAttentionEndingNode(_TriangleAttention):
+    """Triangle self-attention around the ending node (AF2 supplement Algorithm 14).
+
+    Edge (i, j) attends over the edges (k, j) of its column, biased by the third edge (k, i):
+    ``a[i, j, k] = softmax_k(q[i, j]·k[k, j] / sqrt(C) + b[k, i] + mask_bias[k, j])``. Computed as
+    the starting-node attention on the transposed pair representation, transposed back.
+
+    Arguments and parameters as for :class:`TriangleAttentionStartingNode`.
+    """
+
+    _starting = False
+
+
+class MSAColumnGlobalAttention(nn.Module):
+    """MSA column-wise gated global self-attention (AF2 supplement Algorithm 19, extra-MSA stack).
+
+    For each residue column, one query per head is the mask-weighted mean over sequences; keys and
+    values are a single head of ``c_hidden`` channels shared by all heads; the gate is per sequence.
+    Written in plain PyTorch (its shapes do not fit :func:`evoformer_attention`); the softmax,
+    mask and mean run in float32 for float16/bfloat16 inputs.
+
+    Args:
+        c_m: MSA channels (AlphaFold: c_e = 64 in the extra-MSA stack).
+        c_hidden: channels PER HEAD (AlphaFold: 8).
+        no_heads: number of heads (AlphaFold: 8).
+        inf: mask value (a masked sequence gets the logit bias ``-inf``).
+        eps: added to the mask count of the mean, so a fully masked column stays finite.
+        backend: accepted for a signature uniform with the other modules; not used.
+
+    Parameters: ``layer_norm_m``, ``linear_q`` (c_m -> no_heads * c_hidden, no bias), ``linear_k``
+    and ``linear_v`` (c_m -> c_hidden, no bias), ``linear_g`` (c_m -> no_heads * c_hidden, gating
+    init), ``linear_o`` (no_heads * c_hidden -> c_m, zeros at init).
+    """
+
+    def __init__(
+        self,
+        c_m: int,
+        c_hidden: int,
+        no_heads: int,
+        inf: float = 1e9,
+        eps: float = 1e-10,
+        backend: Optional[str] = None,
+    ) -> None:
+        name = type(self).__name__
+        _check_config(name, inf, backend, c_m=c_m, c_hidden=c_hidden, no_heads=no_heads)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+            raise ValueError(f"{name}: `eps` must be a non-negative finite number, got {eps!r}")
+        super().__init__()
+        self.c_m = c_m
+        self.c_hidden = c_hidden
+        self.no_heads = no_heads
+        self.inf = inf
+        self.eps = eps
+        self.backend = backend
+        hidden = c_hidden * no_heads
+        self.layer_norm_m = nn.LayerNorm(c_m)
+        self.linear_q = Linear(c_m, hidden, bias=False, init="glorot")
+        self.linear_k = Linear(c_m, c_hidden, bias=False, init="glorot")
+        self.linear_v = Linear(c_m, c_hidden, bias=False, init="glorot")
+        self.linear_g = Linear(c_m, hidden, init="gating")
+        self.linear_o = Linear(hidden, c_m, init="final")
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: Optional[int] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            m: ``[*, N_seq, N_res, c_m]`` (extra) MSA representation.
+            mask: ``[*, N_seq, N_res]`` 0/1 MSA mask; None = all ones.
+            chunk_size: process this many residue columns at a time. None = all.
+
+        Returns:
+            ``[*, N_seq, N_res, c_m]``, the update of m.
+        """
+        name = type(self).__name__
+        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        if mask is None:
+            mask = m.new_ones(m.shape[:-1])  # [*, N_seq, N_res]
+        else:
+            check_mask(name, "mask", mask, m.shape[:-1], "[*, N_seq, N_res]")
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+        ):
+            raise ValueError(f"{name}: `chunk_size` must be a positive int or None, got {chunk_size!r}")
+
+        m = m.transpose(-2, -3)  # [*, N_res, N_seq, c_m]
+        mask = mask.transpose(-1, -2)  # [*, N_res, N_seq]
+        n_res = m.shape[-3]
+        if chunk_size is None or chunk_size >= n_res:
+            out = self._columns(m, mask)  # [*, N_res, N_seq, c_m]
+        else:
+            out = torch.cat(
+                [
+                    self._columns(m[..., i : i + chunk_size, :, :], mask[..., i : i + chunk_size, :])
+                    for i in range(0, n_res, chunk_size)
+                ],
+                dim=-3,
+            )  # [*, N_res, N_seq, c_m]
+        return out.transpose(-2, -3)  # [*, N_seq, N_res, c_m]
+
+    def _columns(self, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """m: [*, R, S, c_m] (R residue columns, S sequences); mask: [*, R, S]. Returns [*, R, S, c_m]."""
+        heads, c = self.no_heads, self.c_hidden
+        m = self.layer_norm_m(m)  # [*, R, S, c_m]
+        compute = compute_dtype(m.dtype)
+        mask_c = mask.to(compute)  # [*, R, S]
+
+        # Query: the mask-weighted mean of the column's rows, projected to every head.
+        count = mask_c.sum(dim=-1, keepdim=True) + self.eps  # [*, R, 1]
+        pooled = (m.to(compute) * mask_c.unsqueeze(-1)).sum(dim=-2) / count  # [*, R, c_m]
+        q = self.linear_q(pooled.to(m.dtype))  # [*, R, H * C]
+        q = q.view(*q.shape[:-1], heads, c)  # [*, R, H, C]
+        k = self.linear_k(m)  # [*, R, S, C]
+        v = self.linear_v(m)  # [*, R, S, C]
+
+        logits = torch.matmul(q, k.transpose(-1, -2)).to(compute) * (c**-0.5)  # [*, R, H, S]
+        logits = logits + mask_to_bias(mask, self.inf, m.dtype).unsqueeze(-2)  # + [*, R, 1, S]
+        probs = torch.softmax(logits, dim=-1).to(v.dtype)  # [*, R, H, S]
+        o = torch.matmul(probs, v)  # [*, R, H, C]
+
+        g = torch.sigmoid(self.linear_g(m))  # [*, R, S, H * C]
+        g = g.view(*g.shape[:-1], heads, c)  # [*, R, S, H, C]
+        o = o.unsqueeze(-3) * g  # [*, R, S, H, C]
+        o = o.reshape(*o.shape[:-2], heads * c)  # [*, R, S, H * C]
+        return self.linear_o(o)  # [*, R, S, c_m]

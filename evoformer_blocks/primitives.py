@@ -1,0 +1,163 @@
+"""Small building blocks shared by the attention modules.
+
+* :class:`Linear`: ``nn.Linear`` with the AlphaFold initialization schemes (AF2 supplement 1.11.4).
+* :func:`mask_to_bias`: a 0/1 mask turned into the additive bias ``inf * (mask - 1)``.
+* :func:`check_tensor`: the modules' input check (``ValueError`` naming the argument).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# Standard deviation of a unit normal truncated to [-2, 2]. A truncated-normal initializer divides
+# the target std by it, so the samples keep the intended spread after truncation.
+# For symmetric truncation at +-t: var = 1 - 2 t phi(t) / (Phi(t) - Phi(-t)).
+_TRUNCATION = 2.0
+_TRUNCATED_UNIT_STD = math.sqrt(
+    1.0
+    - 2.0 * _TRUNCATION * math.exp(-0.5 * _TRUNCATION**2) / math.sqrt(2.0 * math.pi)
+    / math.erf(_TRUNCATION / math.sqrt(2.0))
+)
+
+
+def _truncated_normal_fan_in(weight: torch.Tensor, scale: float) -> None:
+    # Variance scale / fan_in, sampled from a normal truncated at two standard deviations.
+    fan_in = weight.shape[1]
+    std = math.sqrt(scale / max(1, fan_in)) / _TRUNCATED_UNIT_STD
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-_TRUNCATION * std, b=_TRUNCATION * std)
+
+
+def _init_default(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    _truncated_normal_fan_in(weight, scale=1.0)  # LeCun normal
+
+
+def _init_relu(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    _truncated_normal_fan_in(weight, scale=2.0)  # He normal
+
+
+def _init_glorot(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    nn.init.xavier_uniform_(weight, gain=1.0)
+
+
+def _init_gating(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    # A gate sigmoid(0 * x + 1) is almost open at initialization.
+    nn.init.zeros_(weight)
+    if bias is not None:
+        nn.init.ones_(bias)
+
+
+def _init_final(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    # A residual branch that starts as the identity map: its last layer outputs zeros.
+    nn.init.zeros_(weight)
+
+
+def _init_normal(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    nn.init.kaiming_normal_(weight, mode="fan_in", nonlinearity="linear")  # std 1/sqrt(fan_in)
+
+
+_INITS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = {
+    "default": _init_default,
+    "relu": _init_relu,
+    "glorot": _init_glorot,
+    "gating": _init_gating,
+    "final": _init_final,
+    "normal": _init_normal,
+}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` initialized the AlphaFold way. Called like ``nn.Linear``: ``[*, in] -> [*, out]``.
+
+    Args:
+        in_dim: size of the last input dimension.
+        out_dim: size of the last output dimension.
+        bias: learn an additive bias (initialized to 0, except ``"gating"``).
+        init: one of
+
+            * ``"default"``: LeCun normal, a normal truncated at two standard deviations with
+              variance ``1 / fan_in`` after truncation;
+            * ``"relu"``: He normal, the same with variance ``2 / fan_in``;
+            * ``"glorot"``: Glorot (Xavier) uniform, fan average;
+            * ``"gating"``: weight 0, bias 1 (a gate that starts nearly open);
+            * ``"final"``: weight 0, bias 0 (a residual update that starts at zero);
+            * ``"normal"``: normal with std ``1 / sqrt(fan_in)`` (Kaiming normal, linear gain).
+        device, dtype: as for ``nn.Linear``.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        bias: bool = True,
+        init: str = "default",
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        if init not in _INITS:
+            raise ValueError(f"Linear: invalid `init` {init!r}; choose one of {sorted(_INITS)}")
+        super().__init__(in_dim, out_dim, bias=bias, device=device, dtype=dtype)
+        self.init = init
+        with torch.no_grad():
+            if self.bias is not None:
+                self.bias.zero_()
+            _INITS[init](self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, init={self.init!r}"
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype for softmax, masks and reductions: float32 for float16/bfloat16, else ``dtype``."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def mask_to_bias(mask: torch.Tensor, inf: float, dtype: torch.dtype) -> torch.Tensor:
+    """Turns a 0/1 mask (float, int or bool) into the additive attention bias ``inf * (mask - 1)``.
+
+    Positions with mask 1 get 0 and positions with mask 0 get ``-inf`` (a large finite number such
+    as 1e9, as in AlphaFold). The result has ``dtype``, except that float16/bfloat16 give float32:
+    ``-1e9`` does not fit in float16, and the attention op accepts float32 biases for any input.
+    """
+    return inf * (mask.to(compute_dtype(dtype)) - 1.0)
+
+
+def check_tensor(
+    owner: str, argument: str, value, shape: Sequence[Optional[int]], legend: str, exact: bool = False
+) -> None:
+    """Raises ``ValueError`` unless ``value`` is a floating tensor whose shape ends with ``shape``.
+
+    ``shape`` lists the trailing dimensions, ``None`` where any size is fine; with ``exact`` it is
+    the whole shape (batch dims included). ``legend`` spells the expected shape for the message,
+    e.g. ``"[*, N_seq, N_res, c_m=64]"``.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{owner}: `{argument}` must be a torch.Tensor {legend}, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{owner}: `{argument}` must be a floating-point tensor, got {value.dtype}")
+    ok = (value.dim() == len(shape) if exact else value.dim() >= len(shape)) and all(
+        want is None or got == want for got, want in zip(value.shape[value.dim() - len(shape):], shape)
+    )
+    if not ok:
+        raise ValueError(f"{owner}: `{argument}` must have shape {legend}, got {list(value.shape)}")
+
+
+def check_mask(owner: str, argument: str, mask, expected: Sequence[int], legend: str) -> None:
+    """Raises ``ValueError`` unless ``mask`` is a tensor of exactly ``expected`` shape (any dtype)."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{owner}: `{argument}` must be a torch.Tensor {legend} or None, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(expected):
+        raise ValueError(f"{owner}: `{argument}` must have shape {legend} = {list(expected)}, got {list(mask.shape)}")
+
+
+def check_positive_int(owner: str, **values) -> None:
+    """Raises ``ValueError`` naming the first keyword argument that is not a positive int."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
