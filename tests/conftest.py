@@ -1,0 +1,125 @@
+"""Shared test fixtures: per-dtype tolerances, seeding, backend isolation, recording backends and an
+independent float64 reference of the attention op. Nothing here needs a GPU."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+from evoformer_blocks.ops import _dispatch
+from evoformer_blocks.ops.eager import eager_attention
+
+# One tolerance per dtype for comparing a computation against a float64 reference of the same
+# inputs. float64 differs only by summation order; float32 by single-precision rounding of O(1)
+# values; bfloat16/float16 by rounding q·kᵀ, the probabilities and p·v to 8/11 mantissa bits.
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"atol": 1e-10, "rtol": 1e-8},
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+}
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return dict(TOLERANCES[dtype])
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: Optional[torch.dtype] = None, msg: str = ""):
+    """``actual`` (any dtype) against ``expected`` with the tolerance of ``dtype`` (default: actual's)."""
+    tol = _tolerance(dtype or actual.dtype)
+    torch.testing.assert_close(
+        actual.to(torch.float64), expected.to(torch.float64), **tol, msg=lambda m: f"{msg}\n{m}" if msg else m
+    )
+
+
+@pytest.fixture
+def tolerance():
+    """``tolerance(dtype)`` -> ``{"atol": ..., "rtol": ...}`` from :data:`TOLERANCES`."""
+    return _tolerance
+
+
+@pytest.fixture
+def assert_close():
+    """``assert_close(actual, expected, dtype=None)``: compare with the dtype's tolerance."""
+    return _assert_close
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _restore_default_backend():
+    """A test that calls ``set_backend`` does not leak its choice into the next test."""
+    saved = _dispatch._default
+    yield
+    _dispatch._default = saved
+    assert not _dispatch._context_stack, "a `with ops.backend(...)` block was left open"
+
+
+def _reference_attention(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> torch.Tensor:
+    """The op's formula in float64 with einsum, written independently of the backends.
+
+    q: [B, N, Lq, H, D]; k, v: [B, N, Lk, H, D]; biases broadcast to [B, N, H, Lq, Lk]. Returns
+    [B, N, Lq, H, D] in float64. Finite biases only (a row of -inf gives NaN here).
+    """
+    q, k, v = (t.detach().to(torch.float64) for t in (q, k, v))
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    logits = torch.einsum("bnihd,bnjhd->bnhij", q, k) * scale
+    if mask_bias is not None:
+        logits = logits + mask_bias.detach().to(torch.float64).permute(0, 1, 3, 2, 4)  # [B, N, 1, 1, Lk]
+    if pair_bias is not None:
+        logits = logits + pair_bias.detach().to(torch.float64)  # [B, 1, H, Lq, Lk]
+    weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return torch.einsum("bnhij,bnjhd->bnihd", weights, v)
+
+
+@pytest.fixture
+def reference_attention():
+    """``reference_attention(q, k, v, mask_bias=None, pair_bias=None, scale=None)`` in float64."""
+    return _reference_attention
+
+
+class RecordingBackend(_dispatch.Backend):
+    """A test backend that computes like eager and records every call; it can refuse inputs."""
+
+    def __init__(self, name: str, calls: list, refuse: Optional[str] = None) -> None:
+        self.name = name
+        self.capabilities = _dispatch.Capabilities(dtypes=(torch.float32, torch.float64), device_types=())
+        self.calls = calls
+        self.refuse = refuse
+
+    def extra_reasons(self, inputs) -> list[str]:
+        return [self.refuse] if self.refuse else []
+
+    def forward(self, inputs, chunk_size):
+        self.calls.append(self.name)
+        return eager_attention(inputs, chunk_size)
+
+
+@pytest.fixture
+def recording_backends():
+    """Registers backends ``"spy_a"`` and ``"spy_b"`` (tried after the real ones by ``auto``).
+
+    Yields ``(calls, backends)``: the list of backend names in call order and a dict name ->
+    :class:`RecordingBackend` (set ``.refuse`` to a reason to make one refuse). Unregistered after.
+    """
+    saved = (dict(_dispatch._REGISTRY), dict(_dispatch._PRIORITY), list(_dispatch._AUTO_ORDER))
+    calls: list[str] = []
+    backends = {name: RecordingBackend(name, calls) for name in ("spy_a", "spy_b")}
+    for priority, impl in enumerate(backends.values(), start=1000):
+        _dispatch.register(impl, auto_priority=priority)
+    try:
+        yield calls, backends
+    finally:
+        _dispatch._REGISTRY.clear()
+        _dispatch._REGISTRY.update(saved[0])
+        _dispatch._PRIORITY.clear()
+        _dispatch._PRIORITY.update(saved[1])
+        _dispatch._AUTO_ORDER[:] = saved[2]

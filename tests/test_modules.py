@@ -1,0 +1,459 @@
+"""The attention modules against straightforward float64 implementations of AF2 supplement
+Algorithms 7, 8, 13, 14 and 19, written here with einsum and explicit indices."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from evoformer_blocks import (
+    MSAColumnAttention,
+    MSAColumnGlobalAttention,
+    MSARowAttentionWithPairBias,
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+    ops,
+)
+from evoformer_blocks.primitives import Linear, mask_to_bias
+
+F64 = torch.float64
+N_SEQ, N_RES, C_M, C_Z, C_HIDDEN, HEADS = 3, 5, 6, 4, 3, 2
+
+
+# ---------------------------------------------------------------- float64 references
+
+
+def ln(x, layer_norm: nn.LayerNorm):
+    mean = x.mean(dim=-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + layer_norm.eps) * layer_norm.weight + layer_norm.bias
+
+
+def lin(x, linear: nn.Linear):
+    out = torch.einsum("...i,oi->...o", x, linear.weight)
+    return out if linear.bias is None else out + linear.bias
+
+
+def heads(x):
+    return x.unflatten(-1, (HEADS, C_HIDDEN))  # [..., H * C] -> [..., H, C]
+
+
+def additive(mask, inf):
+    return inf * (mask - 1.0)
+
+
+def ref_msa_row(mod, m, z, mask):
+    """Algorithm 7: o[s, i] = g[s, i] * sum_j softmax_j(q[s, i]·k[s, j] / sqrt(c) + b[i, j] + mask) v[s, j]."""
+    m = ln(m, mod.layer_norm_m)
+    q, k, v = (heads(lin(m, layer)) for layer in (mod.linear_q, mod.linear_k, mod.linear_v))  # [*, s, i, h, c]
+    b = lin(ln(z, mod.layer_norm_z), mod.linear_z)  # [*, i, j, h]
+    logits = torch.einsum("...sihc,...sjhc->...sihj", q, k) / math.sqrt(C_HIDDEN)
+    logits = logits + torch.einsum("...ijh->...ihj", b).unsqueeze(-4)  # same for every s
+    logits = logits + additive(mask, mod.inf)[..., :, None, None, :]  # key j of sequence s
+    o = torch.einsum("...sihj,...sjhc->...sihc", logits.softmax(-1), v)
+    g = torch.sigmoid(heads(lin(m, mod.linear_g)))
+    return lin((g * o).flatten(-2), mod.linear_o)
+
+
+def ref_msa_column(mod, m, mask):
+    """Algorithm 8: o[s, i] = g[s, i] * sum_t softmax_t(q[s, i]·k[t, i] / sqrt(c) + mask[t, i]) v[t, i]."""
+    m = ln(m, mod.layer_norm_m)
+    q, k, v = (heads(lin(m, layer)) for layer in (mod.linear_q, mod.linear_k, mod.linear_v))
+    logits = torch.einsum("...sihc,...tihc->...siht", q, k) / math.sqrt(C_HIDDEN)
+    logits = logits + torch.einsum("...ti->...it", additive(mask, mod.inf))[..., None, :, None, :]
+    o = torch.einsum("...siht,...tihc->...sihc", logits.softmax(-1), v)
+    g = torch.sigmoid(heads(lin(m, mod.linear_g)))
+    return lin((g * o).flatten(-2), mod.linear_o)
+
+
+def ref_triangle_start(mod, z, mask):
+    """Algorithm 13: o[i, j] = g[i, j] * sum_k softmax_k(q[i, j]·k[i, k] / sqrt(c) + b[j, k] + mask[i, k]) v[i, k]."""
+    z = ln(z, mod.layer_norm_z)
+    q, k, v = (heads(lin(z, layer)) for layer in (mod.linear_q, mod.linear_k, mod.linear_v))
+    b = lin(z, mod.linear_z)  # [*, j, k, h]
+    logits = torch.einsum("...ijhc,...ikhc->...ijhk", q, k) / math.sqrt(C_HIDDEN)
+    logits = logits + torch.einsum("...jkh->...jhk", b)[..., None, :, :, :]
+    logits = logits + additive(mask, mod.inf)[..., :, None, None, :]
+    o = torch.einsum("...ijhk,...ikhc->...ijhc", logits.softmax(-1), v)
+    g = torch.sigmoid(heads(lin(z, mod.linear_g)))
+    return lin((g * o).flatten(-2), mod.linear_o)
+
+
+def ref_triangle_end(mod, z, mask):
+    """Algorithm 14: o[i, j] = g[i, j] * sum_k softmax_k(q[i, j]·k[k, j] / sqrt(c) + b[k, i] + mask[k, j]) v[k, j]."""
+    z = ln(z, mod.layer_norm_z)
+    q, k, v = (heads(lin(z, layer)) for layer in (mod.linear_q, mod.linear_k, mod.linear_v))
+    b = lin(z, mod.linear_z)  # [*, k, i, h]
+    logits = torch.einsum("...ijhc,...kjhc->...ijhk", q, k) / math.sqrt(C_HIDDEN)
+    logits = logits + torch.einsum("...kih->...ihk", b)[..., :, None, :, :]
+    logits = logits + torch.einsum("...kj->...jk", additive(mask, mod.inf))[..., None, :, None, :]
+    o = torch.einsum("...ijhk,...kjhc->...ijhc", logits.softmax(-1), v)
+    g = torch.sigmoid(heads(lin(z, mod.linear_g)))
+    return lin((g * o).flatten(-2), mod.linear_o)
+
+
+def ref_global_column(mod, m, mask):
+    """Algorithm 19: one query per column, the masked mean over sequences of q[s, i]; one key/value head."""
+    m = ln(m, mod.layer_norm_m)
+    q = heads(lin(m, mod.linear_q))  # [*, s, i, h, c]
+    q = torch.einsum("...si,...sihc->...ihc", mask, q) / (mask.sum(dim=-2)[..., None, None] + mod.eps)
+    k, v = lin(m, mod.linear_k), lin(m, mod.linear_v)  # [*, t, i, c]
+    logits = torch.einsum("...ihc,...tic->...iht", q, k) / math.sqrt(C_HIDDEN)
+    logits = logits + torch.einsum("...ti->...it", additive(mask, mod.inf))[..., :, None, :]
+    o = torch.einsum("...iht,...tic->...ihc", logits.softmax(-1), v)  # [*, i, h, c]
+    g = torch.sigmoid(heads(lin(m, mod.linear_g)))  # [*, s, i, h, c]
+    return lin((g * o.unsqueeze(-4)).flatten(-2), mod.linear_o)
+
+
+# ---------------------------------------------------------------- the modules under test
+
+
+@dataclass(frozen=True)
+class Spec:
+    make: Callable[..., nn.Module]
+    inputs: Callable[[tuple, torch.dtype], tuple]  # (batch shape, dtype) -> positional inputs
+    mask_dims: tuple  # the mask's shape after the batch dims
+    reference: Callable
+
+
+def msa(batch, dtype):
+    return (torch.randn(*batch, N_SEQ, N_RES, C_M, dtype=dtype),)
+
+
+def pair(batch, dtype):
+    return (torch.randn(*batch, N_RES, N_RES, C_Z, dtype=dtype),)
+
+
+SPECS = {
+    "msa_row": Spec(
+        lambda **kw: MSARowAttentionWithPairBias(C_M, C_Z, C_HIDDEN, HEADS, **kw),
+        lambda batch, dtype: msa(batch, dtype) + pair(batch, dtype),
+        (N_SEQ, N_RES),
+        ref_msa_row,
+    ),
+    "msa_column": Spec(
+        lambda **kw: MSAColumnAttention(C_M, C_HIDDEN, HEADS, **kw), msa, (N_SEQ, N_RES), ref_msa_column
+    ),
+    "triangle_start": Spec(
+        lambda **kw: TriangleAttentionStartingNode(C_Z, C_HIDDEN, HEADS, **kw), pair, (N_RES, N_RES), ref_triangle_start
+    ),
+    "triangle_end": Spec(
+        lambda **kw: TriangleAttentionEndingNode(C_Z, C_HIDDEN, HEADS, **kw), pair, (N_RES, N_RES), ref_triangle_end
+    ),
+    "msa_column_global": Spec(
+        lambda **kw: MSAColumnGlobalAttention(C_M, C_HIDDEN, HEADS, **kw), msa, (N_SEQ, N_RES), ref_global_column
+    ),
+}
+OP_SPECS = [name for name in SPECS if name != "msa_column_global"]
+
+
+def randomized(spec: Spec, dtype=F64, **kwargs) -> nn.Module:
+    """The module with every parameter random, including the zero-initialized output and gate."""
+    module = spec.make(**kwargs).to(dtype)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.startswith("layer_norm") and name.endswith("weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.5 * torch.randn_like(p))
+    return module
+
+
+def random_mask(batch, dims, dtype):
+    """A 0/1 mask with about a third masked; the first row and column stay unmasked, so every
+    attention row (along either axis) keeps at least one key."""
+    mask = (torch.rand(*batch, *dims) > 0.35).to(dtype)
+    mask[..., 0, :] = 1
+    mask[..., :, 0] = 1
+    return mask
+
+
+def double_reference(spec, module, inputs, mask):
+    """The float64 reference with the module's own weights."""
+    ref_module = spec.make(inf=module.inf).to(F64)
+    ref_module.load_state_dict({k: v.to(F64) for k, v in module.state_dict().items()})
+    if mask is None:
+        mask = torch.ones(*inputs[0].shape[:-3], *spec.mask_dims, dtype=F64)
+    with torch.no_grad():
+        return spec.reference(ref_module, *(t.to(F64) for t in inputs), mask.to(F64))
+
+
+# With every key masked, -1e9 + logit keeps the logit only in float64 (float32 averages uniformly).
+@pytest.mark.parametrize("batch", [(), (2,), (2, 1)], ids=["batch()", "batch(2)", "batch(2,1)"])
+@pytest.mark.parametrize(
+    "dtype,mask_kind",
+    [(F64, "none"), (F64, "random"), (F64, "all_masked"), (torch.float32, "none"), (torch.float32, "random")],
+)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_matches_reference(name, dtype, mask_kind, batch, assert_close):
+    spec = SPECS[name]
+    module = randomized(spec, dtype)
+    inputs = spec.inputs(batch, dtype)
+    mask = {
+        "none": None,
+        "random": random_mask(batch, spec.mask_dims, dtype),
+        "all_masked": torch.zeros(*batch, *spec.mask_dims, dtype=dtype),
+    }[mask_kind]
+    out = module(*inputs, mask)
+    expected = double_reference(spec, module, inputs, mask)
+    assert out.shape == inputs[0].shape and out.dtype == dtype
+    assert expected.abs().max() > 0.1  # the comparison is not between zeros
+    # Logits of -1e9 keep only ~1e-7 of absolute precision even in float64.
+    assert_close(out, expected, torch.float32 if mask_kind == "all_masked" else dtype)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gradients_match_reference(name, assert_close):
+    spec = SPECS[name]
+    module = randomized(spec)
+    inputs = tuple(t.requires_grad_(True) for t in spec.inputs((2,), F64))
+    mask = random_mask((2,), spec.mask_dims, F64)
+    cotangent = torch.randn(inputs[0].shape, dtype=F64)
+    params = list(module.parameters())
+
+    grads = torch.autograd.grad((module(*inputs, mask) * cotangent).sum(), [*inputs, *params])
+    expected = torch.autograd.grad((spec.reference(module, *inputs, mask) * cotangent).sum(), [*inputs, *params])
+    names = [f"input{i}" for i in range(len(inputs))] + [n for n, _ in module.named_parameters()]
+    for n, got, want in zip(names, grads, expected):
+        assert want.abs().max() > 0, n
+        assert_close(got, want, msg=n)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_chunk_size_gives_the_same_result(name, chunk_size):
+    spec = SPECS[name]
+    module = randomized(spec)
+    inputs = spec.inputs((2,), F64)
+    mask = random_mask((2,), spec.mask_dims, F64)
+    full = module(*inputs, mask)
+    torch.testing.assert_close(module(*inputs, mask, chunk_size=chunk_size), full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [(0,), (2, 0)])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_empty_batch(name, batch):
+    spec = SPECS[name]
+    module = randomized(spec)
+    inputs = tuple(t.requires_grad_(True) for t in spec.inputs(batch, F64))
+    out = module(*inputs, torch.ones(*batch, *spec.mask_dims, dtype=F64))
+    assert out.shape == inputs[0].shape
+    out.sum().backward()
+    assert inputs[0].grad.shape == inputs[0].shape
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_mask_none_bool_and_float_agree(name):
+    spec = SPECS[name]
+    module = randomized(spec)
+    inputs = spec.inputs((2,), F64)
+    ones = torch.ones(2, *spec.mask_dims, dtype=F64)
+    torch.testing.assert_close(module(*inputs), module(*inputs, ones), rtol=0, atol=1e-12)
+    mask = random_mask((2,), spec.mask_dims, F64)
+    torch.testing.assert_close(module(*inputs, mask.bool()), module(*inputs, mask), rtol=0, atol=0)
+    assert not torch.allclose(module(*inputs, mask), module(*inputs))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_fresh_module_outputs_zero_update(name):
+    # linear_o starts at zero, so a fresh module leaves the residual stream unchanged.
+    spec = SPECS[name]
+    module = spec.make()
+    out = module(*spec.inputs((2,), torch.float32))
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(module.linear_g.weight, torch.zeros_like(module.linear_g.weight))
+    assert torch.equal(module.linear_g.bias, torch.ones_like(module.linear_g.bias))
+    assert module.linear_q.bias is None and module.linear_k.bias is None and module.linear_v.bias is None
+
+
+PARAMETER_NAMES = {
+    "msa_row": ["layer_norm_m", "layer_norm_z", "linear_z", "linear_q", "linear_k", "linear_v", "linear_g", "linear_o"],
+    "msa_column": ["layer_norm_m", "linear_q", "linear_k", "linear_v", "linear_g", "linear_o"],
+    "triangle_start": ["layer_norm_z", "linear_z", "linear_q", "linear_k", "linear_v", "linear_g", "linear_o"],
+    "triangle_end": ["layer_norm_z", "linear_z", "linear_q", "linear_k", "linear_v", "linear_g", "linear_o"],
+    "msa_column_global": ["layer_norm_m", "linear_q", "linear_k", "linear_v", "linear_g", "linear_o"],
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_parameter_names_and_shapes(name):
+    module = SPECS[name].make()
+    assert sorted(n for n, _ in module.named_children()) == sorted(PARAMETER_NAMES[name])
+    hidden = HEADS * C_HIDDEN
+    c_in = C_Z if name.startswith("triangle") else C_M
+    kv = C_HIDDEN if name == "msa_column_global" else hidden
+    assert module.linear_q.weight.shape == (hidden, c_in)
+    assert module.linear_k.weight.shape == (kv, c_in) and module.linear_v.weight.shape == (kv, c_in)
+    assert module.linear_g.weight.shape == (hidden, c_in)
+    assert module.linear_o.weight.shape == (c_in, hidden)
+    if hasattr(module, "linear_z"):
+        assert module.linear_z.weight.shape == (HEADS, C_Z) and module.linear_z.bias is None
+
+
+# ---------------------------------------------------------------- backends
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_backend_argument_reaches_the_op(name, recording_backends):
+    calls, _ = recording_backends
+    spec = SPECS[name]
+    inputs = spec.inputs((2,), torch.float32)
+    spec.make(backend="spy_a")(*inputs)
+    with ops.backend("spy_b"):
+        spec.make()(*inputs)  # None follows the global default
+        spec.make(backend="spy_a")(*inputs, chunk_size=2)
+    expected = [] if name == "msa_column_global" else ["spy_a", "spy_b", "spy_a"]
+    assert calls == expected
+
+
+@pytest.mark.parametrize("name", OP_SPECS)
+def test_chunk_size_validated_by_the_op(name):
+    spec = SPECS[name]
+    with pytest.raises(ValueError, match="`chunk_size`"):
+        spec.make()(*spec.inputs((), torch.float32), chunk_size=0)
+
+
+def test_global_attention_validates_chunk_size():
+    spec = SPECS["msa_column_global"]
+    with pytest.raises(ValueError, match="`chunk_size`"):
+        spec.make()(*spec.inputs((), torch.float32), chunk_size=0)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "make,argument",
+    [
+        (lambda: MSARowAttentionWithPairBias(0, C_Z, C_HIDDEN, HEADS), "c_m"),
+        (lambda: MSARowAttentionWithPairBias(C_M, 2.0, C_HIDDEN, HEADS), "c_z"),
+        (lambda: MSAColumnAttention(C_M, -1, HEADS), "c_hidden"),
+        (lambda: TriangleAttentionStartingNode(C_Z, C_HIDDEN, True), "no_heads"),
+        (lambda: TriangleAttentionEndingNode(C_Z, C_HIDDEN, HEADS, inf=-1.0), "inf"),
+        (lambda: MSAColumnAttention(C_M, C_HIDDEN, HEADS, inf=math.inf), "inf"),
+        (lambda: MSAColumnGlobalAttention(C_M, C_HIDDEN, HEADS, eps=-1e-3), "eps"),
+        (lambda: MSAColumnGlobalAttention(C_M, C_HIDDEN, HEADS, backend="nope"), "backend"),
+        (lambda: MSARowAttentionWithPairBias(C_M, C_Z, C_HIDDEN, HEADS, backend="nope"), "backend"),
+    ],
+)
+def test_constructor_validation(make, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        make()
+
+
+def _bad_calls():
+    m = torch.randn(2, N_SEQ, N_RES, C_M)
+    z = torch.randn(2, N_RES, N_RES, C_Z)
+    row, col = SPECS["msa_row"].make(), SPECS["msa_column"].make()
+    tri, glob = SPECS["triangle_end"].make(), SPECS["msa_column_global"].make()
+    return {
+        "row: m wrong c_m": (lambda: row(m[..., :4], z), "m"),
+        "row: m rank 2": (lambda: row(m[0, 0], z), "m"),
+        "row: m int": (lambda: row(m.long(), z), "m"),
+        "row: z wrong c_z": (lambda: row(m, z[..., :3]), "z"),
+        "row: z wrong N_res": (lambda: row(m, z[:, :4, :4]), "z"),
+        "row: z other batch": (lambda: row(m, z[:1]), "z"),
+        "row: z extra batch dim": (lambda: row(m, z[None]), "z"),
+        "row: mask transposed": (lambda: row(m, z, torch.ones(2, N_RES, N_SEQ)), "mask"),
+        "row: mask not a tensor": (lambda: row(m, z, 1.0), "mask"),
+        "column: m wrong c_m": (lambda: col(m[..., :5]), "m"),
+        "column: mask without batch": (lambda: col(m, torch.ones(N_SEQ, N_RES)), "mask"),
+        "triangle: z not square": (lambda: tri(z[:, :4]), "z"),
+        "triangle: z is m": (lambda: tri(m), "z"),
+        "triangle: mask wrong shape": (lambda: tri(z, torch.ones(2, N_RES, N_RES - 1)), "mask"),
+        "global: m list": (lambda: glob(m.tolist()), "m"),
+        "global: mask wrong shape": (lambda: glob(m, torch.ones(2, N_SEQ)), "mask"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_forward_validation(case):
+    call, argument = _bad_calls()[case]
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        call()
+
+
+# ---------------------------------------------------------------- half precision, torch.compile
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_half_precision_masks_stay_finite(name, dtype):
+    # 1e9 does not fit in float16: the mask bias is built in float32, never as inf * 0 = nan.
+    spec = SPECS[name]
+    module = randomized(spec, torch.float32)
+    inputs = spec.inputs((2,), torch.float32)
+    mask = random_mask((2,), spec.mask_dims, torch.float32)
+    mask[0] = 0  # also rows with every key masked
+    expected = module(*inputs, mask)
+    out = module.to(dtype)(*(t.to(dtype) for t in inputs), mask.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    # Loose: errors of 8-11 mantissa bits through LayerNorm, five projections and the softmax.
+    assert (out.float() - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_mask_to_bias():
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    for dtype, want in [(torch.float64, torch.float64), (torch.float32, torch.float32), (torch.float16, torch.float32)]:
+        bias = mask_to_bias(mask.to(dtype), 1e9, dtype)
+        assert bias.dtype == want
+        assert torch.equal(bias, torch.tensor([[0.0, -1e9, 0.0]], dtype=want))
+    assert torch.equal(mask_to_bias(mask.bool(), 5.0, torch.float32), torch.tensor([[0.0, -5.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "compile_backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
+def test_torch_compile_fullgraph_msa_row(compile_backend):
+    spec = SPECS["msa_row"]
+    module = randomized(spec, torch.float32, backend="eager")
+    compiled = torch.compile(module, fullgraph=True, backend=compile_backend)
+    m, z = (t.requires_grad_(True) for t in spec.inputs((2,), torch.float32))
+    mask = random_mask((2,), spec.mask_dims, torch.float32)
+    out = compiled(m, z, mask)
+    expected = module(m, z, mask)
+    torch.testing.assert_close(out, expected)
+    if compile_backend == "aot_eager":
+        grads = torch.autograd.grad(out.sum(), (m, z))
+        expected_grads = torch.autograd.grad(expected.sum(), (m, z))
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- Linear initializers
+
+
+def test_linear_init_schemes():
+    fan_in, fan_out = 400, 300
+    std = lambda init: Linear(fan_in, fan_out, init=init).weight.std().item()  # noqa: E731
+    # LeCun / He: truncated normal whose std after truncation is sqrt(scale / fan_in).
+    assert std("default") == pytest.approx(math.sqrt(1 / fan_in), rel=0.03)
+    assert std("relu") == pytest.approx(math.sqrt(2 / fan_in), rel=0.03)
+    w = Linear(fan_in, fan_out, init="default").weight
+    untruncated = math.sqrt(1 / fan_in) / 0.87962566103423978  # std of N(0, 1) truncated to [-2, 2]
+    assert w.abs().max() <= 2 * untruncated + 1e-7 and w.abs().max() > 1.8 * untruncated
+    # Glorot uniform: U(-a, a) with a = sqrt(6 / (fan_in + fan_out)).
+    bound = math.sqrt(6 / (fan_in + fan_out))
+    w = Linear(fan_in, fan_out, init="glorot").weight
+    assert w.abs().max() <= bound and w.abs().max() > 0.99 * bound
+    assert std("glorot") == pytest.approx(bound / math.sqrt(3), rel=0.03)
+    assert std("normal") == pytest.approx(math.sqrt(1 / fan_in), rel=0.03)
+    for init in ("default", "relu", "glorot", "normal", "final"):
+        layer = Linear(fan_in, fan_out, init=init)
+        assert torch.equal(layer.bias, torch.zeros(fan_out)), init
+    gating = Linear(fan_in, fan_out, init="gating")
+    assert torch.equal(gating.weight, torch.zeros(fan_out, fan_in)) and torch.equal(gating.bias, torch.ones(fan_out))
+    final = Linear(fan_in, fan_out, init="final")
+    assert torch.equal(final.weight, torch.zeros(fan_out, fan_in))
+    assert Linear(3, 2, bias=False, init="gating").bias is None
+    assert Linear(3, 2, dtype=F64).weight.dtype == F64
+
+
+def test_linear_rejects_unknown_init():
+    with pytest.raises(ValueError, match="`init`"):
+        Linear(3, 2, init="lecun")
