@@ -5,6 +5,7 @@ kernel, float16/bfloat16 on compute capability >= 8.0) and ``"auto"`` (cutlass w
 else eager). See :func:`evoformer_attention`.
 """
 
+from . import cutlass as _cutlass  # noqa: F401  (registers the cutlass backend)
 from . import eager as _eager  # noqa: F401  (registers the eager backend)
 from ._dispatch import Backend, Capabilities, backend, backend_names, get_backend, get_default_backend, set_backend
 from ._inputs import AttentionInputs, validate

@@ -37,6 +37,11 @@ class Capabilities:
     deterministic: bool = True
 
 
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 class Backend:
     """Base class of the attention backends."""
 
@@ -58,7 +63,7 @@ class Backend:
         if caps.max_head_dim is not None and d > caps.max_head_dim:
             reasons.append(f"head dim D={d} exceeds the maximum {caps.max_head_dim}")
         if caps.min_compute_capability is not None and inputs.device.type == "cuda":
-            cc = torch.cuda.get_device_capability(inputs.device)
+            cc = _capability(inputs.device.index or 0)
             if cc < caps.min_compute_capability:
                 want = "%d.%d" % caps.min_compute_capability
                 reasons.append(f"compute capability {cc[0]}.{cc[1]} is below {want}")

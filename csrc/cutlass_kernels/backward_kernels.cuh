@@ -1,0 +1,525 @@
+// Backward kernels. Probabilities are recomputed from q, k, the biases and the forward's LSE:
+//   P = exp2(x - lse), x = log2(e) * (scale * q.k + mask_bias + pair_bias), formed as in the forward
+//   from a score accumulator that starts at the biases divided by the scale
+//   dV = P^T.dO    dP = dO.V^T    dS = P * (dP - delta), delta = rowsum(dO * O)
+//   dQ = scale * dS.K    dK = scale * dS^T.Q    d(pair_bias) = sum_n dS    d(mask_bias) = sum_{h,i} dS
+// Nothing is accumulated with atomics, so every gradient is bitwise reproducible:
+//  - dK/dV kernel: CTA = (b * N + n, key block, h), loops over query blocks. It computes S^T = K.Q^T
+//    so that P^T and dS^T are A operands in registers for dV += P^T.dO and dK += dS^T.Q; the row
+//    sums of dS^T are the mask-bias gradient of (b, n, h) per key.
+//  - dQ kernel: CTA = (b * n_chunks + chunk, query block, h), loops over the chunk's rows n and the
+//    key blocks; dQ accumulates in registers; the chunk's pair-bias gradient for its query rows is
+//    read-modify-written in an fp32 slab that no other CTA touches.
+#pragma once
+
+#include "kernel_utils.cuh"
+
+namespace evoformer {
+
+template <typename Element_, int kHeadDim_, int kPair_>
+struct BackwardConfig {
+  using Element = Element_;
+  using PairT = typename PairType<kPair_, Element_>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kPair = kPair_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kPitch = kHeadDim + 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kTileBytes16 = kPitch * sizeof(Element);  // one row of a q/k/v tile
+
+  // dK/dV kernel: 16 keys per warp, query steps of kBlockQ.
+  static constexpr int kBlockKV = kWarps * 16;
+  static constexpr int kBlockQ = kHeadDim <= 64 ? 64 : 32;
+  static constexpr int kQTiles = kBlockQ / 8;
+  static constexpr bool kKVInRegs = kHeadDim <= 64;  // keep K and V A-fragments in registers
+  static constexpr int kPairPitchT = kBlockKV + 8;     // pair tile [kBlockQ queries][kBlockKV keys]
+  static constexpr int kDkdvStageBytes =
+      2 * kBlockQ * kTileBytes16 + (kPair ? kBlockQ * kPairPitchT * int(sizeof(PairT)) : 0) + 2 * kBlockQ * 4;
+  static constexpr int kDkdvSmemBytes = 2 * kBlockKV * kTileBytes16 + 2 * kDkdvStageBytes;
+
+  // dQ kernel: 16 queries per warp, key steps of kBlockK.
+  static constexpr int kBlockQ2 = kWarps * 16;
+  static constexpr int kBlockK = 64;
+  static constexpr int kNTiles = kBlockK / 8;
+  static constexpr bool kQInRegs = kHeadDim <= 64;  // keep Q and dO A-fragments in registers
+  static constexpr int kPairPitch = kBlockK + 8;
+  static constexpr int kDqStageBytes =
+      2 * kBlockK * kTileBytes16 + (kPair ? kBlockQ2 * kPairPitch * int(sizeof(PairT)) : 0) + kBlockK * 4;
+  static constexpr int kDqSmemBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kDqStageBytes;
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const AttentionParams p) {
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kPitch = Cfg::kPitch, kBlockKV = Cfg::kBlockKV, kBlockQ = Cfg::kBlockQ;
+  constexpr int kQTiles = Cfg::kQTiles, kDTiles = Cfg::kDTiles, kKSteps = Cfg::kKSteps;
+  constexpr int kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitchT;
+
+  extern __shared__ __align__(16) char smem[];
+  Element* sK = reinterpret_cast<Element*>(smem);  // [kBlockKV][kPitch]
+  Element* sV = sK + kBlockKV * kPitch;             // [kBlockKV][kPitch]
+  char* stages = smem + 2 * kBlockKV * Cfg::kTileBytes16;
+  // stage s: Q [kBlockQ][kPitch], dO [kBlockQ][kPitch], pair [kBlockQ][kPairPitch], lse [kBlockQ], delta [kBlockQ]
+  auto stage_q = [&](int s) { return reinterpret_cast<Element*>(stages + s * Cfg::kDkdvStageBytes); };
+  auto stage_do = [&](int s) { return stage_q(s) + kBlockQ * kPitch; };
+  auto stage_pair = [&](int s) { return reinterpret_cast<PairT*>(stage_do(s) + kBlockQ * kPitch); };
+  auto stage_lse = [&](int s) {
+    return reinterpret_cast<float*>(stages + (s + 1) * Cfg::kDkdvStageBytes - 2 * kBlockQ * 4);
+  };
+  auto stage_delta = [&](int s) { return stage_lse(s) + kBlockQ; };
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t b = blockIdx.x / p.N, n = blockIdx.x % p.N, h = blockIdx.z;
+  const int j0 = blockIdx.y * kBlockKV;
+  const int rows_k = min(kBlockKV, p.Lk - j0);
+  const int64_t bnh = (b * p.N + n) * p.H + h;
+
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h;  // [Lq, D]
+  const Element* dout =
+      static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n + h * p.do_stride_h;  // [Lq, D]
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h +
+                     int64_t(j0) * p.k_stride_l;  // [Lk, D] from key j0
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h +
+                     int64_t(j0) * p.v_stride_l;
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from key j0
+  if constexpr (Cfg::kPair != kNoPair)
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + j0;
+  const float* lse = p.lse + bnh * p.Lq;      // [Lq]
+  const float* delta = p.delta + bnh * p.Lq;  // [Lq]
+
+  // Mask bias / scale of this thread's two keys; keys past Lk are -inf.
+  float mask_key[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = j0 + warp * 16 + g + 8 * r;
+    mask_key[r] =
+        key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
+  }
+
+  auto load_stage = [&](int s, int i0) {
+    const int rows = min(kBlockQ, p.Lq - i0);
+    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(stage_q(s), q + int64_t(i0) * p.q_stride_l,
+                                                                       p.q_stride_l, rows, p.D, tid);
+    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(
+        stage_do(s), dout + int64_t(i0) * p.do_stride_l, p.do_stride_l, rows, p.D, tid);
+    if constexpr (Cfg::kPair != kNoPair)
+      load_tile_async<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads>(
+          stage_pair(s), pair + int64_t(i0) * p.pair_stride_q, p.pair_stride_q, rows, p.Lk - j0, tid);
+    for (int c = tid; c < kBlockQ; c += kThreads) {  // padding queries: lse = +inf makes P = 0
+      stage_lse(s)[c] = c < rows ? lse[i0 + c] : kInf;
+      stage_delta(s)[c] = c < rows ? delta[i0 + c] : 0.f;
+    }
+  };
+
+  load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sK, k, p.k_stride_l, rows_k, p.D, tid);
+  load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sV, v, p.v_stride_l, rows_k, p.D, tid);
+  load_stage(0, 0);
+  cp_async_commit();
+
+  float dk[kDTiles][4], dv[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = 0.f, dv[dt][e] = 0.f;
+  float dmask_acc[2] = {0.f, 0.f};
+  uint32_t kf[1][kKSteps][4], vf[1][kKSteps][4];  // used when Cfg::kKVInRegs
+  auto kv_frag = [&](uint32_t(&a)[1][1][4], const Element* tile, int kk) {
+    load_a_frags<1, 1, kPitch>(a, tile + kk * 16, warp * 16, lane);
+  };
+
+  const int n_blocks = (p.Lq + kBlockQ - 1) / kBlockQ;
+  for (int ib = 0; ib < n_blocks; ++ib) {
+    const int s = ib & 1;
+    if (ib + 1 < n_blocks) load_stage(s ^ 1, (ib + 1) * kBlockQ);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if constexpr (Cfg::kKVInRegs) {
+      if (ib == 0) {
+        load_a_frags<1, kKSteps, kPitch>(kf, sK, warp * 16, lane);
+        load_a_frags<1, kKSteps, kPitch>(vf, sV, warp * 16, lane);
+      }
+    }
+    const Element* sQ = stage_q(s);
+    const Element* sdO = stage_do(s);
+    const PairT* sPair = stage_pair(s);
+    const float* sLse = stage_lse(s);
+    const float* sDelta = stage_delta(s);
+
+    // S^T = (mask + pair)^T / scale + K . Q^T  [16 keys of this warp, kBlockQ queries]
+    float st[kQTiles][4];
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const int col = qt * 8 + 2 * t;  // query within the block
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float bx = mask_key[r], by = mask_key[r];
+        if constexpr (Cfg::kPair != kNoPair) {
+          const int key = warp * 16 + g + 8 * r;
+          bx = fmaf(to_float(sPair[col * kPairPitch + key]), p.inv_scale, bx);
+          by = fmaf(to_float(sPair[(col + 1) * kPairPitch + key]), p.inv_scale, by);
+        }
+        st[qt][2 * r] = bx;
+        st[qt][2 * r + 1] = by;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t a_tmp[1][1][4];
+      if constexpr (!Cfg::kKVInRegs) kv_frag(a_tmp, sK, kk);
+      const uint32_t(&a)[4] = Cfg::kKVInRegs ? kf[0][kk] : a_tmp[0][0];
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; qt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_nmajor<kPitch>(bf, sQ, qt * 8, kk * 16, lane);
+        mma<Element>(st[qt], a, bf[0][0], bf[0][1]);
+        mma<Element>(st[qt + 1], a, bf[1][0], bf[1][1]);
+      }
+    }
+
+    // P^T = exp2(S^T * scale_log2 - lse)
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 l2 = *reinterpret_cast<const float2*>(sLse + qt * 8 + 2 * t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        st[qt][2 * r] = fast_exp2(fmaf(st[qt][2 * r], p.scale_log2, -l2.x));
+        st[qt][2 * r + 1] = fast_exp2(fmaf(st[qt][2 * r + 1], p.scale_log2, -l2.y));
+      }
+    }
+
+    // dV += P^T . dO
+#pragma unroll
+    for (int kc = 0; kc < kBlockQ / 16; ++kc) {
+      uint32_t a[4];
+      c_to_a_frag<Element>(a, st, kc);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; dt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_kmajor<kPitch>(bf, sdO, kc * 16, dt * 8, lane);
+        mma<Element>(dv[dt], a, bf[0][0], bf[0][1]);
+        mma<Element>(dv[dt + 1], a, bf[1][0], bf[1][1]);
+      }
+    }
+
+    // dP^T = V . dO^T
+    float dpt[kQTiles][4];
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[qt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t a_tmp[1][1][4];
+      if constexpr (!Cfg::kKVInRegs) kv_frag(a_tmp, sV, kk);
+      const uint32_t(&a)[4] = Cfg::kKVInRegs ? vf[0][kk] : a_tmp[0][0];
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; qt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_nmajor<kPitch>(bf, sdO, qt * 8, kk * 16, lane);
+        mma<Element>(dpt[qt], a, bf[0][0], bf[0][1]);
+        mma<Element>(dpt[qt + 1], a, bf[1][0], bf[1][1]);
+      }
+    }
+
+    // dS^T = P^T * (dP^T - delta); its row sums are the mask-bias gradient.
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 dl = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        dpt[qt][2 * r] = st[qt][2 * r] * (dpt[qt][2 * r] - dl.x);
+        dpt[qt][2 * r + 1] = st[qt][2 * r + 1] * (dpt[qt][2 * r + 1] - dl.y);
+        dmask_acc[r] += dpt[qt][2 * r] + dpt[qt][2 * r + 1];
+      }
+    }
+
+    // dK += dS^T . Q
+#pragma unroll
+    for (int kc = 0; kc < kBlockQ / 16; ++kc) {
+      uint32_t a[4];
+      c_to_a_frag<Element>(a, dpt, kc);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; dt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_kmajor<kPitch>(bf, sQ, kc * 16, dt * 8, lane);
+        mma<Element>(dk[dt], a, bf[0][0], bf[0][1]);
+        mma<Element>(dk[dt + 1], a, bf[1][0], bf[1][1]);
+      }
+    }
+    __syncthreads();  // the next iteration's copies overwrite this stage
+  }
+
+  // Epilogue: dK * scale, dV, and the per-key mask-bias gradient of (b, n, h).
+  const int64_t row_stride = int64_t(p.H) * p.D;
+  Element* dk_out = static_cast<Element*>(p.dk) + (b * p.N + n) * p.Lk * row_stride + h * p.D;  // [Lk, D]
+  Element* dv_out = static_cast<Element*>(p.dv) + (b * p.N + n) * p.Lk * row_stride + h * p.D;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float dm = quad_sum(dmask_acc[r]);
+    const int key = j0 + warp * 16 + g + 8 * r;
+    if (key < p.Lk) {
+      if (p.dmask != nullptr && t == 0) p.dmask[bnh * p.Lk + key] = dm;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int d = dt * 8 + 2 * t;
+        if (d < p.D) {
+          *reinterpret_cast<uint32_t*>(dk_out + key * row_stride + d) =
+              pack2<Element>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(dv_out + key * row_stride + d) = pack2<Element>(dv[dt][2 * r], dv[dt][2 * r + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) backward_dq_kernel(const AttentionParams p) {
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;
+  constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kKSteps = Cfg::kKSteps;
+  constexpr int kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitch;
+
+  extern __shared__ __align__(16) char smem[];
+  Element* sQ = reinterpret_cast<Element*>(smem);  // [kBlockQ][kPitch]
+  Element* sdO = sQ + kBlockQ * kPitch;             // [kBlockQ][kPitch]
+  char* stages = smem + 2 * kBlockQ * Cfg::kTileBytes16;
+  // stage s: K [kBlockK][kPitch], V [kBlockK][kPitch], pair [kBlockQ][kPairPitch], mask [kBlockK]
+  auto stage_k = [&](int s) { return reinterpret_cast<Element*>(stages + s * Cfg::kDqStageBytes); };
+  auto stage_v = [&](int s) { return stage_k(s) + kBlockK * kPitch; };
+  auto stage_pair = [&](int s) { return reinterpret_cast<PairT*>(stage_v(s) + kBlockK * kPitch); };
+  auto stage_mask = [&](int s) {
+    return reinterpret_cast<float*>(stages + (s + 1) * Cfg::kDqStageBytes - kBlockK * 4);
+  };
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t b = blockIdx.x / p.n_chunks, chunk = blockIdx.x % p.n_chunks, h = blockIdx.z;
+  const int n_begin = int(chunk) * p.n_chunk_size;
+  const int n_end = min(p.N, n_begin + p.n_chunk_size);
+  const int m0 = blockIdx.y * kBlockQ;
+  const int rows_q = min(kBlockQ, p.Lq - m0);
+  const int warp_row0 = warp * 16;
+
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from query m0
+  if constexpr (Cfg::kPair != kNoPair)
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
+  // This CTA's own rows of the chunk's pair-bias gradient: [Lq, Lk] fp32 of (chunk, b, h).
+  float* dpair = p.dpair ? p.dpair + ((chunk * p.B + b) * p.H + h) * int64_t(p.Lq) * p.Lk : nullptr;
+  const bool lk_even = (p.Lk % 2) == 0;
+
+  for (int n = n_begin; n < n_end; ++n) {
+    const int64_t bnh = (b * p.N + n) * p.H + h;
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
+                       int64_t(m0) * p.q_stride_l;  // [Lq, D] from query m0
+    const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
+                          h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
+    const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D]
+    const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;
+    const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
+
+    auto load_stage = [&](int s, int n0) {
+      const int rows_k = min(kBlockK, p.Lk - n0);
+      load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_k(s), k + int64_t(n0) * p.k_stride_l,
+                                                                         p.k_stride_l, rows_k, p.D, tid);
+      load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_v(s), v + int64_t(n0) * p.v_stride_l,
+                                                                         p.v_stride_l, rows_k, p.D, tid);
+      if constexpr (Cfg::kPair != kNoPair)
+        load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(stage_pair(s), pair + n0, p.pair_stride_q,
+                                                                       rows_q, p.Lk - n0, tid);
+      if (mask) load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(stage_mask(s), mask + n0, 0, 1, p.Lk - n0, tid);
+    };
+
+    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
+    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sdO, dout, p.do_stride_l, rows_q, p.D, tid);
+    load_stage(0, 0);
+    cp_async_commit();
+
+    float lse_row[2], delta_row[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + warp_row0 + g + 8 * r;
+      lse_row[r] = row < p.Lq ? p.lse[bnh * p.Lq + row] : kInf;
+      delta_row[r] = row < p.Lq ? p.delta[bnh * p.Lq + row] : 0.f;
+    }
+    float dq[kDTiles][4];
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+    uint32_t qf[1][kKSteps][4], dof[1][kKSteps][4];  // used when Cfg::kQInRegs
+
+    const int n_blocks = (p.Lk + kBlockK - 1) / kBlockK;
+    for (int jb = 0; jb < n_blocks; ++jb) {
+      const int s = jb & 1;
+      const int n0 = jb * kBlockK;
+      if (jb + 1 < n_blocks) load_stage(s ^ 1, n0 + kBlockK);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      if constexpr (Cfg::kQInRegs) {
+        if (jb == 0) {
+          load_a_frags<1, kKSteps, kPitch>(qf, sQ, warp_row0, lane);
+          load_a_frags<1, kKSteps, kPitch>(dof, sdO, warp_row0, lane);
+        }
+      }
+      const Element* sK = stage_k(s);
+      const Element* sV = stage_v(s);
+      const PairT* sPair = stage_pair(s);
+      const float* sMask = stage_mask(s);
+
+      // S = (mask + pair) / scale + Q . K^T and dP = dO . V^T  [16 queries of this warp, kBlockK keys]
+      float sc[1][kNTiles][4], dp[kNTiles][4];
+      init_scores<Cfg::kPair != kNoPair, 1, kNTiles, kPairPitch>(sc, mask ? sMask : nullptr, sPair, warp_row0,
+                                                                 p.Lk - n0, p.inv_scale, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[nt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        uint32_t qa[1][1][4], da[1][1][4];
+        if constexpr (!Cfg::kQInRegs) {
+          load_a_frags<1, 1, kPitch>(qa, sQ + kk * 16, warp_row0, lane);
+          load_a_frags<1, 1, kPitch>(da, sdO + kk * 16, warp_row0, lane);
+        }
+        const uint32_t(&aq)[4] = Cfg::kQInRegs ? qf[0][kk] : qa[0][0];
+        const uint32_t(&ado)[4] = Cfg::kQInRegs ? dof[0][kk] : da[0][0];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; nt += 2) {
+          uint32_t bk[2][2], bv[2][2];
+          load_b_frags_nmajor<kPitch>(bk, sK, nt * 8, kk * 16, lane);
+          load_b_frags_nmajor<kPitch>(bv, sV, nt * 8, kk * 16, lane);
+          mma<Element>(sc[0][nt], aq, bk[0][0], bk[0][1]);
+          mma<Element>(sc[0][nt + 1], aq, bk[1][0], bk[1][1]);
+          mma<Element>(dp[nt], ado, bv[0][0], bv[0][1]);
+          mma<Element>(dp[nt + 1], ado, bv[1][0], bv[1][1]);
+        }
+      }
+
+      // dS = P * (dP - delta), P = exp2(S * scale_log2 - lse)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dp[nt][e] = fast_exp2(fmaf(sc[0][nt][e], p.scale_log2, -lse_row[e / 2])) * (dp[nt][e] - delta_row[e / 2]);
+
+      // The chunk's pair-bias gradient: this thread owns these elements for every n of the chunk.
+      if (dpair != nullptr) {
+        const bool first = n == n_begin;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = m0 + warp_row0 + g + 8 * r;
+            const int col = n0 + nt * 8 + 2 * t;
+            if (row >= p.Lq || col >= p.Lk) continue;
+            float* ptr = dpair + int64_t(row) * p.Lk + col;
+            float2 val = make_float2(dp[nt][2 * r], dp[nt][2 * r + 1]);
+            if (lk_even) {  // col is even, so ptr is 8-byte aligned
+              if (!first) {
+                const float2 old = *reinterpret_cast<const float2*>(ptr);
+                val.x += old.x, val.y += old.y;
+              }
+              *reinterpret_cast<float2*>(ptr) = val;
+            } else {
+              ptr[0] = first ? val.x : ptr[0] + val.x;
+              if (col + 1 < p.Lk) ptr[1] = first ? val.y : ptr[1] + val.y;
+            }
+          }
+      }
+
+      // dQ += dS . K
+#pragma unroll
+      for (int kc = 0; kc < kBlockK / 16; ++kc) {
+        uint32_t a[4];
+        c_to_a_frag<Element>(a, dp, kc);
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; dt += 2) {
+          uint32_t bf[2][2];
+          load_b_frags_kmajor<kPitch>(bf, sK, kc * 16, dt * 8, lane);
+          mma<Element>(dq[dt], a, bf[0][0], bf[0][1]);
+          mma<Element>(dq[dt + 1], a, bf[1][0], bf[1][1]);
+        }
+      }
+      __syncthreads();  // the next iteration's copies overwrite this stage (and, after the last, sQ/sdO)
+    }
+
+    const int64_t row_stride = int64_t(p.H) * p.D;
+    Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + warp_row0 + g + 8 * r;
+      if (row < p.Lq) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int d = dt * 8 + 2 * t;
+          if (d < p.D)
+            *reinterpret_cast<uint32_t*>(dq_out + row * row_stride + d) =
+                pack2<Element>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
+        }
+      }
+    }
+  }
+}
+
+template <typename Element>
+__global__ void backward_delta_kernel(const AttentionParams p) {
+  // One thread per (b, n, i, h) row, h fastest: delta = sum_d dout * out in fp32.
+  const int64_t rows = int64_t(p.B) * p.N * p.Lq * p.H;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < rows; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = idx % p.H;
+    const int64_t i = (idx / p.H) % p.Lq;
+    const int64_t n = (idx / (int64_t(p.H) * p.Lq)) % p.N;
+    const int64_t b = idx / (int64_t(p.H) * p.Lq * p.N);
+    const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride_b + n * p.o_stride_n + i * p.o_stride_l +
+                       h * p.o_stride_h;
+    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
+                       i * p.do_stride_l + h * p.do_stride_h;
+    float acc = 0.f;
+    for (int c = 0; c < p.D; c += 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
+      const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 a = unpack2<Element>(ow[w]), e = unpack2<Element>(dw[w]);
+        acc = fmaf(a.x, e.x, fmaf(a.y, e.y, acc));
+      }
+    }
+    p.delta[((b * p.N + n) * p.H + h) * p.Lq + i] = acc;
+  }
+}
+
+template <typename Element, int kHeadDim, int kPair>
+void launch_backward(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
+  launch_backward_delta<Element>(p, stream);
+
+  auto dkdv = backward_dkdv_kernel<Cfg>;
+  if (cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDkdvSmemBytes) != cudaSuccess)
+    check_launch("evoformer backward dK/dV (shared-memory attribute)");
+  const dim3 grid_kv(unsigned(int64_t(p.B) * p.N), unsigned((p.Lk + Cfg::kBlockKV - 1) / Cfg::kBlockKV), unsigned(p.H));
+  dkdv<<<grid_kv, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream>>>(p);
+  check_launch("evoformer backward dK/dV");
+
+  auto dq = backward_dq_kernel<Cfg>;
+  if (cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDqSmemBytes) != cudaSuccess)
+    check_launch("evoformer backward dQ (shared-memory attribute)");
+  const dim3 grid_q(unsigned(int64_t(p.B) * p.n_chunks), unsigned((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2),
+                    unsigned(p.H));
+  dq<<<grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream>>>(p);
+  check_launch("evoformer backward dQ");
+}
+
+}  // namespace evoformer

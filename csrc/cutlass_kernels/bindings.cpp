@@ -1,0 +1,298 @@
+// TORCH_LIBRARY bindings of the fused Evoformer attention kernels: host-side checks, preparation of
+// the biases into the layouts the kernels read, dispatch to one instantiation, and the reductions
+// of the bias-gradient partials to the biases' broadcast shapes.
+//
+// Ops (namespace evoformer_blocks_cuda), CUDA only:
+//   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], lse [B,N,H,Lq] fp32)
+//   backward(dout, q, k, v, mask_bias?, pair_bias?, out, lse, scale, need_dmask, need_dpair)
+//       -> (dq, dk, dv, dmask_bias, dpair_bias); a bias gradient not asked for is an empty tensor.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <sstream>
+#include <tuple>
+
+#include <cutlass/numeric_types.h>
+
+#include "evoformer_attention.h"
+
+namespace evoformer {
+namespace {
+
+using Launcher = void (*)(const AttentionParams&, cudaStream_t);
+
+template <typename E, int D>
+Launcher forward_for(int pair) {
+  return pair == kNoPair ? &launch_forward<E, D, kNoPair>
+                         : pair == kPairInput ? &launch_forward<E, D, kPairInput> : &launch_forward<E, D, kPairFloat>;
+}
+template <typename E, int D>
+Launcher backward_for(int pair) {
+  return pair == kNoPair ? &launch_backward<E, D, kNoPair>
+                         : pair == kPairInput ? &launch_backward<E, D, kPairInput> : &launch_backward<E, D, kPairFloat>;
+}
+template <typename E>
+Launcher select_launcher(bool forward, int bucket, int pair) {
+  if (forward) return bucket == 32 ? forward_for<E, 32>(pair) : bucket == 64 ? forward_for<E, 64>(pair) : forward_for<E, 128>(pair);
+  return bucket == 32 ? backward_for<E, 32>(pair) : bucket == 64 ? backward_for<E, 64>(pair) : backward_for<E, 128>(pair);
+}
+
+Launcher launcher_for(bool forward, at::ScalarType dtype, int head_dim, int pair) {
+  int bucket = 0;
+  for (int b : kHeadDimBuckets)
+    if (bucket == 0 && head_dim <= b) bucket = b;
+  TORCH_CHECK(bucket != 0, "evoformer attention: head dim ", head_dim, " exceeds the largest bucket");
+  return dtype == at::kBFloat16 ? select_launcher<cutlass::bfloat16_t>(forward, bucket, pair)
+                                : select_launcher<cutlass::half_t>(forward, bucket, pair);
+}
+
+std::string describe(const char* name, const at::Tensor& t) {
+  std::ostringstream os;
+  os << name << ": shape=" << t.sizes() << " dtype=" << t.scalar_type() << " device=" << t.device()
+     << " stride=" << t.strides();
+  return os.str();
+}
+
+// Every tensor argument must be on one CUDA device.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+    TORCH_CHECK(t.is_cuda(), "evoformer attention: `", name, "` must be a CUDA tensor; ", describe(name, t));
+    TORCH_CHECK(t.dim() == 5, "evoformer attention: `", name, "` must be [B, N, L, H, D]; ", describe(name, t));
+    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+                "evoformer attention: `", name, "` must be float16 or bfloat16; ", describe(name, t));
+    TORCH_CHECK(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
+                "evoformer attention: q, k, v must share dtype and device; ", describe(name, t));
+  }
+  TORCH_CHECK(k.sizes() == v.sizes(), "evoformer attention: k and v must have one shape; ", describe("k", k), "; ",
+              describe("v", v));
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(4) == k.size(4),
+              "evoformer attention: k must be [B, N, Lk, H, D] with q's B, N, H, D; ", describe("q", q), "; ",
+              describe("k", k));
+  const int64_t d = q.size(4);
+  TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 128, "evoformer attention: head dim D must be a multiple of 8 in [8, 128]; ",
+              describe("q", q));
+  TORCH_CHECK(q.size(0) * q.size(1) < (int64_t(1) << 31) && q.size(2) < (int64_t(1) << 30) &&
+                  k.size(2) < (int64_t(1) << 30) && q.size(3) <= 65535,
+              "evoformer attention: B*N must be < 2^31, L < 2^30 and H <= 65535; ", describe("q", q));
+}
+
+// A stride the kernel can use: 0 for a size-1 dimension (never stepped over).
+int64_t kstride(const at::Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
+
+// q/k/v/out/dout as the kernels read them: D contiguous, every row 16-byte aligned. Copies only
+// when the given layout does not allow that.
+at::Tensor kernel_layout(const at::Tensor& t) {
+  bool ok = t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 4; ++d) ok = ok && kstride(t, d) % 8 == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+void set_qkv(AttentionParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_stride_b = kstride(q, 0), p.q_stride_n = kstride(q, 1), p.q_stride_l = kstride(q, 2), p.q_stride_h = kstride(q, 3);
+  p.k_stride_b = kstride(k, 0), p.k_stride_n = kstride(k, 1), p.k_stride_l = kstride(k, 2), p.k_stride_h = kstride(k, 3);
+  p.v_stride_b = kstride(v, 0), p.v_stride_n = kstride(v, 1), p.v_stride_l = kstride(v, 2), p.v_stride_h = kstride(v, 3);
+  p.B = int(q.size(0)), p.N = int(q.size(1)), p.Lq = int(q.size(2)), p.Lk = int(k.size(2));
+  p.H = int(q.size(3)), p.D = int(q.size(4));
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// mask_bias [B|1, N|1, 1, 1, Lk] -> float32 [B|1, N|1, Lk_pad] divided by scale (a small copy).
+at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mask_bias, const at::Tensor& q,
+                        double scale) {
+  p.mask_scaled = nullptr;
+  p.mask_stride_b = p.mask_stride_n = 0;
+  if (!mask_bias.has_value()) return at::Tensor();
+  const at::Tensor& m = *mask_bias;
+  TORCH_CHECK(m.device() == q.device() && m.is_floating_point(),
+              "evoformer attention: `mask_bias` must be a floating tensor on q's device; ", describe("mask_bias", m));
+  TORCH_CHECK(m.dim() == 5 && (m.size(0) == p.B || m.size(0) == 1) && (m.size(1) == p.N || m.size(1) == 1) &&
+                  m.size(2) == 1 && m.size(3) == 1 && m.size(4) == p.Lk,
+              "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
+              describe("q", q));
+  const int64_t bm = m.size(0), nm = m.size(1), lk_pad = round_up(p.Lk, 4);
+  at::Tensor prepared = at::zeros({bm, nm, lk_pad}, m.options().dtype(at::kFloat));
+  prepared.narrow(2, 0, p.Lk).copy_(m.reshape({bm, nm, p.Lk}));
+  prepared.mul_(1.0 / scale);
+  p.mask_scaled = prepared.data_ptr<float>();
+  p.mask_stride_b = bm == 1 ? 0 : nm * lk_pad;
+  p.mask_stride_n = nm == 1 ? 0 : lk_pad;
+  return prepared;
+}
+
+// pair_bias [B|1, 1, H|1, Lq, Lk] -> [B|1, H|1, Lq, Lk(_pad)] with keys contiguous and every row
+// 16-byte aligned and readable to a multiple of 16 bytes; copies (zero-padded) only when needed.
+// Returns the tensor the kernel reads and sets the pair kind.
+at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<at::Tensor>& pair_bias,
+                        const at::Tensor& q) {
+  p.pair = nullptr;
+  p.pair_stride_b = p.pair_stride_h = p.pair_stride_q = 0;
+  pair_kind = kNoPair;
+  if (!pair_bias.has_value()) return at::Tensor();
+  const at::Tensor& pb = *pair_bias;
+  TORCH_CHECK(pb.device() == q.device() && (pb.scalar_type() == q.scalar_type() || pb.scalar_type() == at::kFloat),
+              "evoformer attention: `pair_bias` must be on q's device with q's dtype or float32; ",
+              describe("pair_bias", pb), "; ", describe("q", q));
+  TORCH_CHECK(pb.dim() == 5 && (pb.size(0) == p.B || pb.size(0) == 1) && pb.size(1) == 1 &&
+                  (pb.size(2) == p.H || pb.size(2) == 1) && pb.size(3) == p.Lq && pb.size(4) == p.Lk,
+              "evoformer attention: `pair_bias` must be [B|1, 1, H|1, Lq, Lk]; ", describe("pair_bias", pb), "; ",
+              describe("q", q));
+  pair_kind = pb.scalar_type() == at::kFloat ? kPairFloat : kPairInput;
+  at::Tensor t = pb.select(1, 0);  // [B|1, H|1, Lq, Lk]
+  const int64_t per_chunk = 16 / t.element_size();
+  bool ok = t.stride(3) == 1 && p.Lk % per_chunk == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) ok = ok && kstride(t, d) % per_chunk == 0;
+  if (!ok) {
+    at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());
+    padded.narrow(3, 0, p.Lk).copy_(t);
+    t = padded;
+  }
+  p.pair = t.data_ptr();
+  p.pair_stride_b = kstride(t, 0);
+  p.pair_stride_h = kstride(t, 1);
+  p.pair_stride_q = t.stride(2);
+  return t;
+}
+
+// EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
+// element a kernel fails to write.
+bool poison_outputs() {
+  static const bool poison = [] {
+    const char* env = std::getenv("EVOFORMER_BLOCKS_POISON");
+    return env != nullptr && env[0] != '\0' && env[0] != '0';
+  }();
+  return poison;
+}
+void maybe_poison(at::Tensor& t) {
+  if (poison_outputs() && t.defined() && t.numel() > 0) t.fill_(std::nan(""));
+}
+
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                           const std::optional<at::Tensor>& mask_bias,
+                                           const std::optional<at::Tensor>& pair_bias, double scale) {
+  check_qkv(q_in, k_in, v_in);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
+  AttentionParams p{};
+  set_qkv(p, q, k, v);
+  p.scale = float(scale), p.inv_scale = float(1.0 / scale), p.scale_log2 = float(scale * M_LOG2E);
+  const at::Tensor mask = prepare_mask(p, mask_bias, q, scale);
+  int pair_kind = kNoPair;
+  const at::Tensor pair = prepare_pair(p, pair_kind, pair_bias, q);
+
+  at::Tensor out = at::empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
+  at::Tensor lse = at::empty({p.B, p.N, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  maybe_poison(out);
+  maybe_poison(lse);
+  p.out = out.data_ptr();
+  p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
+  p.o_stride_h = kstride(out, 3);
+  p.lse = lse.data_ptr<float>();
+  launcher_for(true, q.scalar_type(), p.D, pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
+// Rows n handled by one dQ CTA when the pair-bias gradient is wanted: enough chunks to fill the GPU
+// (about four CTAs per SM), each chunk costing a [B, H, Lq, Lk] fp32 slab, capped at 256 MiB in all.
+int choose_n_chunk_size(const AttentionParams& p, int block_q) {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t ctas_per_chunk = int64_t(p.B) * p.H * ((p.Lq + block_q - 1) / block_q);
+  int64_t chunks = (4 * int64_t(sms) + ctas_per_chunk - 1) / ctas_per_chunk;
+  const int64_t slab_bytes = int64_t(p.B) * p.H * p.Lq * p.Lk * 4;
+  const int64_t budget_chunks = std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(slab_bytes, 1));
+  chunks = std::max<int64_t>(1, std::min<int64_t>({chunks, budget_chunks, int64_t(p.N)}));
+  return int((p.N + chunks - 1) / chunks);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias, const at::Tensor& out_in,
+    const at::Tensor& lse_in, double scale, bool need_dmask, bool need_dpair) {
+  check_qkv(q_in, k_in, v_in);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && dout_in.scalar_type() == q_in.scalar_type() &&
+                  out_in.sizes() == q_in.sizes() && out_in.scalar_type() == q_in.scalar_type(),
+              "evoformer attention backward: `dout` and `out` must match q; ", describe("dout", dout_in), "; ",
+              describe("out", out_in), "; ", describe("q", q_in));
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 4 && lse_in.size(0) == q_in.size(0) &&
+                  lse_in.size(1) == q_in.size(1) && lse_in.size(2) == q_in.size(3) && lse_in.size(3) == q_in.size(2),
+              "evoformer attention backward: `lse` must be float32 [B, N, H, Lq]; ", describe("lse", lse_in));
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
+  const at::Tensor out = kernel_layout(out_in), dout = kernel_layout(dout_in), lse = lse_in.contiguous();
+  AttentionParams p{};
+  set_qkv(p, q, k, v);
+  p.scale = float(scale), p.inv_scale = float(1.0 / scale), p.scale_log2 = float(scale * M_LOG2E);
+  const at::Tensor mask = prepare_mask(p, mask_bias, q, scale);
+  int pair_kind = kNoPair;
+  const at::Tensor pair = prepare_pair(p, pair_kind, pair_bias, q);
+  need_dmask = need_dmask && mask.defined();
+  need_dpair = need_dpair && pair.defined();
+
+  p.out = out.data_ptr();
+  p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
+  p.o_stride_h = kstride(out, 3);
+  p.dout = dout.data_ptr();
+  p.do_stride_b = kstride(dout, 0), p.do_stride_n = kstride(dout, 1), p.do_stride_l = kstride(dout, 2);
+  p.do_stride_h = kstride(dout, 3);
+  p.lse = const_cast<float*>(lse.data_ptr<float>());
+
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
+  at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();
+  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64) : 1;
+  p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
+  at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();
+  for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
+  p.delta = delta.data_ptr<float>();
+  p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+  p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
+  p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
+  launcher_for(false, q.scalar_type(), p.D, pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+
+  // Reduce the partials to the biases' own (broadcast) shapes; fixed-order torch sums.
+  at::Tensor dmask = at::empty({0}, q.options()), dpair = at::empty({0}, q.options());
+  if (need_dmask) {
+    const at::Tensor& m = *mask_bias;
+    at::Tensor r = dmask_part.sum(2);  // [B, N, Lk]
+    if (m.size(0) == 1) r = r.sum(0, /*keepdim=*/true);
+    if (m.size(1) == 1) r = r.sum(1, /*keepdim=*/true);
+    dmask = r.view({m.size(0), m.size(1), 1, 1, p.Lk}).to(m.scalar_type());
+  }
+  if (need_dpair) {
+    const at::Tensor& pb = *pair_bias;
+    at::Tensor r = p.n_chunks == 1 ? dpair_part.select(0, 0) : dpair_part.sum(0);  // [B, H, Lq, Lk]
+    if (pb.size(0) == 1) r = r.sum(0, /*keepdim=*/true);
+    if (pb.size(2) == 1) r = r.sum(1, /*keepdim=*/true);
+    dpair = r.unsqueeze(1).to(pb.scalar_type());  // [B|1, 1, H|1, Lq, Lk]
+  }
+  return {dq, dk, dv, dmask, dpair};
+}
+
+}  // namespace
+}  // namespace evoformer
+
+TORCH_LIBRARY(evoformer_blocks_cuda, m) {
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, Tensor out, "
+      "Tensor lse, float scale, bool need_dmask, bool need_dpair) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
+  m.impl("forward", &evoformer::forward);
+  m.impl("backward", &evoformer::backward);
+}

@@ -1,0 +1,86 @@
+// Evoformer attention kernels: parameters and launcher declarations.
+//
+// Dimension legend: B batch, N rows sharing the pair bias, Lq / Lk query / key length, H heads,
+// D head dim. Every pointer below is laid out as its comment says; strides are in elements and the
+// last dimension of every tensor is contiguous. Host code (bindings.cpp) prepares the tensors so
+// that every row a kernel reads with 16-byte copies starts on a 16-byte boundary.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace evoformer {
+
+// Which pair bias a kernel instantiation reads.
+enum PairKind : int {
+  kNoPair = 0,    // no pair bias
+  kPairInput = 1, // pair bias in the dtype of q
+  kPairFloat = 2, // pair bias in float32
+};
+
+struct AttentionParams {
+  // ---- inputs --------------------------------------------------------------------------------
+  const void* q;  // [B, N, Lq, H, D]
+  const void* k;  // [B, N, Lk, H, D]
+  const void* v;  // [B, N, Lk, H, D]
+  int64_t q_stride_b, q_stride_n, q_stride_l, q_stride_h;
+  int64_t k_stride_b, k_stride_n, k_stride_l, k_stride_h;
+  int64_t v_stride_b, v_stride_n, v_stride_l, v_stride_h;
+
+  // Mask bias divided by `scale`, float32: [B|1, N|1, Lk_pad] (Lk_pad % 4 == 0); a stride of 0
+  // broadcasts. nullptr: no mask bias.
+  const float* mask_scaled;
+  int64_t mask_stride_b, mask_stride_n;
+
+  // Pair bias [B|1, H|1, Lq, Lk_pad] in the kernel's PairKind type; rows 16-byte aligned and
+  // readable up to a multiple of 16 bytes; a stride of 0 broadcasts. nullptr iff kNoPair.
+  const void* pair;
+  int64_t pair_stride_b, pair_stride_h, pair_stride_q;
+
+  // ---- forward outputs / backward inputs --------------------------------------------------
+  void* out;   // [B, N, Lq, H, D]
+  int64_t o_stride_b, o_stride_n, o_stride_l, o_stride_h;
+  float* lse;  // [B, N, H, Lq] contiguous, log2 domain: log2(sum_j exp2(x_ij)); +inf for empty rows
+
+  // ---- backward ----------------------------------------------------------------------------
+  const void* dout;  // [B, N, Lq, H, D]
+  int64_t do_stride_b, do_stride_n, do_stride_l, do_stride_h;
+  float* delta;      // [B, N, H, Lq] contiguous: rowsum(dout * out)
+  void* dq;          // [B, N, Lq, H, D] contiguous
+  void* dk;          // [B, N, Lk, H, D] contiguous
+  void* dv;          // [B, N, Lk, H, D] contiguous
+  float* dmask;      // [B, N, H, Lk] contiguous fp32 partial (sum over queries); nullptr: not wanted
+  float* dpair;      // [n_chunks, B, H, Lq, Lk] contiguous fp32 partial (sum over the chunk's rows n);
+                     // nullptr: not wanted
+  int n_chunk_size;  // rows n handled by one dQ CTA (N when no pair-bias gradient is wanted)
+  int n_chunks;      // ceil(N / n_chunk_size)
+
+  // ---- sizes ---------------------------------------------------------------------------------
+  int B, N, Lq, Lk, H, D;
+  float scale;       // multiplies q.k
+  float inv_scale;   // 1 / scale
+  float scale_log2;  // scale * log2(e)
+  // The kernels start each score accumulator at (mask + pair) / scale, add q.k with the tensor
+  // cores, and form x = log2(e) * logit with one multiply by scale_log2; keys past Lk start at -inf.
+};
+
+// One instantiation per (direction, element type, head-dim bucket, pair kind); the element type
+// is cutlass::half_t or cutlass::bfloat16_t. Each launcher checks its launch.
+template <typename Element, int kHeadDim, int kPair>
+void launch_forward(const AttentionParams& params, cudaStream_t stream);
+
+template <typename Element, int kHeadDim, int kPair>
+void launch_backward(const AttentionParams& params, cudaStream_t stream);
+
+// delta = rowsum(dout * out) in float32 (shared by every backward instantiation).
+template <typename Element>
+void launch_backward_delta(const AttentionParams& params, cudaStream_t stream);
+
+// Head-dim buckets with an instantiation; D is padded with zeros up to its bucket.
+constexpr int kHeadDimBuckets[] = {32, 64, 128};
+
+// Throws std::runtime_error naming the kernel when the last launch failed.
+void check_launch(const char* kernel_name);
+
+}  // namespace evoformer

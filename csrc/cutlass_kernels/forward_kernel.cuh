@@ -1,0 +1,219 @@
+// Forward kernel: o = softmax(scale * q.k^T + mask_bias + pair_bias) . v with an online softmax in
+// the log2 domain; writes o and the row log-sum-exp (log2 units). The score accumulator starts at
+// the biases divided by the scale (init_scores), so the biases cost one FFMA per element and the
+// softmax's exp2 argument is one FFMA: exp2(S * scale * log2(e) - max).
+//
+// CTA = (b * N + n, query block, h). Each of the 4 warps owns kMTiles * 16 query rows; K, V, the
+// pair-bias tile and the mask tile of the next key block are copied (cp.async) while the current
+// one is used. blockIdx.x runs over b * N + n fastest, so CTAs that read the same pair-bias tile
+// (same b, h and query block, different n) run side by side and share it through L2.
+#pragma once
+
+#include "kernel_utils.cuh"
+
+namespace evoformer {
+
+template <typename Element_, int kHeadDim_, int kPair_>
+struct ForwardConfig {
+  using Element = Element_;
+  using PairT = typename PairType<kPair_, Element_>::type;
+  static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
+  static constexpr int kPair = kPair_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMTiles = kHeadDim <= 32 ? 2 : 1;  // 16-row MMA tiles per warp
+  static constexpr int kBlockM = kWarps * kMTiles * 16;   // queries per CTA
+  static constexpr int kBlockN = 64;                      // keys per step
+  static constexpr int kNTiles = kBlockN / 8;             // n8 tiles of S per 16 rows
+  static constexpr int kDTiles = kHeadDim / 8;            // n8 tiles of O per 16 rows
+  static constexpr int kKSteps = kHeadDim / 16;           // k16 steps of q.k^T
+  static constexpr bool kQInRegs = kHeadDim <= 64;        // else Q fragments are re-read from smem
+  static constexpr int kPitch = kHeadDim + 8;             // +16 B per row: conflict-free ldmatrix
+  static constexpr int kPairPitch = kBlockN + 8;          // +16/32 B per row: conflict-free reads
+  static constexpr int kQBytes = kBlockM * kPitch * sizeof(Element);
+  static constexpr int kKVBytes = kBlockN * kPitch * sizeof(Element);  // K or V, one stage
+  static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;  // one stage
+  static constexpr int kMaskBytes = kBlockN * sizeof(float);                               // one stage
+  static constexpr int kSmemBytes = kQBytes + 2 * (2 * kKVBytes + kPairBytes + kMaskBytes);
+};
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) forward_kernel(const AttentionParams p) {
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kPitch = Cfg::kPitch;
+  constexpr int kMTiles = Cfg::kMTiles, kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles;
+  constexpr int kThreads = Cfg::kThreads;
+
+  extern __shared__ __align__(16) char smem[];
+  Element* sQ = reinterpret_cast<Element*>(smem);                                   // [kBlockM][kPitch]
+  Element* sK = reinterpret_cast<Element*>(smem + Cfg::kQBytes);                    // [2][kBlockN][kPitch]
+  Element* sV = reinterpret_cast<Element*>(smem + Cfg::kQBytes + 2 * Cfg::kKVBytes);  // [2][kBlockN][kPitch]
+  PairT* sPair = reinterpret_cast<PairT*>(smem + Cfg::kQBytes + 4 * Cfg::kKVBytes);   // [2][kBlockM][kPairPitch]
+  float* sMask = reinterpret_cast<float*>(smem + Cfg::kQBytes + 4 * Cfg::kKVBytes + 2 * Cfg::kPairBytes);  // [2][kBlockN]
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t b = blockIdx.x / p.N, n = blockIdx.x % p.N;
+  const int m0 = blockIdx.y * kBlockM;
+  const int64_t h = blockIdx.z;
+  const int rows_q = min(kBlockM, p.Lq - m0);
+  const int warp_row0 = warp * kMTiles * 16;
+
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
+                     int64_t(m0) * p.q_stride_l;                                                          // [Lq, D]
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D]
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;  // [Lk, D]
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h), from query m0
+  if constexpr (Cfg::kPair != kNoPair)
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
+  const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
+
+  auto load_stage = [&](int stage, int n0) {
+    const int rows_k = min(kBlockN, p.Lk - n0);
+    load_tile_async<Element, kBlockN, Cfg::kHeadDim, kPitch, kThreads>(sK + stage * kBlockN * kPitch,
+                                                                       k + int64_t(n0) * p.k_stride_l, p.k_stride_l,
+                                                                       rows_k, p.D, tid);
+    load_tile_async<Element, kBlockN, Cfg::kHeadDim, kPitch, kThreads>(sV + stage * kBlockN * kPitch,
+                                                                       v + int64_t(n0) * p.v_stride_l, p.v_stride_l,
+                                                                       rows_k, p.D, tid);
+    if constexpr (Cfg::kPair != kNoPair)
+      load_tile_async<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads>(
+          sPair + stage * kBlockM * Cfg::kPairPitch, pair + n0, p.pair_stride_q, rows_q, p.Lk - n0, tid);
+    if (mask) load_tile_async<float, 1, kBlockN, kBlockN, kThreads>(sMask + stage * kBlockN, mask + n0, 0, 1, p.Lk - n0, tid);
+  };
+
+  load_tile_async<Element, kBlockM, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
+  load_stage(0, 0);
+  cp_async_commit();
+
+  float o[kMTiles][kDTiles][4];
+  float row_max[kMTiles][2], row_sum[kMTiles][2];  // max in log2 units (x), partial row sums
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_max[mt][r] = -kInf, row_sum[mt][r] = 0.f;
+  }
+  uint32_t qf[kMTiles][Cfg::kKSteps][4];  // Q as A operand, loaded once (when Cfg::kQInRegs)
+
+  const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
+  for (int jb = 0; jb < n_blocks; ++jb) {
+    const int stage = jb & 1;
+    const int n0 = jb * kBlockN;
+    if (jb + 1 < n_blocks) load_stage(stage ^ 1, n0 + kBlockN);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if constexpr (Cfg::kQInRegs) {
+      if (jb == 0) load_a_frags<kMTiles, Cfg::kKSteps, kPitch>(qf, sQ, warp_row0, lane);
+    }
+    const Element* sKs = sK + stage * kBlockN * kPitch;
+    const Element* sVs = sV + stage * kBlockN * kPitch;
+    const PairT* sPairs = sPair + stage * kBlockM * Cfg::kPairPitch;
+    const float* sMasks = sMask + stage * kBlockN;
+
+    // S = (mask + pair) / scale + Q . K^T  [kMTiles * 16 rows, kBlockN keys] per warp
+    float s[kMTiles][kNTiles][4];
+    init_scores<Cfg::kPair != kNoPair, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs, warp_row0,
+                                                                          p.Lk - n0, p.inv_scale, lane);
+#pragma unroll
+    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
+      uint32_t q_tmp[kMTiles][1][4];
+      if constexpr (!Cfg::kQInRegs) load_a_frags<kMTiles, 1, kPitch>(q_tmp, sQ + kk * 16, warp_row0, lane);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; nt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_nmajor<kPitch>(bf, sKs, nt * 8, kk * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          const uint32_t(&a)[4] = Cfg::kQInRegs ? qf[mt][kk] : q_tmp[mt][0];
+          mma<Element>(s[mt][nt], a, bf[0][0], bf[0][1]);
+          mma<Element>(s[mt][nt + 1], a, bf[1][0], bf[1][1]);
+        }
+      }
+    }
+
+    // Online softmax in log2 units, x = S * scale_log2 (scale_log2 > 0, so max commutes with it);
+    // what was accumulated is rescaled by exp2(old max - new max).
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = -kInf;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = fmaxf(row_max[mt][r], quad_max(mx) * p.scale_log2);
+        const float m_use = mx == -kInf ? 0.f : mx;  // all keys so far -inf: exp2(-inf - 0) = 0
+        const float alpha = fast_exp2(row_max[mt][r] - m_use);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          s[mt][nt][2 * r] = fast_exp2(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_use));
+          s[mt][nt][2 * r + 1] = fast_exp2(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
+          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * r] *= alpha, o[mt][dt][2 * r + 1] *= alpha;
+      }
+
+    // O += P . V
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) c_to_a_frag<Element>(a[mt], s[mt], kc);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; dt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_kmajor<kPitch>(bf, sVs, kc * 16, dt * 8, lane);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma<Element>(o[mt][dt], a[mt], bf[0][0], bf[0][1]);
+          mma<Element>(o[mt][dt + 1], a[mt], bf[1][0], bf[1][1]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's copies overwrite this stage
+  }
+
+  // Epilogue: o / rowsum, lse = max + log2(rowsum) (+inf for rows with every key -inf).
+  Element* out = static_cast<Element*>(p.out) + b * p.o_stride_b + n * p.o_stride_n + h * p.o_stride_h;  // [Lq, D]
+  float* lse = p.lse + ((b * p.N + n) * p.H + h) * p.Lq;                                               // [Lq]
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_sum(row_sum[mt][r]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
+      if (row < p.Lq) {
+        Element* orow = out + int64_t(row) * p.o_stride_l;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int d = dt * 8 + 2 * t;
+          if (d < p.D)
+            *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+        }
+        if (t == 0) lse[row] = sum > 0.f ? row_max[mt][r] + __log2f(sum) : kInf;
+      }
+    }
+}
+
+template <typename Element, int kHeadDim, int kPair>
+void launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = ForwardConfig<Element, kHeadDim, kPair>;
+  auto kernel = forward_kernel<Cfg>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
+    check_launch("evoformer forward (shared-memory attribute)");
+  const dim3 grid(unsigned(int64_t(p.B) * p.N), unsigned((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM), unsigned(p.H));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  check_launch("evoformer forward");
+}
+
+}  // namespace evoformer

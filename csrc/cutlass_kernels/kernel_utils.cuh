@@ -1,0 +1,223 @@
+// Building blocks shared by the forward and backward kernels: CuTe's SM80 tensor-core MMA,
+// ldmatrix and cp.async atoms wrapped for the fragment layouts used here, conversions and exp2.
+//
+// Fragment layouts of mma.sync m16n8k16 (g = lane / 4, t = lane % 4):
+//   A (16x16, row-major)  a0: (g, 2t..2t+1)  a1: (g+8, 2t..)  a2: (g, 2t+8..)  a3: (g+8, 2t+8..)
+//   B (16x8, k x n)       b0: (k 2t..2t+1, n g)               b1: (k 2t+8.., n g)
+//   C (16x8, fp32)        c0,c1: (g, 2t..2t+1)                c2,c3: (g+8, 2t..2t+1)
+// Two C tiles side by side (16 columns) therefore hold exactly an A fragment's 16x16 values, which
+// is how probabilities move from one product to the next without leaving registers.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "evoformer_attention.h"
+
+namespace evoformer {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = __builtin_huge_valf();
+
+template <typename Element>
+struct MmaAtom;
+template <>
+struct MmaAtom<cutlass::bfloat16_t> {
+  using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN;
+};
+template <>
+struct MmaAtom<cutlass::half_t> {
+  using Op = cute::SM80_16x8x16_F32F16F16F32_TN;
+};
+
+// acc += a * b on one 16x8x16 tile, fp32 accumulation.
+template <typename Element>
+__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  MmaAtom<Element>::Op::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b0, b1, acc[0], acc[1],
+                            acc[2], acc[3]);
+}
+
+// Two floats -> two Elements in one register (first in the low half).
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    __half2 r = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+}
+
+// Two Elements in one register -> two floats.
+template <typename Element>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+}
+
+// Two consecutive values of a bias tile in shared memory, as floats.
+template <typename T>
+__device__ __forceinline__ float2 load_pair2(const T* ptr) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *reinterpret_cast<const float2*>(ptr);
+  } else {
+    return unpack2<T>(*reinterpret_cast<const uint32_t*>(ptr));
+  }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ldmatrix.x4: lane l addresses row (l % 8) of 8x8 matrix (l / 8); register r_i holds matrix i.
+__device__ __forceinline__ void ldsm_x4(const void* smem, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r0, r1, r2, r3);
+}
+// The same, each 8x8 matrix transposed.
+__device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                              uint32_t& r3) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r0, r1, r2, r3);
+}
+
+// 16-byte global -> shared copy; zero-fills the destination when !pred (src is then not read).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(gmem),
+                                                              *reinterpret_cast<cute::uint128_t*>(smem), pred);
+}
+__device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  cute::cp_async_wait<kPending>();
+}
+
+// Copies a [kRows, kCols] tile of 2- or 4-byte values (rows `row_stride` apart in global memory,
+// 16-byte aligned) into shared memory with row pitch `kPitch`. Rows >= valid_rows and 16-byte
+// chunks starting at or past valid_cols are zero-filled.
+template <typename T, int kRows, int kCols, int kPitch, int kThreads>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
+                                                int valid_cols, int tid) {
+  constexpr int kPerChunk = 16 / sizeof(T);
+  constexpr int kChunksPerRow = kCols / kPerChunk;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kCols % kPerChunk == 0, "tile width must be a whole number of 16-byte chunks");
+#pragma unroll
+  for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
+    const int c = tid + it * kThreads;
+    if (kChunks % kThreads == 0 || c < kChunks) {
+      const int r = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * kPerChunk;
+      const bool pred = r < valid_rows && col < valid_cols;
+      cp_async_16(smem + r * kPitch + col, pred ? gmem + r * row_stride + col : gmem, pred);
+    }
+  }
+}
+
+// Loads A fragments of a [16 * kMTiles, 16 * kKTiles] row-major tile in shared memory whose first
+// row is `row0` (pitch kPitch elements): frag[m][k] is the A operand of rows m*16.., cols k*16...
+template <int kMTiles, int kKTiles, int kPitch, typename Element>
+__device__ __forceinline__ void load_a_frags(uint32_t (&frag)[kMTiles][kKTiles][4], const Element* smem, int row0,
+                                             int lane) {
+  const int mat = lane / 8;
+  const int row = row0 + (mat % 2) * 8 + lane % 8;
+  const int col = (mat / 2) * 8;
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+    for (int k = 0; k < kKTiles; ++k)
+      ldsm_x4(smem + (row + m * 16) * kPitch + col + k * 16, frag[m][k][0], frag[m][k][1], frag[m][k][2],
+              frag[m][k][3]);
+}
+
+// B fragments from a tile stored with the n index along rows and k along columns ("n-major", e.g.
+// K[key][d] for S = Q.K^T): for 16 consecutive n starting at n0 and 16 k starting at k0, returns
+// {b0, b1} of the n8 tile at n0 and of the n8 tile at n0 + 8.
+template <int kPitch, typename Element>
+__device__ __forceinline__ void load_b_frags_nmajor(uint32_t (&b)[2][2], const Element* smem, int n0, int k0,
+                                                    int lane) {
+  const int mat = lane / 8;
+  const int row = n0 + (mat / 2) * 8 + lane % 8;
+  const int col = k0 + (mat % 2) * 8;
+  ldsm_x4(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+}
+
+// B fragments from a tile stored with the k index along rows and n along columns ("k-major", e.g.
+// V[key][d] for O = P.V): for 16 k starting at k0 and 16 n starting at n0, returns {b0, b1} of the
+// n8 tile at n0 and of the n8 tile at n0 + 8.
+template <int kPitch, typename Element>
+__device__ __forceinline__ void load_b_frags_kmajor(uint32_t (&b)[2][2], const Element* smem, int k0, int n0,
+                                                    int lane) {
+  const int mat = lane / 8;
+  const int row = k0 + (mat % 2) * 8 + lane % 8;
+  const int col = n0 + (mat / 2) * 8;
+  ldsm_x4_trans(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+}
+
+// A fragment for k-chunk `kc` (16 columns) built from fp32 C tiles 2kc and 2kc+1 of one m16 row
+// tile.
+template <typename Element, int kNTiles>
+__device__ __forceinline__ void c_to_a_frag(uint32_t (&a)[4], const float (&c)[kNTiles][4], int kc) {
+  a[0] = pack2<Element>(c[2 * kc][0], c[2 * kc][1]);
+  a[1] = pack2<Element>(c[2 * kc][2], c[2 * kc][3]);
+  a[2] = pack2<Element>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+  a[3] = pack2<Element>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Starts a warp's score tile at the biases divided by the scale, so that after S += q.k the logits
+// in log2 units are x = S * scale_log2. Rows are queries (row0 + mt*16 + g + 8r of the pair tile),
+// columns are the stage's keys; keys at or past `valid_keys` start at -inf.
+template <bool kHasPair, int kMTiles, int kNTiles, int kPairPitch, typename PairT>
+__device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], const float* mask_tile,
+                                            const PairT* pair_tile, int row0, int valid_keys, float inv_scale,
+                                            int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+    const int col = nt * 8 + 2 * t;
+    float2 cb = mask_tile ? *reinterpret_cast<const float2*>(mask_tile + col) : make_float2(0.f, 0.f);
+    if (col >= valid_keys) cb.x = -kInf;
+    if (col + 1 >= valid_keys) cb.y = -kInf;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float2 v = cb;
+        if constexpr (kHasPair) {
+          const float2 pb = load_pair2(pair_tile + (row0 + mt * 16 + g + 8 * r) * kPairPitch + col);
+          v.x = fmaf(pb.x, inv_scale, v.x);
+          v.y = fmaf(pb.y, inv_scale, v.y);
+        }
+        s[mt][nt][2 * r] = v.x;
+        s[mt][nt][2 * r + 1] = v.y;
+      }
+  }
+}
+
+template <int kPair, typename Element>
+struct PairType {
+  using type = std::conditional_t<kPair == kPairFloat, float, Element>;
+};
+
+}  // namespace evoformer

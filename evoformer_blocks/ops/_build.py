@@ -1,0 +1,199 @@
+"""JIT build of the CUDA kernels in csrc/cutlass_kernels with torch.utils.cpp_extension and ninja.
+
+- CUTLASS headers: ``$CUTLASS_PATH`` (its ``include/``) or the ``nvidia-cutlass`` wheel's
+  ``cutlass_library/source/include``, found without importing the package.
+- Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else the visible GPU's compute capability.
+- Cache: the extension name carries a hash of torch/CUDA versions, the architectures, the CUTLASS
+  version and every source and header, so a stale build is never reused; builds live in torch's
+  extension directory (``TORCH_EXTENSIONS_DIR``) and are shared across processes.
+- A file lock (fcntl, released if the process dies) makes parallel processes build once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import re
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cutlass_kernels"
+OP_NAMESPACE = "evoformer_blocks_cuda"
+
+CUDA_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-DNDEBUG",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+]
+CXX_FLAGS = ["-O3", "-std=c++17"]
+
+_loaded: Optional[str] = None  # name of the loaded extension
+_load_error: Optional[str] = None
+
+
+def cutlass_include_dir() -> Path:
+    """The directory that holds ``cutlass/cutlass.h`` and ``cute/``."""
+    env = os.environ.get("CUTLASS_PATH")
+    if env:
+        for candidate in (Path(env) / "include", Path(env)):
+            if (candidate / "cutlass" / "cutlass.h").is_file():
+                return candidate
+        raise FileNotFoundError(f"CUTLASS_PATH={env} holds no include/cutlass/cutlass.h")
+    spec = importlib.util.find_spec("cutlass_library")  # locates the wheel without importing it
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / "source" / "include"
+            if (candidate / "cutlass" / "cutlass.h").is_file():
+                return candidate
+    raise FileNotFoundError(
+        "CUTLASS headers not found: `pip install nvidia-cutlass` or set CUTLASS_PATH to a CUTLASS checkout"
+    )
+
+
+def cutlass_version(include_dir: Path) -> str:
+    text = (include_dir / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) if m else "?" for m in parts)
+
+
+def sources() -> list[Path]:
+    """bindings.cpp, common.cu and one .cu per instantiation."""
+    if not SOURCE_DIR.is_dir():
+        raise FileNotFoundError(f"kernel sources not found at {SOURCE_DIR} (install the package from its source tree)")
+    return [SOURCE_DIR / "bindings.cpp", SOURCE_DIR / "common.cu"] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
+
+
+def arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST if set, else the visible GPU's compute capability (e.g. "9.0")."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if env:
+        return env
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible and TORCH_CUDA_ARCH_LIST is not set")
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"
+
+
+def build_key(arch: str, include_dir: Path) -> str:
+    h = hashlib.sha256()
+    for item in (torch.__version__, str(torch.version.cuda), arch, cutlass_version(include_dir), str(include_dir),
+                 " ".join(CUDA_FLAGS), " ".join(CXX_FLAGS), sys.version.split()[0]):
+        h.update(item.encode() + b"\0")
+    for path in sorted(SOURCE_DIR.rglob("*")):
+        if path.suffix in (".cpp", ".cu", ".cuh", ".h"):
+            h.update(str(path.relative_to(SOURCE_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def load() -> str:
+    """Builds (once, under a lock) and loads the extension; returns its name. Raises on failure."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    from torch.utils import cpp_extension
+
+    include_dir = cutlass_include_dir()
+    arch = arch_list()
+    srcs = sources()
+    name = f"evoformer_blocks_cuda_{build_key(arch, include_dir)}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    library = build_dir / f"{name}.so"
+    verbose = os.environ.get("EVOFORMER_BLOCKS_VERBOSE_BUILD", "0") not in ("", "0")
+    previous_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    with _file_lock(build_dir.parent / f"{name}.lock"):
+        fresh = not library.exists()
+        if fresh:
+            print(
+                f"evoformer_blocks: compiling {len(srcs)} CUDA/C++ sources for compute capability {arch} "
+                f"(CUTLASS {cutlass_version(include_dir)}, MAX_JOBS={os.environ.get('MAX_JOBS', 'auto')}) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+        start = time.perf_counter()
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in srcs],
+                extra_include_paths=[str(include_dir), str(SOURCE_DIR)],
+                extra_cflags=CXX_FLAGS,
+                extra_cuda_cflags=CUDA_FLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        finally:
+            if previous_arch is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = previous_arch
+        if fresh:
+            print(
+                f"evoformer_blocks: built the CUDA kernels in {time.perf_counter() - start:.1f} s ({build_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
+    _loaded = name
+    return name
+
+
+def load_error() -> Optional[str]:
+    """None when the extension is (or could be) loaded; else why not. Tried once per process."""
+    global _load_error
+    if _loaded is None and _load_error is None:
+        try:
+            load()
+        except Exception as exc:  # any build failure becomes a reason, never a crash of `auto`
+            first = str(exc).strip().splitlines()
+            _load_error = f"the CUDA extension failed to build or load: {type(exc).__name__}: " + (
+                first[0] if first else ""
+            )
+    return _load_error
+
+
+def status() -> dict[str, str]:
+    """What `python -m evoformer_blocks.info` prints about the build."""
+    info: dict[str, str] = {"sources": str(SOURCE_DIR)}
+    try:
+        include_dir = cutlass_include_dir()
+        info["cutlass"] = f"{cutlass_version(include_dir)} at {include_dir}"
+    except FileNotFoundError as exc:
+        info["cutlass"] = f"not found ({exc})"
+        return info
+    try:
+        arch = arch_list()
+    except RuntimeError as exc:
+        info["build"] = f"cannot build here: {exc}"
+        return info
+    from torch.utils import cpp_extension
+
+    name = f"evoformer_blocks_cuda_{build_key(arch, include_dir)}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = (build_dir / f"{name}.so").exists()
+    info["arch"] = arch
+    info["build"] = f"{'built' if built else 'not built yet (builds on first use)'}: {build_dir}"
+    return info

@@ -1,0 +1,124 @@
+"""The "cutlass" backend: the fused CUDA kernels of csrc/cutlass_kernels as torch custom ops.
+
+``evoformer_blocks::cutlass_attention_fwd`` returns the output and the row log-sum-exp;
+``evoformer_blocks::cutlass_attention_bwd`` recomputes the probabilities from it and returns the
+gradients of q, k, v and of each bias that needs one. Both have fake (meta) implementations, and
+autograd connects them, so the op works under torch.compile(fullgraph=True).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _build
+from ._dispatch import Backend, Capabilities, register
+from ._inputs import LOW_PRECISION, AttentionInputs
+
+Tensor = torch.Tensor
+
+
+def _kernels():
+    _build.load()
+    return getattr(torch.ops, _build.OP_NAMESPACE)
+
+
+@torch.library.custom_op("evoformer_blocks::cutlass_attention_fwd", mutates_args=(), device_types="cuda")
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, mask_bias: Optional[Tensor], pair_bias: Optional[Tensor], scale: float
+) -> tuple[Tensor, Tensor]:
+    """Returns (out [B, N, Lq, H, D], lse [B, N, H, Lq] float32, log2 units)."""
+    out, lse = _kernels().forward(q, k, v, mask_bias, pair_bias, scale)
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, mask_bias, pair_bias, scale):
+    batch, rows, len_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, rows, heads, len_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("evoformer_blocks::cutlass_attention_bwd", mutates_args=(), device_types="cuda")
+def attention_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_bias: Optional[Tensor],
+    pair_bias: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    need_dmask: bool,
+    need_dpair: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, d mask_bias, d pair_bias); an unwanted bias gradient is an empty tensor."""
+    dq, dk, dv, dmask, dpair = _kernels().backward(
+        dout, q, k, v, mask_bias, pair_bias, out, lse, scale, need_dmask, need_dpair
+    )
+    return dq, dk, dv, dmask, dpair
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, mask_bias, pair_bias, out, lse, scale, need_dmask, need_dpair):
+    dmask = mask_bias.new_empty(mask_bias.shape) if need_dmask and mask_bias is not None else q.new_empty(0)
+    dpair = pair_bias.new_empty(pair_bias.shape) if need_dpair and pair_bias is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dpair
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask_bias, pair_bias, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask_bias, pair_bias, out, lse)
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, mask_bias, pair_bias, out, lse = ctx.saved_tensors
+    need_dmask = mask_bias is not None and ctx.needs_input_grad[3]
+    need_dpair = pair_bias is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dmask, dpair = attention_bwd(
+        dout, q, k, v, mask_bias, pair_bias, out, lse, ctx.scale, need_dmask, need_dpair
+    )
+    return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.compiler.assume_constant_result
+def _extension_error() -> str:
+    """'' when the kernels are built (building them on first call), else why not."""
+    return _build.load_error() or ""
+
+
+class CutlassBackend(Backend):
+    name = "cutlass"
+    capabilities = Capabilities(
+        dtypes=LOW_PRECISION,
+        device_types=("cuda",),
+        head_dim_multiple=8,
+        max_head_dim=128,
+        min_compute_capability=(8, 0),
+        deterministic=True,
+    )
+
+    def extra_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons = []
+        if inputs.batch * inputs.rows >= 2**31:
+            reasons.append(f"B*N = {inputs.batch * inputs.rows} must be below 2^31")
+        if inputs.heads > 65535:
+            reasons.append(f"H = {inputs.heads} exceeds 65535")
+        if inputs.device.type == "cuda" and not reasons:
+            error = _extension_error()
+            if error:
+                reasons.append(error)
+        return reasons
+
+    def forward(self, inputs: AttentionInputs, chunk_size: Optional[int]) -> Tensor:
+        out, _ = attention_fwd(inputs.q, inputs.k, inputs.v, inputs.mask_bias, inputs.pair_bias, inputs.scale)
+        return out
+
+
+register(CutlassBackend(), auto_priority=10)

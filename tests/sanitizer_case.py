@@ -1,0 +1,23 @@
+"""A small forward + backward of every bias variant, run under compute-sanitizer by test_cutlass.py."""
+
+import torch
+
+from evoformer_blocks import ops
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for head_dim, length, pair_dtype in [(32, 37, torch.bfloat16), (64, 70, torch.float32), (128, 19, None), (8, 1, None)]:
+        q, k, v = (torch.randn(1, 3, length, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, length, device="cuda") > 0.2).float() - 1)).bfloat16().requires_grad_()
+        pair_bias = None
+        if pair_dtype is not None:
+            pair_bias = torch.randn(1, 1, 2, length, length, device="cuda", dtype=pair_dtype, requires_grad=True)
+        out = ops.evoformer_attention(q, k, v, mask_bias, pair_bias, backend="cutlass")
+        out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    print("sanitizer case done")
+
+
+if __name__ == "__main__":
+    main()

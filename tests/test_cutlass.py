@@ -1,0 +1,265 @@
+"""The fused CUDA backend against an fp32 reference, with the same-dtype eager backend as the bar.
+
+Every test here needs a CUDA GPU of compute capability >= 8.0 and is skipped without one.
+Outputs are poisoned with NaN before every kernel launch (EVOFORMER_BLOCKS_POISON=1), so an element
+a kernel fails to write shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
+
+from evoformer_blocks import ops  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+        reason="needs a CUDA GPU of compute capability >= 8.0",
+    ),
+]
+
+# Pass rule: error(fused) <= RATIO * error(eager, same dtype) + FLOOR[dtype, direction], errors as
+# ||x - ref|| / ||ref|| against the fp32 reference. The floor only matters where the eager error is
+# itself ~0 (e.g. L = 1, where softmax is exactly 1).
+RATIO = 2.0
+FLOOR = {
+    (torch.bfloat16, "forward"): 1e-4,
+    (torch.bfloat16, "backward"): 1e-4,
+    (torch.float16, "forward"): 2e-5,
+    (torch.float16, "backward"): 2e-5,
+}
+GRAD_NAMES = ("q", "k", "v", "mask_bias", "pair_bias")
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    scale = max(ref.norm().item(), 1e-6 * ref.numel() ** 0.5)
+    return (x - ref).norm().item() / scale
+
+
+def make_inputs(batch, rows, len_q, len_k, heads, head_dim, dtype, variant, bias_dtype=None, seed=0, masked_frac=0.1):
+    """Fresh random inputs; `variant` is one of none / mask / pair / both."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    bias_dtype = bias_dtype or dtype
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dt)
+
+    q = randn(batch, rows, len_q, heads, head_dim)
+    k = randn(batch, rows, len_k, heads, head_dim)
+    v = randn(batch, rows, len_k, heads, head_dim)
+    mask_bias = pair_bias = None
+    if variant in ("mask", "both"):
+        keep = torch.rand(batch, rows, 1, 1, len_k, generator=gen, device=dev) > masked_frac
+        mask_bias = (1e9 * (keep.float() - 1)).to(bias_dtype)
+    if variant in ("pair", "both"):
+        pair_bias = randn(batch, 1, heads, len_q, len_k, dt=bias_dtype)
+    return q, k, v, mask_bias, pair_bias
+
+
+def run(backend, q, k, v, mask_bias, pair_bias, dout, cast=None):
+    """Forward + backward on `backend`; returns (out, grads dict). `cast` converts inputs first."""
+    leaves = {}
+    for name, t in zip(GRAD_NAMES, (q, k, v, mask_bias, pair_bias)):
+        if t is None:
+            continue
+        t = t.detach()
+        if cast is not None:
+            t = t.to(cast)
+        leaves[name] = t.requires_grad_(True)
+    out = ops.evoformer_attention(
+        leaves["q"], leaves["k"], leaves["v"], leaves.get("mask_bias"), leaves.get("pair_bias"), backend=backend
+    )
+    out.backward(dout.to(out.dtype))
+    return out.detach(), {name: t.grad for name, t in leaves.items()}
+
+
+def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dout = torch.randn(q.shape, generator=gen, device="cuda")
+    ref_out, ref_grads = run("eager", q, k, v, mask_bias, pair_bias, dout, cast=torch.float32)
+    eager_out, eager_grads = run("eager", q, k, v, mask_bias, pair_bias, dout)
+    fused_out, fused_grads = run("cutlass", q, k, v, mask_bias, pair_bias, dout)
+    dtype = q.dtype
+    assert fused_out.dtype == dtype and fused_out.shape == q.shape
+    report = []
+    for name, fused, eager, ref, direction in [("out", fused_out, eager_out, ref_out, "forward")] + [
+        (n, fused_grads[n], eager_grads[n], ref_grads[n], "backward") for n in ref_grads
+    ]:
+        assert fused.shape == ref.shape, name
+        assert torch.isfinite(fused).all(), f"{name}: non-finite values (unwritten or NaN)"
+        e_fused, e_eager = rel_error(fused, ref), rel_error(eager, ref)
+        allowed = RATIO * e_eager + FLOOR[(dtype, direction)]
+        report.append(f"{name}: fused {e_fused:.2e} eager {e_eager:.2e}")
+        assert e_fused <= allowed, f"{name}: fused error {e_fused:.3e} > {allowed:.3e} (eager {e_eager:.3e})"
+    return report
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("variant", ["none", "mask", "pair", "both"])
+@pytest.mark.parametrize("length", [1, 17, 128, 1000])
+def test_matches_reference(dtype, head_dim, variant, length):
+    rows = 3 if length < 1000 else 2
+    inputs = make_inputs(2, rows, length, length, 2, head_dim, dtype, variant, seed=length + head_dim)
+    check_against_reference(*inputs)
+
+
+@pytest.mark.parametrize("variant", ["mask", "pair", "both"])
+@pytest.mark.parametrize("head_dim", [32, 72])
+def test_float32_biases(variant, head_dim):
+    inputs = make_inputs(1, 4, 77, 77, 3, head_dim, torch.bfloat16, variant, bias_dtype=torch.float32)
+    check_against_reference(*inputs)
+
+
+@pytest.mark.parametrize("len_q,len_k", [(33, 100), (130, 7)])
+def test_query_and_key_lengths_differ(len_q, len_k):
+    check_against_reference(*make_inputs(1, 3, len_q, len_k, 2, 32, torch.bfloat16, "both"))
+
+
+def test_broadcast_biases():
+    q, k, v, _, _ = make_inputs(2, 3, 40, 40, 4, 32, torch.bfloat16, "none")
+    mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 40, device="cuda") > 0.2).float() - 1)).bfloat16()  # B broadcast
+    pair_bias = torch.randn(2, 1, 1, 40, 40, device="cuda").bfloat16()  # H broadcast
+    check_against_reference(q, k, v, mask_bias, pair_bias)
+
+
+@pytest.mark.parametrize("mask_value", [-1e9, float("-inf")])
+def test_fully_masked_rows(mask_value):
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 4, 50, 50, 2, 32, torch.bfloat16, "both")
+    mask_bias[:, 1] = mask_value  # every key of row n = 1 masked
+    mask_bias[:, 2, ..., 10:] = mask_value  # most keys of row n = 2 masked
+    check_against_reference(q, k, v, mask_bias, pair_bias)
+    out = ops.evoformer_attention(q, k, v, mask_bias, pair_bias, backend="cutlass")
+    if mask_value == float("-inf"):
+        assert (out[:, 1] == 0).all()  # a query with no key attends to nothing
+
+
+def test_non_contiguous_inputs():
+    # q, k, v as views of one packed projection [B, N, L, 3, H, D], plus a transposed layout.
+    packed = torch.randn(1, 3, 45, 3, 2, 40, device="cuda", dtype=torch.bfloat16)
+    q, k, v = packed.unbind(dim=3)
+    assert not q.is_contiguous()
+    mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 45, device="cuda") > 0.2).float() - 1)).bfloat16()
+    pair_bias = torch.randn(1, 1, 45, 45, 2, device="cuda").bfloat16().permute(0, 1, 4, 2, 3)  # keys not contiguous
+    check_against_reference(q, k, v, mask_bias, pair_bias)
+    q_t = torch.randn(1, 3, 2, 45, 40, device="cuda", dtype=torch.bfloat16).transpose(2, 3)  # [B, N, L, H, D] view
+    check_against_reference(q_t, k, v, mask_bias, pair_bias)
+
+
+def test_grid_limits_batch_times_rows():
+    # B * N > 65535 CTAs along one grid dimension.
+    check_against_reference(*make_inputs(2, 33000, 5, 5, 1, 8, torch.bfloat16, "both"))
+
+
+def test_deterministic():
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 64, 200, 200, 4, 32, torch.bfloat16, "both")
+    dout = torch.randn(q.shape, device="cuda")
+    first = run("cutlass", q, k, v, mask_bias, pair_bias, dout)
+    for _ in range(3):
+        again = run("cutlass", q, k, v, mask_bias, pair_bias, dout)
+        assert torch.equal(first[0], again[0])
+        for name in first[1]:
+            assert torch.equal(first[1][name], again[1][name]), name
+
+
+def test_caller_tensors_untouched():
+    inputs = make_inputs(1, 3, 30, 30, 2, 16, torch.bfloat16, "both")
+    copies = [t.clone() for t in inputs]
+    for t in inputs:
+        t.requires_grad_(True)
+    ops.evoformer_attention(*inputs, backend="cutlass").float().sum().backward()
+    for before, after in zip(copies, inputs):
+        assert torch.equal(before, after.detach())
+
+
+def test_opcheck():
+    from evoformer_blocks.ops.cutlass import attention_bwd, attention_fwd
+
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 2, 20, 20, 2, 32, torch.bfloat16, "both")
+    for t in (q, k, v, mask_bias, pair_bias):
+        t.requires_grad_(True)
+    torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25))
+    out, lse = attention_fwd(q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), out, lse,
+            0.25, True, True)
+    torch.library.opcheck(attention_bwd, args)
+
+
+def test_auto_falls_back_for_unsupported_inputs(caplog):
+    q32 = torch.randn(1, 2, 10, 2, 16, device="cuda")  # float32: not supported by cutlass
+    with pytest.raises(ValueError, match="float32"):
+        ops.evoformer_attention(q32, q32, q32, backend="cutlass")
+    out = ops.evoformer_attention(q32, q32, q32, backend="auto")
+    assert out.dtype == torch.float32
+    big_d = torch.randn(1, 2, 10, 1, 136, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim"):
+        ops.evoformer_attention(big_d, big_d, big_d, backend="cutlass")
+    assert ops.get_backend("cutlass").not_supported_reasons(ops.validate(big_d, big_d, big_d))
+
+
+def test_compile_fullgraph():
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 2, 24, 24, 2, 32, torch.bfloat16, "both")
+    q.requires_grad_(True)
+
+    def fn(q, k, v, m, p):
+        return ops.evoformer_attention(q, k, v, m, p, backend="cutlass") * 2
+
+    compiled = torch.compile(fn, fullgraph=True)
+    out = compiled(q, k, v, mask_bias, pair_bias)
+    out.float().sum().backward()
+    expected = fn(q.detach(), k, v, mask_bias, pair_bias)
+    assert torch.equal(out.detach(), expected)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_31_elements():
+    # q, k, v of 2.3e9 elements each: offsets past 2^31 must use 64-bit arithmetic.
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory")
+    rows = 2**31 // (64 * 32) + 4096
+    q, k, v, mask_bias, pair_bias = make_inputs(1, rows, 64, 64, 1, 32, torch.bfloat16, "both", masked_frac=0.1)
+    assert q.numel() > 2**31
+    leaves = [t.requires_grad_(True) for t in (q, k, v, pair_bias)]
+    out = ops.evoformer_attention(q, k, v, mask_bias, pair_bias, backend="cutlass")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    tail = slice(rows - 3, rows)
+    sub = [t.detach()[:, tail] for t in (q, k, v)]
+    sub_leaves = [t.clone().requires_grad_(True) for t in sub]
+    ref = ops.evoformer_attention(*sub_leaves, mask_bias[:, tail], pair_bias.detach(), backend="eager")
+    ref.backward(dout[:, tail])
+    assert rel_error(out[:, tail], ref) < 2e-2
+    for leaf, sub_leaf in zip(leaves[:3], sub_leaves):
+        assert rel_error(leaf.grad[:, tail], sub_leaf.grad) < 3e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool):
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    script = Path(__file__).with_name("sanitizer_case.py")
+    result = subprocess.run(
+        [sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
