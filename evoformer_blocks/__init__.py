@@ -9,6 +9,11 @@ from .attention import (
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
+from .dropout import DropoutColumnwise, DropoutRowwise
+from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSAStack
+from .outer_product_mean import OuterProductMean
+from .transitions import MSATransition, PairTransition
+from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
 __version__ = "0.1.0"
 
@@ -20,4 +25,15 @@ __all__ = [
     "TriangleAttentionStartingNode",
     "TriangleAttentionEndingNode",
     "MSAColumnGlobalAttention",
+    "MSATransition",
+    "PairTransition",
+    "OuterProductMean",
+    "TriangleMultiplicationOutgoing",
+    "TriangleMultiplicationIncoming",
+    "DropoutRowwise",
+    "DropoutColumnwise",
+    "EvoformerBlock",
+    "ExtraMSABlock",
+    "EvoformerStack",
+    "ExtraMSAStack",
 ]

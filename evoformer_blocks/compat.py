@@ -39,6 +39,10 @@ from .attention import (
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
+from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSAStack
+from .outer_product_mean import OuterProductMean
+from .transitions import MSATransition, PairTransition
+from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
 __all__ = [
     "Converter",
@@ -115,6 +119,59 @@ register_converter(
         children={"layer_norm_m": "layer_norm_m", **_gated_attention("global_attention.")},
     ),
 )
+
+
+# Evoformer blocks and stacks. OpenFold's block keeps the pair updates in a `pair_stack` submodule;
+# ours holds them directly. The other submodules keep their OpenFold names.
+
+
+def _same(*names: str) -> dict[str, str]:
+    return {name: name for name in names}
+
+
+register_converter(
+    MSATransition,
+    Converter("openfold.model.evoformer.MSATransition", children=_same("layer_norm", "linear_1", "linear_2")),
+)
+register_converter(
+    PairTransition,
+    Converter("openfold.model.pair_transition.PairTransition", children=_same("layer_norm", "linear_1", "linear_2")),
+)
+register_converter(
+    OuterProductMean,
+    Converter(
+        "openfold.model.outer_product_mean.OuterProductMean",
+        children=_same("layer_norm", "linear_1", "linear_2", "linear_out"),
+    ),
+)
+_TRIANGLE_MULTIPLICATION = _same(
+    "layer_norm_in", "linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "linear_z", "layer_norm_out"
+)
+register_converter(
+    TriangleMultiplicationOutgoing,
+    Converter(
+        "openfold.model.triangular_multiplicative_update.TriangleMultiplicationOutgoing",
+        children=_TRIANGLE_MULTIPLICATION,
+    ),
+)
+register_converter(
+    TriangleMultiplicationIncoming,
+    Converter(
+        "openfold.model.triangular_multiplicative_update.TriangleMultiplicationIncoming",
+        children=_TRIANGLE_MULTIPLICATION,
+    ),
+)
+_BLOCK = {
+    **_same("msa_att_row", "msa_att_col", "msa_transition", "outer_product_mean"),
+    **{f"pair_stack.{name}": name for name in ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end", "pair_transition")},
+}
+register_converter(EvoformerBlock, Converter("openfold.model.evoformer.EvoformerBlock", children=_BLOCK))
+register_converter(ExtraMSABlock, Converter("openfold.model.evoformer.ExtraMSABlock", children=_BLOCK))
+register_converter(
+    EvoformerStack,
+    Converter("openfold.model.evoformer.EvoformerStack", children={"blocks.*": "blocks.*", "linear": "linear"}),
+)
+register_converter(ExtraMSAStack, Converter("openfold.model.evoformer.ExtraMSAStack", children={"blocks.*": "blocks.*"}))
 
 
 def _converter_for(module: nn.Module, path: str) -> Converter:

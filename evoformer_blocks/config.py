@@ -1,0 +1,98 @@
+"""Model-size presets as ``ml_collections.ConfigDict``.
+
+Library classes take plain arguments; a preset only gathers them::
+
+    from evoformer_blocks import EvoformerStack
+    from evoformer_blocks.config import get_config
+
+    cfg = get_config("af2")
+    cfg.evoformer_stack.no_blocks = 8              # edit before building
+    stack = EvoformerStack.from_config(cfg, backend="eager")
+
+A preset has the sections ``evoformer_stack`` and ``extra_msa_stack`` (the keyword arguments of
+:class:`~evoformer_blocks.EvoformerStack` and :class:`~evoformer_blocks.ExtraMSAStack`) and the
+shared widths ``c_m``, ``c_z``, ``c_s``, ``c_e`` at the top: the sections refer to them, so setting
+``cfg.c_z = 64`` changes both stacks. Attention widths ``c_hidden_*`` are per head.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+PRESETS = ("af2", "small")
+
+
+def _preset(
+    c_m: int,
+    c_z: int,
+    c_s: int,
+    c_e: int,
+    evoformer: dict,
+    extra_msa: dict,
+    dropout: tuple[float, float] = (0.15, 0.25),
+    blocks_per_ckpt=None,
+) -> ml_collections.ConfigDict:
+    cfg = ml_collections.ConfigDict()
+    cfg.c_m, cfg.c_z, cfg.c_s, cfg.c_e = c_m, c_z, c_s, c_e
+    msa_dropout, pair_dropout = dropout
+    common = dict(
+        c_z=cfg.get_ref("c_z"),
+        transition_n=4,
+        msa_dropout=msa_dropout,
+        pair_dropout=pair_dropout,
+        blocks_per_ckpt=blocks_per_ckpt,
+        inf=1e9,
+        eps_opm=1e-3,
+    )
+    cfg.evoformer_stack = ml_collections.ConfigDict(
+        dict(common, c_m=cfg.get_ref("c_m"), c_s=cfg.get_ref("c_s"), **evoformer)
+    )
+    cfg.extra_msa_stack = ml_collections.ConfigDict(dict(common, c_m=cfg.get_ref("c_e"), eps=1e-10, **extra_msa))
+    return cfg
+
+
+def get_config(name: str) -> ml_collections.ConfigDict:
+    """Returns a fresh preset.
+
+    * ``"af2"``: AlphaFold 2 (supplement 1.5-1.6, Algorithms 6 and 18): c_m 256, c_z 128, c_s 384;
+      48 Evoformer blocks, MSA attention 8 heads × 32, triangle attention 4 heads × 32, transitions
+      ×4, outer product mean 32, triangle multiplication 128, dropout 0.15 (MSA row attention) and
+      0.25 (pair); extra MSA c_e 64, 4 blocks, MSA attention 8 heads × 8. ``blocks_per_ckpt`` 1
+      (as trained; checkpointing only acts while gradients are enabled).
+    * ``"small"``: the same architecture shrunk for CPU examples and tests: c_m 32, c_z 32, c_s 32,
+      2 blocks, 4 heads × 8 everywhere, outer product mean 8, triangle multiplication 32, no
+      dropout; extra MSA c_e 16, 1 block.
+    """
+    if name == "af2":
+        return _preset(
+            c_m=256,
+            c_z=128,
+            c_s=384,
+            c_e=64,
+            evoformer=dict(
+                c_hidden_msa_att=32, c_hidden_opm=32, c_hidden_mul=128, c_hidden_pair_att=32,
+                no_heads_msa=8, no_heads_pair=4, no_blocks=48,
+            ),
+            extra_msa=dict(
+                c_hidden_msa_att=8, c_hidden_opm=32, c_hidden_mul=128, c_hidden_pair_att=32,
+                no_heads_msa=8, no_heads_pair=4, no_blocks=4,
+            ),
+            blocks_per_ckpt=1,
+        )
+    if name == "small":
+        return _preset(
+            c_m=32,
+            c_z=32,
+            c_s=32,
+            c_e=16,
+            evoformer=dict(
+                c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=32, c_hidden_pair_att=8,
+                no_heads_msa=4, no_heads_pair=4, no_blocks=2,
+            ),
+            extra_msa=dict(
+                c_hidden_msa_att=4, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
+                no_heads_msa=4, no_heads_pair=4, no_blocks=1,
+            ),
+            dropout=(0.0, 0.0),
+        )
+    raise ValueError(f"get_config: unknown `name` {name!r}; choose one of {list(PRESETS)}")

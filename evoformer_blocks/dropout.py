@@ -1,0 +1,49 @@
+"""Dropout whose mask is shared along one dimension (AF2 supplement 1.11.6)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._checks import check_rate
+
+
+class SharedDropout(nn.Module):
+    """Dropout with one mask shared by every index of dimension ``shared_dim``.
+
+    In training mode an element is zeroed with probability ``p`` and the rest are scaled by
+    ``1 / (1 - p)``; in eval mode (or with ``p == 0``) this is the identity.
+    """
+
+    def __init__(self, p: float, shared_dim: int):
+        super().__init__()
+        self.p = check_rate(type(self).__name__, "p", p)
+        self.shared_dim = shared_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = list(x.shape)
+        shape[self.shared_dim] = 1
+        keep = F.dropout(x.new_ones(shape), p=self.p, training=True)  # [*, 1 at shared_dim, *]
+        return x * keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, shared_dim={self.shared_dim}"
+
+
+class DropoutRowwise(SharedDropout):
+    """Row-wise dropout: for ``x`` of shape ``[*, N_rows, N_cols, C]`` one mask ``[*, 1, N_cols, C]``
+    is shared by all rows (dimension -3)."""
+
+    def __init__(self, p: float):
+        super().__init__(p, shared_dim=-3)
+
+
+class DropoutColumnwise(SharedDropout):
+    """Column-wise dropout: for ``x`` of shape ``[*, N_rows, N_cols, C]`` one mask ``[*, N_rows, 1, C]``
+    is shared by all columns (dimension -2)."""
+
+    def __init__(self, p: float):
+        super().__init__(p, shared_dim=-2)

@@ -1,0 +1,329 @@
+"""Evoformer and extra-MSA blocks and stacks (AF2 supplement Algorithms 6 and 18).
+
+Shapes: ``m`` is the MSA representation ``[*, N_seq, N_res, c_m]``, ``z`` the pair representation
+``[*, N_res, N_res, c_z]``; ``msa_mask`` is ``[*, N_seq, N_res]`` and ``pair_mask``
+``[*, N_res, N_res]`` (1 = real, 0 = padding; None = all real). Every ``c_hidden_*`` of an
+attention is per head. Every attention inside a block or stack runs through
+:func:`evoformer_blocks.ops.evoformer_attention` on the one ``backend`` given to the constructor
+(None: the op's default, see :func:`evoformer_blocks.ops.set_backend`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ._checks import as_mask, build_from_config, check_optional_positive_int, check_rate
+from .attention import (
+    MSAColumnAttention,
+    MSAColumnGlobalAttention,
+    MSARowAttentionWithPairBias,
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+)
+from .dropout import DropoutColumnwise, DropoutRowwise
+from .outer_product_mean import OuterProductMean
+from .primitives import Linear, check_positive_int, check_tensor
+from .transitions import MSATransition, PairTransition
+from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+
+
+def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, c_m: int, c_z: int):
+    """Validates a block's or stack's inputs; returns the masks as 0/1 tensors of m's / z's dtype."""
+    check_tensor(owner, "m", m, (None, None, c_m), f"[*, N_seq, N_res, c_m={c_m}]")
+    *batch, n_seq, n_res, _ = m.shape
+    check_tensor(
+        owner, "z", z, (*batch, n_res, n_res, c_z), f"[*, N_res={n_res}, N_res, c_z={c_z}] with m's batch dims",
+        exact=True,
+    )
+    check_optional_positive_int(owner, "chunk_size", chunk_size)
+    msa_mask = as_mask(owner, "msa_mask", msa_mask, (*batch, n_seq, n_res), "[*, N_seq, N_res]", m)
+    pair_mask = as_mask(owner, "pair_mask", pair_mask, (*batch, n_res, n_res), "[*, N_res, N_res]", z)
+    return msa_mask, pair_mask  # [*, N_seq, N_res], [*, N_res, N_res]
+
+
+class _MSABlock(nn.Module):
+    """The Evoformer block; subclasses choose the MSA column attention (Algorithm 6 or 18).
+
+    Updates, in order (residual adds; dropout only in training mode)::
+
+        m += DropoutRowwise(msa_dropout)(MSARowAttentionWithPairBias(m, z))
+        m += MSAColumnAttention(m)            (ExtraMSABlock: MSAColumnGlobalAttention)
+        m += MSATransition(m)
+        z += OuterProductMean(m)
+        z += DropoutRowwise(pair_dropout)(TriangleMultiplicationOutgoing(z))
+        z += DropoutRowwise(pair_dropout)(TriangleMultiplicationIncoming(z))
+        z += DropoutRowwise(pair_dropout)(TriangleAttentionStartingNode(z))
+        z += DropoutColumnwise(pair_dropout)(TriangleAttentionEndingNode(z))
+        z += PairTransition(z)
+    """
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden_msa_att: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        no_heads_msa: int,
+        no_heads_pair: int,
+        transition_n: int = 4,
+        msa_dropout: float = 0.15,
+        pair_dropout: float = 0.25,
+        inf: float = 1e9,
+        eps_opm: float = 1e-3,
+        backend: Optional[str] = None,
+        **column_attention_kwargs,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        check_positive_int(name, c_m=c_m, c_z=c_z)
+        self.c_m, self.c_z = c_m, c_z
+        check_rate(name, "msa_dropout", msa_dropout)
+        check_rate(name, "pair_dropout", pair_dropout)
+        self.msa_att_row = MSARowAttentionWithPairBias(
+            c_m, c_z, c_hidden_msa_att, no_heads_msa, inf=inf, backend=backend
+        )
+        self.msa_att_col = self._column_attention(
+            c_m, c_hidden_msa_att, no_heads_msa, inf, backend, **column_attention_kwargs
+        )
+        self.msa_transition = MSATransition(c_m, transition_n)
+        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm, eps=eps_opm)
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
+        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
+        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
+        self.pair_transition = PairTransition(c_z, transition_n)
+        self.msa_dropout_row = DropoutRowwise(msa_dropout)
+        self.pair_dropout_row = DropoutRowwise(pair_dropout)
+        self.pair_dropout_col = DropoutColumnwise(pair_dropout)
+
+    def _column_attention(self, c_m, c_hidden, no_heads, inf, backend, **kwargs) -> nn.Module:
+        raise NotImplementedError("subclasses choose the MSA column attention")
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: Optional[torch.Tensor] = None,
+        pair_mask: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: Optional[int] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the updated ``(m [*, N_seq, N_res, c_m], z [*, N_res, N_res, c_z])``.
+
+        ``chunk_size`` bounds the memory of attention, transitions and the outer product mean at
+        inference; the result equals the unchunked one up to floating-point rounding.
+        """
+        msa_mask, pair_mask = _check_inputs(
+            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self.c_m, self.c_z
+        )
+        return self._update(m, z, msa_mask, pair_mask, chunk_size)
+
+    def _update(self, m, z, msa_mask, pair_mask, chunk_size):
+        # Masks are already checked 0/1 tensors: [*, N_seq, N_res] and [*, N_res, N_res].
+        m = m + self.msa_dropout_row(self.msa_att_row(m, z, msa_mask, chunk_size=chunk_size))
+        m = m + self.msa_att_col(m, msa_mask, chunk_size=chunk_size)
+        m = m + self.msa_transition(m, msa_mask, chunk_size=chunk_size)
+        z = z + self.outer_product_mean(m, msa_mask, chunk_size=chunk_size)
+        z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
+        z = z + self.pair_dropout_row(self.tri_mul_in(z, pair_mask))
+        z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, chunk_size=chunk_size))
+        z = z + self.pair_dropout_col(self.tri_att_end(z, pair_mask, chunk_size=chunk_size))
+        z = z + self.pair_transition(z, pair_mask, chunk_size=chunk_size)
+        return m, z
+
+
+class EvoformerBlock(_MSABlock):
+    """One Evoformer block (AF2 supplement Algorithm 6, lines 2-11), with MSA column attention.
+
+    Args:
+        c_m: MSA channels. c_z: pair channels.
+        c_hidden_msa_att: per-head width of the MSA row and column attention.
+        c_hidden_opm: width of each outer-product-mean projection.
+        c_hidden_mul: width of the triangle multiplicative updates.
+        c_hidden_pair_att: per-head width of the triangle attention.
+        no_heads_msa, no_heads_pair: heads of the MSA and of the triangle attention.
+        transition_n: hidden-width factor of the MSA and pair transitions.
+        msa_dropout: row-wise dropout rate after the MSA row attention (AF2: 0.15).
+        pair_dropout: dropout rate after the triangle updates (AF2: 0.25; row-wise, column-wise
+            for the ending-node attention).
+        inf: the large number of the attention masks. eps_opm: the outer product mean's epsilon.
+        backend: the attention backend of every attention in the block ("auto", "eager",
+            "cutlass"; None: the op's default).
+    """
+
+    def _column_attention(self, c_m, c_hidden, no_heads, inf, backend) -> nn.Module:
+        return MSAColumnAttention(c_m, c_hidden, no_heads, inf=inf, backend=backend)
+
+
+class ExtraMSABlock(_MSABlock):
+    """One extra-MSA block (AF2 supplement Algorithm 18, lines 2-11): an Evoformer block whose MSA
+    column attention is :class:`MSAColumnGlobalAttention` (``eps`` is its epsilon), for the large,
+    narrow extra MSA. Other arguments as :class:`EvoformerBlock`."""
+
+    def _column_attention(self, c_m, c_hidden, no_heads, inf, backend, eps: float = 1e-10) -> nn.Module:
+        return MSAColumnGlobalAttention(c_m, c_hidden, no_heads, inf=inf, eps=eps, backend=backend)
+
+
+class _Stack(nn.Module):
+    """Runs ``blocks`` in order, with activation checkpointing every ``blocks_per_ckpt`` blocks."""
+
+    config_section: str = ""
+
+    def _init_stack(self, block_cls: type, no_blocks: int, blocks_per_ckpt: Optional[int], **block_args) -> None:
+        name = type(self).__name__
+        check_positive_int(name, no_blocks=no_blocks)
+        check_optional_positive_int(name, "blocks_per_ckpt", blocks_per_ckpt)
+        self.blocks = nn.ModuleList([block_cls(**block_args) for _ in range(no_blocks)])
+        self.blocks_per_ckpt = blocks_per_ckpt
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: Optional[torch.Tensor] = None,
+        pair_mask: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: Optional[int] = None,
+    ):
+        """Runs the blocks (see the class docstring for the outputs). ``chunk_size`` bounds the
+        memory of attention, transitions and outer product mean at inference."""
+        return self._outputs(*self._run_blocks(m, z, msa_mask, pair_mask, chunk_size))
+
+    def _outputs(self, m: torch.Tensor, z: torch.Tensor):
+        raise NotImplementedError
+
+    def _run_group(self, start: int, stop: int, m, z, msa_mask, pair_mask, chunk_size):
+        for block in self.blocks[start:stop]:
+            m, z = block._update(m, z, msa_mask, pair_mask, chunk_size)
+        return m, z
+
+    def _run_blocks(self, m, z, msa_mask, pair_mask, chunk_size):
+        block = self.blocks[0]
+        msa_mask, pair_mask = _check_inputs(
+            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, block.c_m, block.c_z
+        )
+        n = len(self.blocks)
+        group = self.blocks_per_ckpt if torch.is_grad_enabled() else None
+        if group is None:
+            return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size)
+        for start in range(0, n, group):
+            # Only the group's inputs are kept; its activations are recomputed in the backward
+            # pass (with the same dropout masks: the RNG state is restored).
+            m, z = checkpoint(
+                self._run_group, start, min(start + group, n), m, z, msa_mask, pair_mask, chunk_size,
+                use_reentrant=False,
+            )
+        return m, z
+
+    @classmethod
+    def from_config(cls, cfg, **overrides):
+        """Builds the stack from a config: the constructor's arguments as a mapping
+        (``ml_collections.ConfigDict``, ``omegaconf.DictConfig`` or dict), or a whole preset of
+        :func:`evoformer_blocks.config.get_config` (then its section named by the class attribute
+        ``config_section`` is used: ``evoformer_stack`` or ``extra_msa_stack``).
+        Keyword ``overrides`` (e.g. ``backend="eager"``, ``blocks_per_ckpt=1``) win over ``cfg``."""
+        return build_from_config(cls, cfg, cls.config_section, overrides)
+
+
+class EvoformerStack(_Stack):
+    """The Evoformer trunk (AF2 supplement Algorithm 6): ``no_blocks`` :class:`EvoformerBlock` and a
+    final ``Linear(c_m, c_s)`` giving the single representation from the first MSA row.
+
+    ``forward(m, z, msa_mask=None, pair_mask=None, *, chunk_size=None)`` returns
+    ``(m [*, N_seq, N_res, c_m], z [*, N_res, N_res, c_z], s [*, N_res, c_s])``.
+
+    Args: as :class:`EvoformerBlock`, plus ``c_s`` (single channels), ``no_blocks`` and
+    ``blocks_per_ckpt``: while gradients are enabled, every group of that many blocks runs under
+    ``torch.utils.checkpoint`` (non-reentrant), storing only the group's inputs; None: no
+    checkpointing. Parameter names follow OpenFold's (``blocks.{i}.msa_att_row``, …, ``linear``),
+    except that the pair updates sit directly in the block (OpenFold: ``blocks.{i}.pair_stack``);
+    :func:`evoformer_blocks.compat.load_openfold_state_dict` converts.
+    """
+
+    config_section = "evoformer_stack"
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_s: int,
+        c_hidden_msa_att: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        no_heads_msa: int,
+        no_heads_pair: int,
+        no_blocks: int,
+        transition_n: int = 4,
+        msa_dropout: float = 0.15,
+        pair_dropout: float = 0.25,
+        blocks_per_ckpt: Optional[int] = None,
+        inf: float = 1e9,
+        eps_opm: float = 1e-3,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        check_positive_int(type(self).__name__, c_s=c_s)
+        self.c_s = c_s
+        self._init_stack(
+            EvoformerBlock, no_blocks, blocks_per_ckpt,
+            c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
+            c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
+            no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
+            pair_dropout=pair_dropout, inf=inf, eps_opm=eps_opm, backend=backend,
+        )
+        self.linear = Linear(c_m, c_s)
+
+    def _outputs(self, m: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.linear(m[..., 0, :, :])  # [*, N_res, c_s]
+        return m, z, s
+
+
+class ExtraMSAStack(_Stack):
+    """The extra-MSA stack (AF2 supplement Algorithm 18): ``no_blocks`` :class:`ExtraMSABlock`.
+
+    ``forward(m, z, msa_mask=None, pair_mask=None, *, chunk_size=None)`` takes the extra-MSA
+    representation ``m [*, N_extra, N_res, c_m]`` (AF2: c_e = 64) and returns the updated pair
+    representation ``z [*, N_res, N_res, c_z]`` (the MSA output is not used by AlphaFold).
+    Arguments as :class:`EvoformerStack` without ``c_s``, plus ``eps`` of the global attention.
+    """
+
+    config_section = "extra_msa_stack"
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden_msa_att: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        no_heads_msa: int,
+        no_heads_pair: int,
+        no_blocks: int,
+        transition_n: int = 4,
+        msa_dropout: float = 0.15,
+        pair_dropout: float = 0.25,
+        blocks_per_ckpt: Optional[int] = None,
+        inf: float = 1e9,
+        eps: float = 1e-10,
+        eps_opm: float = 1e-3,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        self._init_stack(
+            ExtraMSABlock, no_blocks, blocks_per_ckpt,
+            c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
+            c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
+            no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
+            pair_dropout=pair_dropout, inf=inf, eps_opm=eps_opm, backend=backend, eps=eps,
+        )
+
+    def _outputs(self, m: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return z

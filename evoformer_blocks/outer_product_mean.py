@@ -1,0 +1,64 @@
+"""Outer product mean (AF2 supplement Algorithm 10): the MSA → pair communication."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ._checks import as_mask, check_optional_positive_int, check_positive_number
+from .primitives import Linear, check_positive_int, check_tensor
+
+
+class OuterProductMean(nn.Module):
+    """Pair update from the mean over MSA sequences of the outer product of two projections.
+
+    For ``m [*, N_seq, N_res, c_m]`` (mask ``[*, N_seq, N_res]``)::
+
+        a, b     = Linear(LayerNorm(m)) * mask                      # [*, N_seq, N_res, c_hidden]
+        o[i, j]  = Linear_out(flatten(sum_s a[s, i] ⊗ b[s, j]))     # [*, N_res, N_res, c_z]
+        out[i, j] = o[i, j] / (eps + #sequences with both i and j unmasked)
+
+    As in AF2 and OpenFold the division comes after ``linear_out`` (its bias is divided too). The
+    flattened outer product puts ``a``'s channel first (index ``c * c_hidden + e``).
+    ``linear_out`` is zero-initialized ("final"). ``chunk_size`` computes at most that many
+    residues ``i`` at a time, bounding the ``[*, N_res, N_res, c_hidden²]`` intermediate.
+    Parameter names follow OpenFold: ``layer_norm``, ``linear_1``, ``linear_2``, ``linear_out``.
+    """
+
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3):
+        super().__init__()
+        check_positive_int(type(self).__name__, c_m=c_m, c_z=c_z, c_hidden=c_hidden)
+        self.c_m, self.c_z, self.c_hidden = c_m, c_z, c_hidden
+        self.eps = check_positive_number(type(self).__name__, "eps", eps)
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.linear_1 = Linear(c_m, c_hidden)
+        self.linear_2 = Linear(c_m, c_hidden)
+        self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final")
+
+    def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # a: [*, N_seq, N_i, c_hidden]; b: [*, N_seq, N_j, c_hidden]
+        outer = torch.einsum("...sic,...sje->...ijce", a, b)  # [*, N_i, N_j, c_hidden, c_hidden]
+        outer = outer.reshape(*outer.shape[:-2], self.c_hidden * self.c_hidden)  # [*, N_i, N_j, c_hidden²]
+        return self.linear_out(outer)  # [*, N_i, N_j, c_z]
+
+    def forward(
+        self, m: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        check_optional_positive_int(name, "chunk_size", chunk_size)
+        mask = as_mask(name, "mask", mask, tuple(m.shape[:-1]), "[*, N_seq, N_res]", m)  # [*, N_seq, N_res]
+        m = self.layer_norm(m)  # [*, N_seq, N_res, c_m]
+        mask_c = mask.unsqueeze(-1)  # [*, N_seq, N_res, 1]
+        a = self.linear_1(m) * mask_c  # [*, N_seq, N_res, c_hidden]
+        b = self.linear_2(m) * mask_c  # [*, N_seq, N_res, c_hidden]
+        n_res = m.shape[-2]
+        if chunk_size is None or chunk_size >= n_res:
+            out = self._outer(a, b)  # [*, N_res, N_res, c_z]
+        else:
+            parts = [self._outer(a[..., i : i + chunk_size, :], b) for i in range(0, n_res, chunk_size)]
+            out = torch.cat(parts, dim=-3)  # [*, N_res, N_res, c_z]
+        norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
+        return out / (self.eps + norm)

@@ -1,0 +1,59 @@
+"""MSA and pair transitions (AF2 supplement Algorithms 9 and 15)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ._checks import as_mask, check_optional_positive_int, chunked
+from .primitives import Linear, check_positive_int, check_tensor
+
+
+class Transition(nn.Module):
+    """Two-layer feed-forward update: LayerNorm → Linear(c, n·c) → ReLU → Linear(n·c, c).
+
+    ``forward(x [*, N_a, N_b, c], mask [*, N_a, N_b])`` returns the update ``[*, N_a, N_b, c]``,
+    zero where ``mask`` is 0 (OpenFold masks here; AF2 does not, which only matters at padding).
+    The output layer is zero-initialized ("final"), so a fresh module returns zeros.
+    ``chunk_size`` processes that many ``N_a`` rows (over the flattened ``[*, N_a]``) at a time.
+    Parameter names follow OpenFold: ``layer_norm``, ``linear_1``, ``linear_2``.
+    """
+
+    def __init__(self, c: int, n: int = 4):
+        super().__init__()
+        check_positive_int(type(self).__name__, c=c, n=n)
+        self.c, self.n = c, n
+        self.layer_norm = nn.LayerNorm(c)
+        self.linear_1 = Linear(c, n * c, init="relu")
+        self.relu = nn.ReLU()
+        self.linear_2 = Linear(n * c, c, init="final")
+
+    def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(x)  # [*, N_b, c]
+        x = self.relu(self.linear_1(x))  # [*, N_b, n * c]
+        return self.linear_2(x) * mask  # [*, N_b, c]
+
+    def forward(
+        self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        check_tensor(name, "x", x, (None, None, self.c), f"[*, N_a, N_b, {self.c}]")
+        check_optional_positive_int(name, "chunk_size", chunk_size)
+        mask = as_mask(name, "mask", mask, tuple(x.shape[:-1]), "[*, N_a, N_b]", x).unsqueeze(-1)  # [*, N_a, N_b, 1]
+        return chunked(self._update, {"x": x, "mask": mask}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
+
+
+class MSATransition(Transition):
+    """Algorithm 9: the MSA transition, ``x`` is the MSA representation ``[*, N_seq, N_res, c_m]``."""
+
+    def __init__(self, c_m: int, n: int = 4):
+        super().__init__(c_m, n)
+
+
+class PairTransition(Transition):
+    """Algorithm 15: the pair transition, ``x`` is the pair representation ``[*, N_res, N_res, c_z]``."""
+
+    def __init__(self, c_z: int, n: int = 4):
+        super().__init__(c_z, n)
