@@ -313,6 +313,14 @@ def test_unknown_backend_name_raises():
             pass
 
 
+def test_get_backend():
+    assert ops.get_backend("eager").name == "eager"
+    assert "eager" in ops.backend_names() and ops.backend_names()[0] == "auto"
+    for name in ("auto", "nope"):
+        with pytest.raises(ValueError, match=f"name.*'{name}'"):
+            ops.get_backend(name)
+
+
 def test_environment_variable_unknown_name_raises(monkeypatch):
     monkeypatch.setenv(ops._dispatch.ENV_VAR, "nope")
     with pytest.raises(ValueError, match="EVOFORMER_BLOCKS_BACKEND.*'nope'"):

@@ -100,6 +100,8 @@ def backend_names() -> list[str]:
 
 def get_backend(name: str) -> Backend:
     _check_name(name, "name")
+    if name == AUTO:
+        raise ValueError(f"name: {AUTO!r} is a selection rule, not a backend; choose one of {list(_AUTO_ORDER)}")
     return _REGISTRY[name]
 
 
