@@ -182,7 +182,7 @@ class MSARowAttentionWithPairBias(_GatedAttention):
             name, "z", z, (*batch, n_res, n_res, self.c_z), f"[*, N_res={n_res}, N_res, c_z={self.c_z}] with m's batch dims", exact=True
         )
         if mask is not None:
-            check_mask(name, "mask", mask, m.shape[:-1], "[*, N_seq, N_res]")
+            check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
 
         m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
         pair_bias = self.linear_z(self.layer_norm_z(z))  # [*, N_res, N_res, H]
@@ -236,7 +236,7 @@ class MSAColumnAttention(_GatedAttention):
         name = type(self).__name__
         check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
         if mask is not None:
-            check_mask(name, "mask", mask, m.shape[:-1], "[*, N_seq, N_res]")
+            check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
             mask = mask.transpose(-1, -2)  # [*, N_res, N_seq]
 
         m = m.transpose(-2, -3)  # [*, N_res, N_seq, c_m]
@@ -286,7 +286,7 @@ class _TriangleAttention(_GatedAttention):
         if z.shape[-3] != z.shape[-2]:
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
         if mask is not None:
-            check_mask(name, "mask", mask, z.shape[:-1], "[*, N_res, N_res]")
+            check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
 
         if not self._starting:
             z = z.transpose(-2, -3)  # [*, J, I, c_z]: rows are now the ending nodes
@@ -407,7 +407,7 @@ class MSAColumnGlobalAttention(nn.Module):
         if mask is None:
             mask = m.new_ones(m.shape[:-1])  # [*, N_seq, N_res]
         else:
-            check_mask(name, "mask", mask, m.shape[:-1], "[*, N_seq, N_res]")
+            check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
         if chunk_size is not None and (
             not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
         ):

@@ -148,12 +148,16 @@ def check_tensor(
         raise ValueError(f"{owner}: `{argument}` must have shape {legend}, got {list(value.shape)}")
 
 
-def check_mask(owner: str, argument: str, mask, expected: Sequence[int], legend: str) -> None:
-    """Raises ``ValueError`` unless ``mask`` is a tensor of exactly ``expected`` shape (any dtype)."""
+def check_mask(owner: str, argument: str, mask, like: torch.Tensor, legend: str) -> None:
+    """Raises ``ValueError`` unless ``mask`` is a tensor of shape ``like.shape[:-1]`` on ``like``'s
+    device (any dtype: float, int or bool 0/1)."""
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{owner}: `{argument}` must be a torch.Tensor {legend} or None, got {type(mask).__name__}")
-    if tuple(mask.shape) != tuple(expected):
-        raise ValueError(f"{owner}: `{argument}` must have shape {legend} = {list(expected)}, got {list(mask.shape)}")
+    expected = list(like.shape[:-1])
+    if list(mask.shape) != expected:
+        raise ValueError(f"{owner}: `{argument}` must have shape {legend} = {expected}, got {list(mask.shape)}")
+    if mask.device != like.device:
+        raise ValueError(f"{owner}: `{argument}` must be on the input's device {like.device}, got {mask.device}")
 
 
 def check_positive_int(owner: str, **values) -> None:

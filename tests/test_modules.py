@@ -368,6 +368,8 @@ def _bad_calls():
         "triangle: mask wrong shape": (lambda: tri(z, torch.ones(2, N_RES, N_RES - 1)), "mask"),
         "global: m list": (lambda: glob(m.tolist()), "m"),
         "global: mask wrong shape": (lambda: glob(m, torch.ones(2, N_SEQ)), "mask"),
+        "row: mask on meta": (lambda: row(m, z, torch.ones(2, N_SEQ, N_RES, device="meta")), "mask"),
+        "triangle: mask on meta": (lambda: tri(z, torch.ones(2, N_RES, N_RES, device="meta")), "mask"),
     }
 
 
