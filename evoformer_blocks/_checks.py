@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .primitives import check_mask, check_positive_int
+from .primitives import check_positive_int
 
 
 def check_rate(owner: str, name: str, value) -> float:
@@ -32,11 +32,16 @@ def check_optional_positive_int(owner: str, name: str, value) -> None:
         check_positive_int(owner, **{name: value})
 
 
-def as_mask(owner: str, argument: str, mask, expected: tuple, legend: str, like: torch.Tensor) -> torch.Tensor:
-    """``mask`` (None: all ones) of exactly ``expected`` shape as a 0/1 tensor of ``like``'s dtype."""
+def as_mask(owner: str, argument: str, mask, like: torch.Tensor, legend: str) -> torch.Tensor:
+    """``mask`` (None: all ones) of shape ``like.shape[:-1]`` as a 0/1 tensor of ``like``'s dtype
+    and device (a float, int or bool mask is accepted)."""
+    expected = tuple(like.shape[:-1])
     if mask is None:
         return like.new_ones(expected)
-    check_mask(owner, argument, mask, expected, legend)
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{owner}: `{argument}` must be a torch.Tensor {legend} or None, got {type(mask).__name__}")
+    if tuple(mask.shape) != expected:
+        raise ValueError(f"{owner}: `{argument}` must have shape {legend} = {list(expected)}, got {list(mask.shape)}")
     return mask.to(dtype=like.dtype, device=like.device)
 
 

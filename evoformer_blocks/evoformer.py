@@ -34,14 +34,14 @@ from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMul
 def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, c_m: int, c_z: int):
     """Validates a block's or stack's inputs; returns the masks as 0/1 tensors of m's / z's dtype."""
     check_tensor(owner, "m", m, (None, None, c_m), f"[*, N_seq, N_res, c_m={c_m}]")
-    *batch, n_seq, n_res, _ = m.shape
+    *batch, _, n_res, _ = m.shape
     check_tensor(
         owner, "z", z, (*batch, n_res, n_res, c_z), f"[*, N_res={n_res}, N_res, c_z={c_z}] with m's batch dims",
         exact=True,
     )
     check_optional_positive_int(owner, "chunk_size", chunk_size)
-    msa_mask = as_mask(owner, "msa_mask", msa_mask, (*batch, n_seq, n_res), "[*, N_seq, N_res]", m)
-    pair_mask = as_mask(owner, "pair_mask", pair_mask, (*batch, n_res, n_res), "[*, N_res, N_res]", z)
+    msa_mask = as_mask(owner, "msa_mask", msa_mask, m, "[*, N_seq, N_res]")
+    pair_mask = as_mask(owner, "pair_mask", pair_mask, z, "[*, N_res, N_res]")
     return msa_mask, pair_mask  # [*, N_seq, N_res], [*, N_res, N_res]
 
 

@@ -49,7 +49,7 @@ class OuterProductMean(nn.Module):
         name = type(self).__name__
         check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
         check_optional_positive_int(name, "chunk_size", chunk_size)
-        mask = as_mask(name, "mask", mask, tuple(m.shape[:-1]), "[*, N_seq, N_res]", m)  # [*, N_seq, N_res]
+        mask = as_mask(name, "mask", mask, m, "[*, N_seq, N_res]")  # [*, N_seq, N_res]
         m = self.layer_norm(m)  # [*, N_seq, N_res, c_m]
         mask_c = mask.unsqueeze(-1)  # [*, N_seq, N_res, 1]
         a = self.linear_1(m) * mask_c  # [*, N_seq, N_res, c_hidden]

@@ -41,7 +41,7 @@ class Transition(nn.Module):
         name = type(self).__name__
         check_tensor(name, "x", x, (None, None, self.c), f"[*, N_a, N_b, {self.c}]")
         check_optional_positive_int(name, "chunk_size", chunk_size)
-        mask = as_mask(name, "mask", mask, tuple(x.shape[:-1]), "[*, N_a, N_b]", x).unsqueeze(-1)  # [*, N_a, N_b, 1]
+        mask = as_mask(name, "mask", mask, x, "[*, N_a, N_b]").unsqueeze(-1)  # [*, N_a, N_b, 1]
         return chunked(self._update, {"x": x, "mask": mask}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
 
 

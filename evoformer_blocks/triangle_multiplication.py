@@ -51,7 +51,7 @@ class TriangleMultiplicativeUpdate(nn.Module):
         check_tensor(name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]")
         if z.shape[-2] != z.shape[-3]:
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
-        mask = as_mask(name, "mask", mask, tuple(z.shape[:-1]), "[*, N_res, N_res]", z).unsqueeze(-1)  # [*, N_res, N_res, 1]
+        mask = as_mask(name, "mask", mask, z, "[*, N_res, N_res]").unsqueeze(-1)  # [*, N_res, N_res, 1]
         x = self.layer_norm_in(z)  # [*, N_res, N_res, c_z]
         a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)  # [*, N_res, N_res, c_hidden]
         b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)  # [*, N_res, N_res, c_hidden]
