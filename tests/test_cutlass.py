@@ -29,21 +29,25 @@ pytestmark = [
 ]
 
 # Pass rule: error(fused) <= RATIO * error(eager, same dtype) + FLOOR[dtype, direction], errors as
-# ||x - ref|| / ||ref|| against the fp32 reference. The floor only matters where the eager error is
-# itself ~0 (e.g. L = 1, where softmax is exactly 1).
+# ||x - ref|| / max(||ref||, NOISE_RMS * sqrt(numel)) against the fp32 reference. Inputs and the
+# output gradient are unit normal, so every tensor here has an RMS far above NOISE_RMS unless its
+# exact value is 0 (at L = 1 softmax is exactly 1 and dq, dk, the bias gradients vanish): there fp32
+# rounding (~1e-7) is measured against NOISE_RMS, and the floor only matters where the eager error
+# is itself ~0.
 RATIO = 2.0
+NOISE_RMS = 1e-2
 FLOOR = {
     (torch.bfloat16, "forward"): 1e-4,
     (torch.bfloat16, "backward"): 1e-4,
-    (torch.float16, "forward"): 2e-5,
-    (torch.float16, "backward"): 2e-5,
+    (torch.float16, "forward"): 1e-4,
+    (torch.float16, "backward"): 1e-4,
 }
 GRAD_NAMES = ("q", "k", "v", "mask_bias", "pair_bias")
 
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
-    scale = max(ref.norm().item(), 1e-6 * ref.numel() ** 0.5)
+    scale = max(ref.norm().item(), NOISE_RMS * ref.numel() ** 0.5)
     return (x - ref).norm().item() / scale
 
 
@@ -191,9 +195,9 @@ def test_opcheck():
     for t in (q, k, v, mask_bias, pair_bias):
         t.requires_grad_(True)
     torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25))
-    out, lse = attention_fwd(q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25)
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), out, lse,
-            0.25, True, True)
+    out, stats = attention_fwd(q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), out,
+            stats, 0.25, True, True)
     torch.library.opcheck(attention_bwd, args)
 
 

@@ -1,6 +1,6 @@
-// Backward kernels. Probabilities are recomputed from q, k, the biases and the forward's LSE:
-//   P = exp2(x - lse), x = log2(e) * (scale * q.k + mask_bias + pair_bias), formed as in the forward
-//   from a score accumulator that starts at the biases divided by the scale
+// Backward kernels. Probabilities are recomputed from q, k, the biases and the forward's row
+// statistics (m, l): P = exp2((S - m) * scale * log2(e) - l), S = (mask_bias + pair_bias) / scale
+// + q.k formed as in the forward (a score accumulator that starts at the biases over the scale)
 //   dV = P^T.dO    dP = dO.V^T    dS = P * (dP - delta), delta = rowsum(dO * O)
 //   dQ = scale * dS.K    dK = scale * dS^T.Q    d(pair_bias) = sum_n dS    d(mask_bias) = sum_{h,i} dS
 // Nothing is accumulated with atomics, so every gradient is bitwise reproducible:
@@ -36,7 +36,7 @@ struct BackwardConfig {
   static constexpr bool kKVInRegs = kHeadDim <= 64;  // keep K and V A-fragments in registers
   static constexpr int kPairPitchT = kBlockKV + 8;     // pair tile [kBlockQ queries][kBlockKV keys]
   static constexpr int kDkdvStageBytes =
-      2 * kBlockQ * kTileBytes16 + (kPair ? kBlockQ * kPairPitchT * int(sizeof(PairT)) : 0) + 2 * kBlockQ * 4;
+      2 * kBlockQ * kTileBytes16 + (kPair ? kBlockQ * kPairPitchT * int(sizeof(PairT)) : 0) + 3 * kBlockQ * 4;
   static constexpr int kDkdvSmemBytes = 2 * kBlockKV * kTileBytes16 + 2 * kDkdvStageBytes;
 
   // dQ kernel: 16 queries per warp, key steps of kBlockK.
@@ -67,14 +67,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const Atte
   Element* sK = reinterpret_cast<Element*>(smem);  // [kBlockKV][kPitch]
   Element* sV = sK + kBlockKV * kPitch;             // [kBlockKV][kPitch]
   char* stages = smem + 2 * kBlockKV * Cfg::kTileBytes16;
-  // stage s: Q [kBlockQ][kPitch], dO [kBlockQ][kPitch], pair [kBlockQ][kPairPitch], lse [kBlockQ], delta [kBlockQ]
+  // stage s: Q [kBlockQ][kPitch], dO [kBlockQ][kPitch], pair [kBlockQ][kPairPitch], stats [kBlockQ] (float2),
+  // delta [kBlockQ]
   auto stage_q = [&](int s) { return reinterpret_cast<Element*>(stages + s * Cfg::kDkdvStageBytes); };
   auto stage_do = [&](int s) { return stage_q(s) + kBlockQ * kPitch; };
   auto stage_pair = [&](int s) { return reinterpret_cast<PairT*>(stage_do(s) + kBlockQ * kPitch); };
-  auto stage_lse = [&](int s) {
-    return reinterpret_cast<float*>(stages + (s + 1) * Cfg::kDkdvStageBytes - 2 * kBlockQ * 4);
+  auto stage_stats = [&](int s) {
+    return reinterpret_cast<float2*>(stages + (s + 1) * Cfg::kDkdvStageBytes - 3 * kBlockQ * 4);
   };
-  auto stage_delta = [&](int s) { return stage_lse(s) + kBlockQ; };
+  auto stage_delta = [&](int s) { return reinterpret_cast<float*>(stage_stats(s) + kBlockQ); };
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
@@ -93,8 +94,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const Atte
   const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from key j0
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + j0;
-  const float* lse = p.lse + bnh * p.Lq;      // [Lq]
-  const float* delta = p.delta + bnh * p.Lq;  // [Lq]
+  const float2* stats = reinterpret_cast<const float2*>(p.stats) + bnh * p.Lq;  // [Lq]
+  const float* delta = p.delta + bnh * p.Lq;                                     // [Lq]
 
   // Mask bias / scale of this thread's two keys; keys past Lk are -inf.
   float mask_key[2];
@@ -114,8 +115,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const Atte
     if constexpr (Cfg::kPair != kNoPair)
       load_tile_async<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads>(
           stage_pair(s), pair + int64_t(i0) * p.pair_stride_q, p.pair_stride_q, rows, p.Lk - j0, tid);
-    for (int c = tid; c < kBlockQ; c += kThreads) {  // padding queries: lse = +inf makes P = 0
-      stage_lse(s)[c] = c < rows ? lse[i0 + c] : kInf;
+    for (int c = tid; c < kBlockQ; c += kThreads) {  // padding queries: l = +inf makes P = 0
+      stage_stats(s)[c] = c < rows ? stats[i0 + c] : make_float2(0.f, kInf);
       stage_delta(s)[c] = c < rows ? delta[i0 + c] : 0.f;
     }
   };
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const Atte
     const Element* sQ = stage_q(s);
     const Element* sdO = stage_do(s);
     const PairT* sPair = stage_pair(s);
-    const float* sLse = stage_lse(s);
+    const float2* sStats = stage_stats(s);
     const float* sDelta = stage_delta(s);
 
     // S^T = (mask + pair)^T / scale + K . Q^T  [16 keys of this warp, kBlockQ queries]
@@ -186,14 +187,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const Atte
       }
     }
 
-    // P^T = exp2(S^T * scale_log2 - lse)
+    // P^T = exp2((S^T - m) * scale_log2 - l), (m, l) of the query (column)
 #pragma unroll
     for (int qt = 0; qt < kQTiles; ++qt) {
-      const float2 l2 = *reinterpret_cast<const float2*>(sLse + qt * 8 + 2 * t);
+      const float2 c0 = sStats[qt * 8 + 2 * t], c1 = sStats[qt * 8 + 2 * t + 1];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        st[qt][2 * r] = fast_exp2(fmaf(st[qt][2 * r], p.scale_log2, -l2.x));
-        st[qt][2 * r + 1] = fast_exp2(fmaf(st[qt][2 * r + 1], p.scale_log2, -l2.y));
+        st[qt][2 * r] = fast_exp2(fmaf(st[qt][2 * r] - c0.x, p.scale_log2, -c0.y));
+        st[qt][2 * r + 1] = fast_exp2(fmaf(st[qt][2 * r + 1] - c1.x, p.scale_log2, -c1.y));
       }
     }
 
@@ -345,11 +346,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dq_kernel(const Attent
     load_stage(0, 0);
     cp_async_commit();
 
-    float lse_row[2], delta_row[2];
+    float2 stats_row[2];  // (m, l) of this thread's two query rows; padding rows get l = +inf: P = 0
+    float delta_row[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = m0 + warp_row0 + g + 8 * r;
-      lse_row[r] = row < p.Lq ? p.lse[bnh * p.Lq + row] : kInf;
+      stats_row[r] = row < p.Lq ? reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row] : make_float2(0.f, kInf);
       delta_row[r] = row < p.Lq ? p.delta[bnh * p.Lq + row] : 0.f;
     }
     float dq[kDTiles][4];
@@ -407,12 +409,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dq_kernel(const Attent
         }
       }
 
-      // dS = P * (dP - delta), P = exp2(S * scale_log2 - lse)
+      // dS = P * (dP - delta), P = exp2((S - m) * scale_log2 - l)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          dp[nt][e] = fast_exp2(fmaf(sc[0][nt][e], p.scale_log2, -lse_row[e / 2])) * (dp[nt][e] - delta_row[e / 2]);
+          dp[nt][e] = fast_exp2(fmaf(sc[0][nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y)) *
+                      (dp[nt][e] - delta_row[e / 2]);
 
       // The chunk's pair-bias gradient: this thread owns these elements for every n of the chunk.
       if (dpair != nullptr) {

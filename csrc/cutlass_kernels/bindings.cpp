@@ -3,8 +3,8 @@
 // of the bias-gradient partials to the biases' broadcast shapes.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
-//   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], lse [B,N,H,Lq] fp32)
-//   backward(dout, q, k, v, mask_bias?, pair_bias?, out, lse, scale, need_dmask, need_dpair)
+//   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32)
+//   backward(dout, q, k, v, mask_bias?, pair_bias?, out, stats, scale, need_dmask, need_dpair)
 //       -> (dq, dk, dv, dmask_bias, dpair_bias); a bias gradient not asked for is an empty tensor.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -190,15 +190,15 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   const at::Tensor pair = prepare_pair(p, pair_kind, pair_bias, q);
 
   at::Tensor out = at::empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
-  at::Tensor lse = at::empty({p.B, p.N, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  at::Tensor stats = at::empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
   maybe_poison(out);
-  maybe_poison(lse);
+  maybe_poison(stats);
   p.out = out.data_ptr();
   p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
   p.o_stride_h = kstride(out, 3);
-  p.lse = lse.data_ptr<float>();
+  p.stats = stats.data_ptr<float>();
   launcher_for(true, q.scalar_type(), p.D, pair_kind)(p, c10::cuda::getCurrentCUDAStream());
-  return {out, lse};
+  return {out, stats};
 }
 
 // Rows n handled by one dQ CTA when the pair-bias gradient is wanted: enough chunks to fill the GPU
@@ -218,19 +218,20 @@ int choose_n_chunk_size(const AttentionParams& p, int block_q) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias, const at::Tensor& out_in,
-    const at::Tensor& lse_in, double scale, bool need_dmask, bool need_dpair) {
+    const at::Tensor& stats_in, double scale, bool need_dmask, bool need_dpair) {
   check_qkv(q_in, k_in, v_in);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
   TORCH_CHECK(dout_in.sizes() == q_in.sizes() && dout_in.scalar_type() == q_in.scalar_type() &&
                   out_in.sizes() == q_in.sizes() && out_in.scalar_type() == q_in.scalar_type(),
               "evoformer attention backward: `dout` and `out` must match q; ", describe("dout", dout_in), "; ",
               describe("out", out_in), "; ", describe("q", q_in));
-  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 4 && lse_in.size(0) == q_in.size(0) &&
-                  lse_in.size(1) == q_in.size(1) && lse_in.size(2) == q_in.size(3) && lse_in.size(3) == q_in.size(2),
-              "evoformer attention backward: `lse` must be float32 [B, N, H, Lq]; ", describe("lse", lse_in));
+  TORCH_CHECK(stats_in.scalar_type() == at::kFloat && stats_in.dim() == 5 && stats_in.size(0) == q_in.size(0) &&
+                  stats_in.size(1) == q_in.size(1) && stats_in.size(2) == q_in.size(3) &&
+                  stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
+              "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2]; ", describe("stats", stats_in));
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
-  const at::Tensor out = kernel_layout(out_in), dout = kernel_layout(dout_in), lse = lse_in.contiguous();
+  const at::Tensor out = kernel_layout(out_in), dout = kernel_layout(dout_in), stats = stats_in.contiguous();
   AttentionParams p{};
   set_qkv(p, q, k, v);
   p.scale = float(scale), p.inv_scale = float(1.0 / scale), p.scale_log2 = float(scale * M_LOG2E);
@@ -246,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   p.dout = dout.data_ptr();
   p.do_stride_b = kstride(dout, 0), p.do_stride_n = kstride(dout, 1), p.do_stride_l = kstride(dout, 2);
   p.do_stride_h = kstride(dout, 3);
-  p.lse = const_cast<float*>(lse.data_ptr<float>());
+  p.stats = const_cast<float*>(stats.data_ptr<float>());
 
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
@@ -289,7 +290,7 @@ TORCH_LIBRARY(evoformer_blocks_cuda, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, Tensor out, "
-      "Tensor lse, float scale, bool need_dmask, bool need_dpair) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor stats, float scale, bool need_dmask, bool need_dpair) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

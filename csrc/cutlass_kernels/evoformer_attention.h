@@ -41,7 +41,11 @@ struct AttentionParams {
   // ---- forward outputs / backward inputs --------------------------------------------------
   void* out;   // [B, N, Lq, H, D]
   int64_t o_stride_b, o_stride_n, o_stride_l, o_stride_h;
-  float* lse;  // [B, N, H, Lq] contiguous, log2 domain: log2(sum_j exp2(x_ij)); +inf for empty rows
+  // Softmax statistics per query row, [B, N, H, Lq, 2] contiguous fp32: (m, l) with m = max_j S_ij
+  // (raw score units, see below) and l = log2(sum_j exp2((S_ij - m) * scale_log2)), so that
+  // P_ij = exp2((S_ij - m) * scale_log2 - l). Keeping m apart from l keeps P exact when |S| is
+  // huge (a row whose keys all carry a -1e9 mask). Rows whose keys are all -inf store (0, +inf).
+  float* stats;
 
   // ---- backward ----------------------------------------------------------------------------
   const void* dout;  // [B, N, Lq, H, D]

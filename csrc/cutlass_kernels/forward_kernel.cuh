@@ -1,7 +1,7 @@
 // Forward kernel: o = softmax(scale * q.k^T + mask_bias + pair_bias) . v with an online softmax in
-// the log2 domain; writes o and the row log-sum-exp (log2 units). The score accumulator starts at
-// the biases divided by the scale (init_scores), so the biases cost one FFMA per element and the
-// softmax's exp2 argument is one FFMA: exp2(S * scale * log2(e) - max).
+// the log2 domain; writes o and the softmax statistics (row max, log2 row sum). The score
+// accumulator starts at the biases divided by the scale (init_scores), so the biases cost one FFMA
+// per element; probabilities are exp2((S - max) * scale * log2(e)).
 //
 // CTA = (b * N + n, query block, h). Each of the 4 warps owns kMTiles * 16 query rows; K, V, the
 // pair-bias tile and the mask tile of the next key block are copied (cp.async) while the current
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) forward_kernel(const AttentionP
   cp_async_commit();
 
   float o[kMTiles][kDTiles][4];
-  float row_max[kMTiles][2], row_sum[kMTiles][2];  // max in log2 units (x), partial row sums
+  float row_max[kMTiles][2], row_sum[kMTiles][2];  // max of S (raw units), this thread's partial row sums
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -137,24 +137,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) forward_kernel(const AttentionP
       }
     }
 
-    // Online softmax in log2 units, x = S * scale_log2 (scale_log2 > 0, so max commutes with it);
-    // what was accumulated is rescaled by exp2(old max - new max).
+    // Online softmax: p = exp2((S - max) * scale_log2). Subtracting before scaling makes equal
+    // scores give exactly equal weights even when |S| is huge (fully masked rows); what was
+    // accumulated is rescaled by exp2((old max - new max) * scale_log2).
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = -kInf;
+        float mx = row_max[mt][r];
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = fmaxf(row_max[mt][r], quad_max(mx) * p.scale_log2);
-        const float m_use = mx == -kInf ? 0.f : mx;  // all keys so far -inf: exp2(-inf - 0) = 0
-        const float alpha = fast_exp2(row_max[mt][r] - m_use);
+        mx = quad_max(mx);
+        const float m_use = mx == -kInf ? 0.f : mx;  // all keys so far -inf: exp2(-inf) = 0
+        const float alpha = fast_exp2((row_max[mt][r] - m_use) * p.scale_log2);
         row_max[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          s[mt][nt][2 * r] = fast_exp2(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_use));
-          s[mt][nt][2 * r + 1] = fast_exp2(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
+          s[mt][nt][2 * r] = fast_exp2((s[mt][nt][2 * r] - m_use) * p.scale_log2);
+          s[mt][nt][2 * r + 1] = fast_exp2((s[mt][nt][2 * r + 1] - m_use) * p.scale_log2);
           sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
@@ -182,9 +183,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) forward_kernel(const AttentionP
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
-  // Epilogue: o / rowsum, lse = max + log2(rowsum) (+inf for rows with every key -inf).
+  // Epilogue: o / rowsum and the row statistics (max, log2 rowsum); (0, +inf) for rows whose keys
+  // are all -inf, so the backward's exp2(... - inf) gives P = 0 there.
   Element* out = static_cast<Element*>(p.out) + b * p.o_stride_b + n * p.o_stride_n + h * p.o_stride_h;  // [Lq, D]
-  float* lse = p.lse + ((b * p.N + n) * p.H + h) * p.Lq;                                               // [Lq]
+  float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;               // [Lq]
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) forward_kernel(const AttentionP
           if (d < p.D)
             *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
         }
-        if (t == 0) lse[row] = sum > 0.f ? row_max[mt][r] + __log2f(sum) : kInf;
+        if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max[mt][r], __log2f(sum)) : make_float2(0.f, kInf);
       }
     }
 }

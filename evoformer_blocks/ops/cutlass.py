@@ -1,6 +1,7 @@
 """The "cutlass" backend: the fused CUDA kernels of csrc/cutlass_kernels as torch custom ops.
 
-``evoformer_blocks::cutlass_attention_fwd`` returns the output and the row log-sum-exp;
+``evoformer_blocks::cutlass_attention_fwd`` returns the output and the softmax statistics of each
+query row (max score and log2 row sum);
 ``evoformer_blocks::cutlass_attention_bwd`` recomputes the probabilities from it and returns the
 gradients of q, k, v and of each bias that needs one. Both have fake (meta) implementations, and
 autograd connects them, so the op works under torch.compile(fullgraph=True).
@@ -28,15 +29,15 @@ def _kernels():
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, mask_bias: Optional[Tensor], pair_bias: Optional[Tensor], scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Returns (out [B, N, Lq, H, D], lse [B, N, H, Lq] float32, log2 units)."""
-    out, lse = _kernels().forward(q, k, v, mask_bias, pair_bias, scale)
-    return out, lse
+    """Returns (out [B, N, Lq, H, D], stats [B, N, H, Lq, 2] float32: row max, log2 row sum)."""
+    out, stats = _kernels().forward(q, k, v, mask_bias, pair_bias, scale)
+    return out, stats
 
 
 @attention_fwd.register_fake
 def _(q, k, v, mask_bias, pair_bias, scale):
     batch, rows, len_q, heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, rows, heads, len_q), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((batch, rows, heads, len_q, 2), dtype=torch.float32)
 
 
 @torch.library.custom_op("evoformer_blocks::cutlass_attention_bwd", mutates_args=(), device_types="cuda")
@@ -48,20 +49,20 @@ def attention_bwd(
     mask_bias: Optional[Tensor],
     pair_bias: Optional[Tensor],
     out: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     scale: float,
     need_dmask: bool,
     need_dpair: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, d mask_bias, d pair_bias); an unwanted bias gradient is an empty tensor."""
     dq, dk, dv, dmask, dpair = _kernels().backward(
-        dout, q, k, v, mask_bias, pair_bias, out, lse, scale, need_dmask, need_dpair
+        dout, q, k, v, mask_bias, pair_bias, out, stats, scale, need_dmask, need_dpair
     )
     return dq, dk, dv, dmask, dpair
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, mask_bias, pair_bias, out, lse, scale, need_dmask, need_dpair):
+def _(dout, q, k, v, mask_bias, pair_bias, out, stats, scale, need_dmask, need_dpair):
     dmask = mask_bias.new_empty(mask_bias.shape) if need_dmask and mask_bias is not None else q.new_empty(0)
     dpair = pair_bias.new_empty(pair_bias.shape) if need_dpair and pair_bias is not None else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dpair
@@ -69,17 +70,17 @@ def _(dout, q, k, v, mask_bias, pair_bias, out, lse, scale, need_dmask, need_dpa
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask_bias, pair_bias, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, mask_bias, pair_bias, out, lse)
+    out, stats = output
+    ctx.save_for_backward(q, k, v, mask_bias, pair_bias, out, stats)
     ctx.scale = scale
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, mask_bias, pair_bias, out, lse = ctx.saved_tensors
+def _backward(ctx, dout, _dstats):
+    q, k, v, mask_bias, pair_bias, out, stats = ctx.saved_tensors
     need_dmask = mask_bias is not None and ctx.needs_input_grad[3]
     need_dpair = pair_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dmask, dpair = attention_bwd(
-        dout, q, k, v, mask_bias, pair_bias, out, lse, ctx.scale, need_dmask, need_dpair
+        dout, q, k, v, mask_bias, pair_bias, out, stats, ctx.scale, need_dmask, need_dpair
     )
     return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None
 

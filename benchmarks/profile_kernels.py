@@ -1,0 +1,38 @@
+"""Per-kernel CUDA times of one cutlass forward + backward (torch.profiler), for tuning.
+
+    python benchmarks/profile_kernels.py [suite indices, default 0,4]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import SUITE, make_inputs, run_cutlass  # noqa: E402
+
+
+def main() -> None:
+    indices = [int(i) for i in (sys.argv[1] if len(sys.argv) > 1 else "0,4").split(",")]
+    for index in indices:
+        shape = SUITE[index]
+        for want_pair_grad in (True, False):
+            q, k, v, m, p = make_inputs(shape)
+            leaves = [q, k, v] + ([p] if (p is not None and want_pair_grad) else [])
+            for t in leaves:
+                t.requires_grad_(True)
+            dout = torch.randn_like(q)
+            for _ in range(3):
+                torch.autograd.grad(run_cutlass(q, k, v, m, p), leaves, dout)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    torch.autograd.grad(run_cutlass(q, k, v, m, p), leaves, dout)
+                torch.cuda.synchronize()
+            print(f"\n### {shape.name}, pair-bias gradient {'on' if want_pair_grad else 'off'} (5 iterations)")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""`python -m evoformer_blocks.info`: the environment, the kernel build, and what each backend can run.
+
+Prints torch / CUDA / GPU, where CUTLASS was found and its version, whether the CUDA extension is
+built (it is built on first use), and for each backend whether it can run a representative input
+on this machine, with the reasons when it cannot. Pass --build to build the kernels now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+
+from .ops import _build, backend_names, get_backend, validate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--build", action="store_true", help="build (or load) the CUDA kernels now")
+    args = parser.parse_args()
+    print(f"python     {platform.python_version()}")
+    print(f"torch      {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        print(f"gpu        {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+    else:
+        print("gpu        none visible")
+    if args.build:
+        error = _build.load_error()
+        print(f"build      {'ok' if error is None else error}")
+    for key, value in _build.status().items():
+        print(f"{key:<10} {value}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.zeros(1, 1, 8, 1, 32, device=device, dtype=dtype)  # representative [B, N, L, H, D]
+    inputs = validate(q, q, q)
+    print(f"backends (for {dtype} inputs of head dim 32 on {device}):")
+    for name in backend_names()[1:]:
+        impl = get_backend(name)
+        if name == "cutlass" and not args.build and device == "cuda":
+            reasons = impl.not_supported_reasons(inputs) if _build_is_cheap() else ["not built yet (run with --build)"]
+        else:
+            reasons = impl.not_supported_reasons(inputs)
+        caps = impl.capabilities
+        dtypes = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
+        print(f"  {name:<8} {'can run' if not reasons else 'cannot run: ' + '; '.join(reasons)}")
+        print(f"           dtypes {dtypes}; head dim multiple of {caps.head_dim_multiple}"
+              f"{'' if caps.max_head_dim is None else f' up to {caps.max_head_dim}'}; "
+              f"devices {list(caps.device_types) or 'any'}; deterministic {caps.deterministic}")
+
+
+def _build_is_cheap() -> bool:
+    """True when the extension is already built, so checking it loads it without compiling."""
+    return _build.status().get("build", "").startswith("built")
+
+
+if __name__ == "__main__":
+    main()
