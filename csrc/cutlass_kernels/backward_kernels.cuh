@@ -7,9 +7,11 @@
 //  - dK/dV kernel: CTA = (b * N + n, key block, h), loops over query blocks. It computes S^T = K.Q^T
 //    so that P^T and dS^T are A operands in registers for dV += P^T.dO and dK += dS^T.Q; the row
 //    sums of dS^T are the mask-bias gradient of (b, n, h) per key.
-//  - dQ kernel: CTA = (b * n_chunks + chunk, query block, h), loops over the chunk's rows n and the
-//    key blocks; dQ accumulates in registers; the chunk's pair-bias gradient for its query rows is
-//    read-modify-written in an fp32 slab that no other CTA touches.
+//  - dQ kernel: CTA = (b * N + n, query block, h), loops over key blocks; dQ stays in registers.
+//  - pair-bias kernel (only when that gradient is wanted): CTA = (b, n-chunk, query block, key
+//    block, h), loops over the chunk's rows n recomputing S, dP and dS, sums dS in registers and
+//    writes its tile of the chunk's partial once. The partials ([n_chunks, B, H, Lq, Lk] fp32) are
+//    summed by the host in a fixed order.
 #pragma once
 
 #include "kernel_utils.cuh"
@@ -48,6 +50,14 @@ struct BackwardConfig {
   static constexpr int kDqStageBytes =
       2 * kBlockK * kTileBytes16 + (kPair ? kBlockQ2 * kPairPitch * int(sizeof(PairT)) : 0) + kBlockK * 4;
   static constexpr int kDqSmemBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kDqStageBytes;
+
+  // Pair-bias kernel: a [kBlockQ2, kBlockK] tile, 16 queries per warp; per row n a stage holds Q,
+  // dO [kBlockQ2][kPitch], K, V [kBlockK][kPitch], mask [kBlockK], stats [kBlockQ2] (float2) and
+  // delta [kBlockQ2]; the pair tile [kBlockQ2][kPairPitch] is loaded once.
+  static constexpr int kBiasStageBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kBlockK * kTileBytes16 + kBlockK * 4 +
+                                         kBlockQ2 * 8 + kBlockQ2 * 4;
+  static constexpr int kBiasPairBytes = kPair ? kBlockQ2 * kPairPitch * int(sizeof(PairT)) : 0;
+  static constexpr int kBiasSmemBytes = kBiasPairBytes + 2 * kBiasStageBytes;
 };
 
 template <typename T>
@@ -56,7 +66,7 @@ __device__ __forceinline__ float to_float(T x) {
 }
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backward_dkdv_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockKV = Cfg::kBlockKV, kBlockQ = Cfg::kBlockQ;
@@ -283,12 +293,74 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dkdv_kernel(const Atte
   }
 }
 
+// S = (mask + pair) / scale + Q.K^T and dP = dO.V^T for one warp's 16 query rows and a kBlockK key
+// tile, then dS = P * (dP - delta) with P = exp2((S - m) * scale_log2 - l); dS is left in `dp`.
+// The A fragments of Q and dO come from qf / dof when kFragsInRegs, else from sQ / sdO.
+template <typename Cfg, bool kHasMask, bool kFragsInRegs>
+__device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], const AttentionParams& p,
+                                                const uint32_t (&qf)[1][Cfg::kKSteps][4],
+                                                const uint32_t (&dof)[1][Cfg::kKSteps][4],
+                                                const typename Cfg::Element* sQ, const typename Cfg::Element* sdO,
+                                                const typename Cfg::Element* sK, const typename Cfg::Element* sV,
+                                                const typename Cfg::PairT* sPair, const float* sMask,
+                                                const float2 (&stats_row)[2], const float (&delta_row)[2],
+                                                int warp_row0, int valid_keys, int lane) {
+  using Element = typename Cfg::Element;
+  constexpr int kNTiles = Cfg::kNTiles, kKSteps = Cfg::kKSteps, kPitch = Cfg::kPitch;
+  float sc[1][kNTiles][4];
+  init_scores<Cfg::kPair != kNoPair, 1, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair, warp_row0,
+                                                                  valid_keys, p.inv_scale, lane);
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    uint32_t qa[1][1][4], da[1][1][4];
+    if constexpr (!kFragsInRegs) {
+      load_a_frags<1, 1, kPitch>(qa, sQ + kk * 16, warp_row0, lane);
+      load_a_frags<1, 1, kPitch>(da, sdO + kk * 16, warp_row0, lane);
+    }
+    const uint32_t(&qa_c)[4] = qa[0][0];
+    const uint32_t(&da_c)[4] = da[0][0];
+    const uint32_t(&aq)[4] = kFragsInRegs ? qf[0][kk] : qa_c;
+    const uint32_t(&ado)[4] = kFragsInRegs ? dof[0][kk] : da_c;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t bk[2][2], bv[2][2];
+      load_b_frags_nmajor<kPitch>(bk, sK, nt * 8, kk * 16, lane);
+      load_b_frags_nmajor<kPitch>(bv, sV, nt * 8, kk * 16, lane);
+      mma<Element>(sc[0][nt], aq, bk[0][0], bk[0][1]);
+      mma<Element>(sc[0][nt + 1], aq, bk[1][0], bk[1][1]);
+      mma<Element>(dp[nt], ado, bv[0][0], bv[0][1]);
+      mma<Element>(dp[nt + 1], ado, bv[1][0], bv[1][1]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dp[nt][e] = fast_exp2(fmaf(sc[0][nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y)) *
+                  (dp[nt][e] - delta_row[e / 2]);
+}
+
+// This thread's two query rows' softmax statistics and delta; padding rows get l = +inf (P = 0).
+__device__ __forceinline__ void load_row_stats(float2 (&stats_row)[2], float (&delta_row)[2], const AttentionParams& p,
+                                               int64_t bnh, int row0) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    stats_row[r] = row < p.Lq ? reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row] : make_float2(0.f, kInf);
+    delta_row[r] = row < p.Lq ? p.delta[bnh * p.Lq + row] : 0.f;
+  }
+}
+
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) backward_dq_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backward_dq_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;
-  constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kKSteps = Cfg::kKSteps;
+  constexpr int kDTiles = Cfg::kDTiles, kKSteps = Cfg::kKSteps;
   constexpr int kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitch;
 
   extern __shared__ __align__(16) char smem[];
@@ -305,175 +377,222 @@ __global__ void __launch_bounds__(Cfg::kThreads) backward_dq_kernel(const Attent
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.x / p.n_chunks, chunk = blockIdx.x % p.n_chunks, h = blockIdx.z;
-  const int n_begin = int(chunk) * p.n_chunk_size;
-  const int n_end = min(p.N, n_begin + p.n_chunk_size);
+  const int64_t b = blockIdx.x / p.N, n = blockIdx.x % p.N, h = blockIdx.z;
+  const int64_t bnh = (b * p.N + n) * p.H + h;
   const int m0 = blockIdx.y * kBlockQ;
   const int rows_q = min(kBlockQ, p.Lq - m0);
   const int warp_row0 = warp * 16;
 
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
+                     int64_t(m0) * p.q_stride_l;  // [Lq, D] from query m0
+  const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
+                        h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D]
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;
+  const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
   const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from query m0
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
-  // This CTA's own rows of the chunk's pair-bias gradient: [Lq, Lk] fp32 of (chunk, b, h).
-  float* dpair = p.dpair ? p.dpair + ((chunk * p.B + b) * p.H + h) * int64_t(p.Lq) * p.Lk : nullptr;
-  const bool lk_even = (p.Lk % 2) == 0;
 
-  for (int n = n_begin; n < n_end; ++n) {
-    const int64_t bnh = (b * p.N + n) * p.H + h;
-    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
-                       int64_t(m0) * p.q_stride_l;  // [Lq, D] from query m0
-    const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
-                          h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
-    const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D]
-    const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;
-    const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
+  auto load_stage = [&](int s, int n0) {
+    const int rows_k = min(kBlockK, p.Lk - n0);
+    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_k(s), k + int64_t(n0) * p.k_stride_l,
+                                                                       p.k_stride_l, rows_k, p.D, tid);
+    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_v(s), v + int64_t(n0) * p.v_stride_l,
+                                                                       p.v_stride_l, rows_k, p.D, tid);
+    if constexpr (Cfg::kPair != kNoPair)
+      load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(stage_pair(s), pair + n0, p.pair_stride_q, rows_q,
+                                                                     p.Lk - n0, tid);
+    if (mask) load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(stage_mask(s), mask + n0, 0, 1, p.Lk - n0, tid);
+  };
 
-    auto load_stage = [&](int s, int n0) {
-      const int rows_k = min(kBlockK, p.Lk - n0);
-      load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_k(s), k + int64_t(n0) * p.k_stride_l,
-                                                                         p.k_stride_l, rows_k, p.D, tid);
-      load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_v(s), v + int64_t(n0) * p.v_stride_l,
-                                                                         p.v_stride_l, rows_k, p.D, tid);
-      if constexpr (Cfg::kPair != kNoPair)
-        load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(stage_pair(s), pair + n0, p.pair_stride_q,
-                                                                       rows_q, p.Lk - n0, tid);
-      if (mask) load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(stage_mask(s), mask + n0, 0, 1, p.Lk - n0, tid);
-    };
+  load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
+  load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sdO, dout, p.do_stride_l, rows_q, p.D, tid);
+  load_stage(0, 0);
+  cp_async_commit();
 
-    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
-    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sdO, dout, p.do_stride_l, rows_q, p.D, tid);
-    load_stage(0, 0);
+  float2 stats_row[2];
+  float delta_row[2];
+  load_row_stats(stats_row, delta_row, p, bnh, m0 + warp_row0 + g);
+  float dq[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+  uint32_t qf[1][kKSteps][4], dof[1][kKSteps][4];  // used when Cfg::kQInRegs
+
+  const int n_blocks = (p.Lk + kBlockK - 1) / kBlockK;
+  for (int jb = 0; jb < n_blocks; ++jb) {
+    const int s = jb & 1;
+    const int n0 = jb * kBlockK;
+    if (jb + 1 < n_blocks) load_stage(s ^ 1, n0 + kBlockK);
     cp_async_commit();
-
-    float2 stats_row[2];  // (m, l) of this thread's two query rows; padding rows get l = +inf: P = 0
-    float delta_row[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = m0 + warp_row0 + g + 8 * r;
-      stats_row[r] = row < p.Lq ? reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row] : make_float2(0.f, kInf);
-      delta_row[r] = row < p.Lq ? p.delta[bnh * p.Lq + row] : 0.f;
+    cp_async_wait<1>();
+    __syncthreads();
+    if constexpr (Cfg::kQInRegs) {
+      if (jb == 0) {
+        load_a_frags<1, kKSteps, kPitch>(qf, sQ, warp_row0, lane);
+        load_a_frags<1, kKSteps, kPitch>(dof, sdO, warp_row0, lane);
+      }
     }
-    float dq[kDTiles][4];
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
-    uint32_t qf[1][kKSteps][4], dof[1][kKSteps][4];  // used when Cfg::kQInRegs
+    const Element* sK = stage_k(s);
+    float ds[Cfg::kNTiles][4];
+    if (mask)
+      compute_ds_tile<Cfg, true, Cfg::kQInRegs>(ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), stage_mask(s),
+                                                stats_row, delta_row, warp_row0, p.Lk - n0, lane);
+    else
+      compute_ds_tile<Cfg, false, Cfg::kQInRegs>(ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), nullptr,
+                                                 stats_row, delta_row, warp_row0, p.Lk - n0, lane);
 
-    const int n_blocks = (p.Lk + kBlockK - 1) / kBlockK;
-    for (int jb = 0; jb < n_blocks; ++jb) {
-      const int s = jb & 1;
-      const int n0 = jb * kBlockK;
-      if (jb + 1 < n_blocks) load_stage(s ^ 1, n0 + kBlockK);
-      cp_async_commit();
-      cp_async_wait<1>();
-      __syncthreads();
-      if constexpr (Cfg::kQInRegs) {
-        if (jb == 0) {
-          load_a_frags<1, kKSteps, kPitch>(qf, sQ, warp_row0, lane);
-          load_a_frags<1, kKSteps, kPitch>(dof, sdO, warp_row0, lane);
-        }
+    // dQ += dS . K
+#pragma unroll
+    for (int kc = 0; kc < kBlockK / 16; ++kc) {
+      uint32_t a[4];
+      c_to_a_frag<Element>(a, ds, kc);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; dt += 2) {
+        uint32_t bf[2][2];
+        load_b_frags_kmajor<kPitch>(bf, sK, kc * 16, dt * 8, lane);
+        mma<Element>(dq[dt], a, bf[0][0], bf[0][1]);
+        mma<Element>(dq[dt + 1], a, bf[1][0], bf[1][1]);
       }
-      const Element* sK = stage_k(s);
-      const Element* sV = stage_v(s);
-      const PairT* sPair = stage_pair(s);
-      const float* sMask = stage_mask(s);
-
-      // S = (mask + pair) / scale + Q . K^T and dP = dO . V^T  [16 queries of this warp, kBlockK keys]
-      float sc[1][kNTiles][4], dp[kNTiles][4];
-      init_scores<Cfg::kPair != kNoPair, 1, kNTiles, kPairPitch>(sc, mask ? sMask : nullptr, sPair, warp_row0,
-                                                                 p.Lk - n0, p.inv_scale, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[nt][e] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        uint32_t qa[1][1][4], da[1][1][4];
-        if constexpr (!Cfg::kQInRegs) {
-          load_a_frags<1, 1, kPitch>(qa, sQ + kk * 16, warp_row0, lane);
-          load_a_frags<1, 1, kPitch>(da, sdO + kk * 16, warp_row0, lane);
-        }
-        const uint32_t(&aq)[4] = Cfg::kQInRegs ? qf[0][kk] : qa[0][0];
-        const uint32_t(&ado)[4] = Cfg::kQInRegs ? dof[0][kk] : da[0][0];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; nt += 2) {
-          uint32_t bk[2][2], bv[2][2];
-          load_b_frags_nmajor<kPitch>(bk, sK, nt * 8, kk * 16, lane);
-          load_b_frags_nmajor<kPitch>(bv, sV, nt * 8, kk * 16, lane);
-          mma<Element>(sc[0][nt], aq, bk[0][0], bk[0][1]);
-          mma<Element>(sc[0][nt + 1], aq, bk[1][0], bk[1][1]);
-          mma<Element>(dp[nt], ado, bv[0][0], bv[0][1]);
-          mma<Element>(dp[nt + 1], ado, bv[1][0], bv[1][1]);
-        }
-      }
-
-      // dS = P * (dP - delta), P = exp2((S - m) * scale_log2 - l)
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          dp[nt][e] = fast_exp2(fmaf(sc[0][nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y)) *
-                      (dp[nt][e] - delta_row[e / 2]);
-
-      // The chunk's pair-bias gradient: this thread owns these elements for every n of the chunk.
-      if (dpair != nullptr) {
-        const bool first = n == n_begin;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = m0 + warp_row0 + g + 8 * r;
-            const int col = n0 + nt * 8 + 2 * t;
-            if (row >= p.Lq || col >= p.Lk) continue;
-            float* ptr = dpair + int64_t(row) * p.Lk + col;
-            float2 val = make_float2(dp[nt][2 * r], dp[nt][2 * r + 1]);
-            if (lk_even) {  // col is even, so ptr is 8-byte aligned
-              if (!first) {
-                const float2 old = *reinterpret_cast<const float2*>(ptr);
-                val.x += old.x, val.y += old.y;
-              }
-              *reinterpret_cast<float2*>(ptr) = val;
-            } else {
-              ptr[0] = first ? val.x : ptr[0] + val.x;
-              if (col + 1 < p.Lk) ptr[1] = first ? val.y : ptr[1] + val.y;
-            }
-          }
-      }
-
-      // dQ += dS . K
-#pragma unroll
-      for (int kc = 0; kc < kBlockK / 16; ++kc) {
-        uint32_t a[4];
-        c_to_a_frag<Element>(a, dp, kc);
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; dt += 2) {
-          uint32_t bf[2][2];
-          load_b_frags_kmajor<kPitch>(bf, sK, kc * 16, dt * 8, lane);
-          mma<Element>(dq[dt], a, bf[0][0], bf[0][1]);
-          mma<Element>(dq[dt + 1], a, bf[1][0], bf[1][1]);
-        }
-      }
-      __syncthreads();  // the next iteration's copies overwrite this stage (and, after the last, sQ/sdO)
     }
+    __syncthreads();  // the next iteration's copies overwrite this stage
+  }
 
-    const int64_t row_stride = int64_t(p.H) * p.D;
-    Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
+  const int64_t row_stride = int64_t(p.H) * p.D;
+  Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = m0 + warp_row0 + g + 8 * r;
-      if (row < p.Lq) {
+  for (int r = 0; r < 2; ++r) {
+    const int row = m0 + warp_row0 + g + 8 * r;
+    if (row < p.Lq) {
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          const int d = dt * 8 + 2 * t;
-          if (d < p.D)
-            *reinterpret_cast<uint32_t*>(dq_out + row * row_stride + d) =
-                pack2<Element>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
-        }
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int d = dt * 8 + 2 * t;
+        if (d < p.D)
+          *reinterpret_cast<uint32_t*>(dq_out + row * row_stride + d) =
+              pack2<Element>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
       }
     }
   }
+}
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backward_dpair_kernel(const AttentionParams p) {
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;
+  constexpr int kNTiles = Cfg::kNTiles, kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitch;
+
+  extern __shared__ __align__(16) char smem[];
+  PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockQ][kPairPitch]
+  char* stages = smem + Cfg::kBiasPairBytes;
+  // stage s: Q, dO [kBlockQ][kPitch], K, V [kBlockK][kPitch], mask [kBlockK], stats [kBlockQ], delta [kBlockQ]
+  auto stage_q = [&](int s) { return reinterpret_cast<Element*>(stages + s * Cfg::kBiasStageBytes); };
+  auto stage_do = [&](int s) { return stage_q(s) + kBlockQ * kPitch; };
+  auto stage_k = [&](int s) { return stage_do(s) + kBlockQ * kPitch; };
+  auto stage_v = [&](int s) { return stage_k(s) + kBlockK * kPitch; };
+  auto stage_mask = [&](int s) { return reinterpret_cast<float*>(stage_v(s) + kBlockK * kPitch); };
+  auto stage_stats = [&](int s) { return reinterpret_cast<float2*>(stage_mask(s) + kBlockK); };
+  auto stage_delta = [&](int s) { return reinterpret_cast<float*>(stage_stats(s) + kBlockQ); };
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, t = lane % 4;
+  // blockIdx.x = ((b * n_chunks + chunk) * n_query_blocks + query block) * n_key_blocks + key block
+  const int n_kb = (p.Lk + kBlockK - 1) / kBlockK, n_qb = (p.Lq + kBlockQ - 1) / kBlockQ;
+  const int64_t kb = blockIdx.x % n_kb, qb = (blockIdx.x / n_kb) % n_qb;
+  const int64_t chunk = (blockIdx.x / (int64_t(n_kb) * n_qb)) % p.n_chunks;
+  const int64_t b = blockIdx.x / (int64_t(n_kb) * n_qb * p.n_chunks);
+  const int64_t h = blockIdx.z;
+  const int m0 = int(qb) * kBlockQ, n0 = int(kb) * kBlockK;
+  const int rows_q = min(kBlockQ, p.Lq - m0), rows_k = min(kBlockK, p.Lk - n0);
+  const int n_begin = int(chunk) * p.n_chunk_size, n_end = min(p.N, n_begin + p.n_chunk_size);
+  const int warp_row0 = warp * 16;
+
+  if constexpr (Cfg::kPair != kNoPair) {
+    const PairT* pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h +
+                        int64_t(m0) * p.pair_stride_q + n0;  // [Lq, Lk_pad] tile of (b, h)
+    load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(sPair, pair, p.pair_stride_q, rows_q, p.Lk - n0, tid);
+  }
+  auto load_stage = [&](int s, int64_t n) {
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
+                       int64_t(m0) * p.q_stride_l;
+    const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
+                          h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
+    const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h +
+                       int64_t(n0) * p.k_stride_l;
+    const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h +
+                       int64_t(n0) * p.v_stride_l;
+    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(stage_q(s), q, p.q_stride_l, rows_q, p.D, tid);
+    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(stage_do(s), dout, p.do_stride_l, rows_q, p.D,
+                                                                       tid);
+    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_k(s), k, p.k_stride_l, rows_k, p.D, tid);
+    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_v(s), v, p.v_stride_l, rows_k, p.D, tid);
+    if (p.mask_scaled)
+      load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(
+          stage_mask(s), p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n + n0, 0, 1, p.Lk - n0, tid);
+    const int64_t bnh = (b * p.N + n) * p.H + h;
+    for (int c = tid; c < kBlockQ; c += kThreads) {  // padding queries: l = +inf makes P = 0
+      stage_stats(s)[c] = c < rows_q ? reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + m0 + c] : make_float2(0.f, kInf);
+      stage_delta(s)[c] = c < rows_q ? p.delta[bnh * p.Lq + m0 + c] : 0.f;
+    }
+  };
+
+  load_stage(0, n_begin);
+  cp_async_commit();
+  float acc[kNTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+  const uint32_t unused_frags[1][Cfg::kKSteps][4] = {};  // Q and dO fragments are read from shared memory
+
+  for (int n = n_begin; n < n_end; ++n) {
+    const int s = (n - n_begin) & 1;
+    if (n + 1 < n_end) load_stage(s ^ 1, n + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    float2 stats_row[2];
+    float delta_row[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      stats_row[r] = stage_stats(s)[warp_row0 + g + 8 * r];
+      delta_row[r] = stage_delta(s)[warp_row0 + g + 8 * r];
+    }
+    float ds[kNTiles][4];
+    if (p.mask_scaled)
+      compute_ds_tile<Cfg, true, false>(ds, p, unused_frags, unused_frags, stage_q(s), stage_do(s), stage_k(s),
+                                        stage_v(s), sPair, stage_mask(s), stats_row, delta_row, warp_row0, p.Lk - n0,
+                                        lane);
+    else
+      compute_ds_tile<Cfg, false, false>(ds, p, unused_frags, unused_frags, stage_q(s), stage_do(s), stage_k(s),
+                                         stage_v(s), sPair, nullptr, stats_row, delta_row, warp_row0, p.Lk - n0, lane);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] += ds[nt][e];
+    __syncthreads();  // the next iteration's copies overwrite this stage
+  }
+
+  // This CTA's tile of the chunk's partial: [Lq, Lk] fp32 of (chunk, b, h), written once.
+  float* out = p.dpair + ((chunk * p.B + b) * p.H + h) * int64_t(p.Lq) * p.Lk;
+  const bool lk_even = (p.Lk % 2) == 0;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + warp_row0 + g + 8 * r;
+      const int col = n0 + nt * 8 + 2 * t;
+      if (row >= p.Lq || col >= p.Lk) continue;
+      float* ptr = out + int64_t(row) * p.Lk + col;
+      if (lk_even) {
+        *reinterpret_cast<float2*>(ptr) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
+      } else {
+        ptr[0] = acc[nt][2 * r];
+        if (col + 1 < p.Lk) ptr[1] = acc[nt][2 * r + 1];
+      }
+    }
 }
 
 template <typename Element>
@@ -519,10 +638,21 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   auto dq = backward_dq_kernel<Cfg>;
   if (cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDqSmemBytes) != cudaSuccess)
     check_launch("evoformer backward dQ (shared-memory attribute)");
-  const dim3 grid_q(unsigned(int64_t(p.B) * p.n_chunks), unsigned((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2),
-                    unsigned(p.H));
+  const dim3 grid_q(unsigned(int64_t(p.B) * p.N), unsigned((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2), unsigned(p.H));
   dq<<<grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream>>>(p);
   check_launch("evoformer backward dQ");
+
+  if constexpr (kPair != kNoPair) {
+    if (p.dpair != nullptr) {
+      auto dpair = backward_dpair_kernel<Cfg>;
+      if (cudaFuncSetAttribute(dpair, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kBiasSmemBytes) != cudaSuccess)
+        check_launch("evoformer backward pair bias (shared-memory attribute)");
+      const int64_t tiles = int64_t((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2) * ((p.Lk + Cfg::kBlockK - 1) / Cfg::kBlockK);
+      const dim3 grid_b(unsigned(int64_t(p.B) * p.n_chunks * tiles), 1, unsigned(p.H));
+      dpair<<<grid_b, Cfg::kThreads, Cfg::kBiasSmemBytes, stream>>>(p);
+      check_launch("evoformer backward pair bias");
+    }
+  }
 }
 
 }  // namespace evoformer

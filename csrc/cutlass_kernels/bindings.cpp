@@ -201,13 +201,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   return {out, stats};
 }
 
-// Rows n handled by one dQ CTA when the pair-bias gradient is wanted: enough chunks to fill the GPU
-// (about four CTAs per SM), each chunk costing a [B, H, Lq, Lk] fp32 slab, capped at 256 MiB in all.
-int choose_n_chunk_size(const AttentionParams& p, int block_q) {
+// Rows n summed by one CTA of the pair-bias gradient kernel: enough n-chunks to give about four
+// CTAs per SM, each chunk costing a [B, H, Lq, Lk] fp32 partial, capped at 256 MiB in all.
+int choose_n_chunk_size(const AttentionParams& p, int block_q, int block_k) {
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t ctas_per_chunk = int64_t(p.B) * p.H * ((p.Lq + block_q - 1) / block_q);
+  const int64_t ctas_per_chunk =
+      int64_t(p.B) * p.H * ((p.Lq + block_q - 1) / block_q) * ((p.Lk + block_k - 1) / block_k);
   int64_t chunks = (4 * int64_t(sms) + ctas_per_chunk - 1) / ctas_per_chunk;
   const int64_t slab_bytes = int64_t(p.B) * p.H * p.Lq * p.Lk * 4;
   const int64_t budget_chunks = std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(slab_bytes, 1));
@@ -254,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();
-  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64) : 1;
+  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64, /*block_k=*/64) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
   at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();
   for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);

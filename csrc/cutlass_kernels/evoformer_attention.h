@@ -57,7 +57,7 @@ struct AttentionParams {
   float* dmask;      // [B, N, H, Lk] contiguous fp32 partial (sum over queries); nullptr: not wanted
   float* dpair;      // [n_chunks, B, H, Lq, Lk] contiguous fp32 partial (sum over the chunk's rows n);
                      // nullptr: not wanted
-  int n_chunk_size;  // rows n handled by one dQ CTA (N when no pair-bias gradient is wanted)
+  int n_chunk_size;  // rows n summed by one CTA of the pair-bias gradient kernel
   int n_chunks;      // ceil(N / n_chunk_size)
 
   // ---- sizes ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 // accumulator starts at the biases divided by the scale (init_scores), so the biases cost one FFMA
 // per element; probabilities are exp2((S - max) * scale * log2(e)).
 //
-// CTA = (b * N + n, query block, h). Each of the 4 warps owns kMTiles * 16 query rows; K, V, the
+// CTA = (b * N + n, query block, h). Each warp owns kMTiles * 16 query rows; K, V, the
 // pair-bias tile and the mask tile of the next key block are copied (cp.async) while the current
 // one is used. blockIdx.x runs over b * N + n fastest, so CTAs that read the same pair-bias tile
 // (same b, h and query block, different n) run side by side and share it through L2.
@@ -19,9 +19,12 @@ struct ForwardConfig {
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
   static constexpr int kPair = kPair_;
-  static constexpr int kWarps = 4;
+  // 16 query rows per warp keeps the per-thread state small (S: 32 registers) so that two CTAs of
+  // 8 warps fit an SM; the 8 warps share each K/V/pair tile copied into shared memory.
+  static constexpr int kWarps = kHeadDim <= 64 ? 8 : 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMTiles = kHeadDim <= 32 ? 2 : 1;  // 16-row MMA tiles per warp
+  static constexpr int kMinBlocksPerSM = EVOFORMER_FWD_MIN_BLOCKS;
+  static constexpr int kMTiles = 1;  // 16-row MMA tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;   // queries per CTA
   static constexpr int kBlockN = 64;                      // keys per step
   static constexpr int kNTiles = kBlockN / 8;             // n8 tiles of S per 16 rows
@@ -38,7 +41,7 @@ struct ForwardConfig {
 };
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) forward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kPitch = Cfg::kPitch;

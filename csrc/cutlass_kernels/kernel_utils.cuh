@@ -22,6 +22,15 @@
 
 #include "evoformer_attention.h"
 
+// Minimum resident CTAs per SM the kernels are compiled for (caps registers per thread); tunable
+// at build time, e.g. EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS="-DEVOFORMER_FWD_MIN_BLOCKS=1".
+#ifndef EVOFORMER_FWD_MIN_BLOCKS
+#define EVOFORMER_FWD_MIN_BLOCKS 2
+#endif
+#ifndef EVOFORMER_BWD_MIN_BLOCKS
+#define EVOFORMER_BWD_MIN_BLOCKS 2
+#endif
+
 namespace evoformer {
 
 constexpr float kLog2e = 1.4426950408889634f;

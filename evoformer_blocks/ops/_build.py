@@ -40,6 +40,11 @@ CUDA_FLAGS = [
 ]
 CXX_FLAGS = ["-O3", "-std=c++17"]
 
+
+def cuda_flags() -> list[str]:
+    """CUDA_FLAGS plus EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS (tuning experiments; part of the cache key)."""
+    return CUDA_FLAGS + os.environ.get("EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS", "").split()
+
 _loaded: Optional[str] = None  # name of the loaded extension
 _load_error: Optional[str] = None
 
@@ -90,7 +95,7 @@ def arch_list() -> str:
 def build_key(arch: str, include_dir: Path) -> str:
     h = hashlib.sha256()
     for item in (torch.__version__, str(torch.version.cuda), arch, cutlass_version(include_dir), str(include_dir),
-                 " ".join(CUDA_FLAGS), " ".join(CXX_FLAGS), sys.version.split()[0]):
+                 " ".join(cuda_flags()), " ".join(CXX_FLAGS), sys.version.split()[0]):
         h.update(item.encode() + b"\0")
     for path in sorted(SOURCE_DIR.rglob("*")):
         if path.suffix in (".cpp", ".cu", ".cuh", ".h"):
@@ -141,7 +146,7 @@ def load() -> str:
                 sources=[str(s) for s in srcs],
                 extra_include_paths=[str(include_dir), str(SOURCE_DIR)],
                 extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=CUDA_FLAGS,
+                extra_cuda_cflags=cuda_flags(),
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,
