@@ -60,8 +60,9 @@ def get_config(name: str) -> ml_collections.ConfigDict:
       0.25 (pair); extra MSA c_e 64, 4 blocks, MSA attention 8 heads × 8. ``blocks_per_ckpt`` 1
       (as trained; checkpointing only acts while gradients are enabled).
     * ``"small"``: the same architecture shrunk for CPU examples and tests: c_m 32, c_z 32, c_s 32,
-      2 blocks, 4 heads × 8 everywhere, outer product mean 8, triangle multiplication 32, no
-      dropout; extra MSA c_e 16, 1 block.
+      2 blocks, 4 heads × 8 in every attention (8 is the head width the fused kernel needs a
+      multiple of), outer product mean 8, triangle multiplication 32, no dropout; extra MSA c_e 16,
+      1 block, triangle multiplication 16.
     """
     if name == "af2":
         return _preset(
@@ -90,7 +91,7 @@ def get_config(name: str) -> ml_collections.ConfigDict:
                 no_heads_msa=4, no_heads_pair=4, no_blocks=2,
             ),
             extra_msa=dict(
-                c_hidden_msa_att=4, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
+                c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
                 no_heads_msa=4, no_heads_pair=4, no_blocks=1,
             ),
             dropout=(0.0, 0.0),
