@@ -219,5 +219,5 @@ def collate(
     }
     if extra_depth > 0:
         out["extra_msa"] = msa[:, depth : depth + extra_depth]  # [B, extra_depth, L]
-        out["extra_msa_mask"] = seq_mask[:, None, :].expand(-1, extra_depth, -1).contiguous()
+        out["extra_msa_mask"] = seq_mask[:, None, :].expand(-1, extra_depth, -1).contiguous()  # [B, extra_depth, L]
     return out

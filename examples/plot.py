@@ -18,8 +18,8 @@ def write_png(path: str, image: torch.Tensor) -> None:
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] != 3:
         raise ValueError(f"`image` must be a [H, W, 3] uint8 tensor, got {image.dtype} {list(image.shape)}")
     height, width, _ = image.shape
-    rows = image.contiguous().view(height, width * 3)
-    raw = torch.cat([torch.zeros(height, 1, dtype=torch.uint8), rows], dim=1)  # filter byte 0 per row
+    rows = image.contiguous().view(height, width * 3)  # [H, 3W]: R, G, B of each pixel in turn
+    raw = torch.cat([torch.zeros(height, 1, dtype=torch.uint8), rows], dim=1)  # [H, 1 + 3W]: filter byte 0 per row
 
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
@@ -28,7 +28,7 @@ def write_png(path: str, image: torch.Tensor) -> None:
     png = (
         b"\x89PNG\r\n\x1a\n"
         + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(bytes(raw.flatten().tolist()), 9))
+        + chunk(b"IDAT", zlib.compress(bytes(raw.flatten().tolist()), 9))  # [H * (1 + 3W)] bytes, row by row
         + chunk(b"IEND", b"")
     )
     with open(path, "wb") as f:

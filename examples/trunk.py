@@ -88,7 +88,7 @@ class ContactTrunk(nn.Module):
             z = self.extra_msa(e, z, extra_msa_mask, pair_mask, chunk_size=chunk_size)  # [B, L, L, c_z]
         _, z, _ = self.evoformer(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
         logits = self.distogram(z)  # [B, L, L, no_bins]
-        return logits + logits.transpose(-2, -3)
+        return logits + logits.transpose(-2, -3)  # [B, L, L, no_bins], symmetric in (i, j)
 
 
 def distogram_loss(logits: torch.Tensor, coords: torch.Tensor, pair_mask: torch.Tensor, edges: torch.Tensor):
@@ -96,7 +96,8 @@ def distogram_loss(logits: torch.Tensor, coords: torch.Tensor, pair_mask: torch.
     of each protein, then over proteins. ``logits`` ``[B, L, L, no_bins]``, ``coords`` ``[B, L, 3]``."""
     dist = torch.cdist(coords, coords)  # [B, L, L]
     target = torch.bucketize(dist, edges.to(dist.device), right=True)  # [B, L, L]: bin index
-    ce = F.cross_entropy(logits.float().flatten(0, 2), target.flatten(), reduction="none").view_as(dist)
+    ce = F.cross_entropy(logits.float().flatten(0, 2), target.flatten(), reduction="none")  # [B * L * L]
+    ce = ce.view_as(dist)  # [B, L, L]
     per_protein = (ce * pair_mask).sum(dim=(-1, -2)) / pair_mask.sum(dim=(-1, -2)).clamp_min(1.0)  # [B]
     return per_protein.mean()
 

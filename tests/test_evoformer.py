@@ -386,7 +386,7 @@ def test_bf16_autocast_forward_backward():
 
 
 def test_torch_compile_matches_eager():
-    stack = evoformer_stack(dtype=torch.float32, blocks_per_ckpt=1, msa_dropout=0.0, pair_dropout=0.0).eval()
+    stack = evoformer_stack(no_blocks=1, dtype=torch.float32, blocks_per_ckpt=1, msa_dropout=0.0, pair_dropout=0.0).eval()
     m, z, msa_mask, pair_mask = inputs(dtype=torch.float32)
     compiled = torch.compile(stack, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
