@@ -91,6 +91,35 @@ def run_sdpa(q, k, v, m, p):
 
 
 _flex = None
+_score_mods: dict = {}
+
+
+def _score_mod(m, p, n):
+    """One score_mod per bias pair, built once: a new closure per call would make torch.compile
+    recompile until it gives up and runs flex_attention unfused."""
+    key = (id(m), id(p))
+    if key not in _score_mods:
+        b, l = m.shape[0], m.shape[-1]
+        mask_flat = m.reshape(b * n, l)  # [B*N, Lk]
+        if p is None:
+
+            def score_mod(score, bi, hi, qi, ki):
+                return score + mask_flat[bi, ki]
+
+        elif b == 1:  # the suite's case: index the shared pair bias without a division
+            pair = p.reshape(p.shape[2], l, l)  # [H, Lq, Lk]
+
+            def score_mod(score, bi, hi, qi, ki):
+                return score + mask_flat[bi, ki] + pair[hi, qi, ki]
+
+        else:
+            pair = p.reshape(b, p.shape[2], l, l)  # [B, H, Lq, Lk]
+
+            def score_mod(score, bi, hi, qi, ki):
+                return score + mask_flat[bi, ki] + pair[bi // n, hi, qi, ki]
+
+        _score_mods[key] = (score_mod, m, p)  # keep the tensors alive while the closure is cached
+    return _score_mods[key][0]
 
 
 def run_flex(q, k, v, m, p):
@@ -101,25 +130,7 @@ def run_flex(q, k, v, m, p):
         _flex = torch.compile(flex_attention)
     b, n, l, h, d = q.shape
     qh, kh, vh = (t.transpose(2, 3).reshape(b * n, h, l, d) for t in (q, k, v))  # [B*N, H, L, D]
-    mask_flat = m.reshape(b * n, l)  # [B*N, Lk]
-    if p is None:
-
-        def score_mod(score, bi, hi, qi, ki):
-            return score + mask_flat[bi, ki]
-
-    elif b == 1:  # the suite's case: index the shared pair bias without a division
-        pair = p.reshape(h, l, l)  # [H, Lq, Lk]
-
-        def score_mod(score, bi, hi, qi, ki):
-            return score + mask_flat[bi, ki] + pair[hi, qi, ki]
-
-    else:
-        pair = p.reshape(b, h, l, l)  # [B, H, Lq, Lk]
-
-        def score_mod(score, bi, hi, qi, ki):
-            return score + mask_flat[bi, ki] + pair[bi // n, hi, qi, ki]
-
-    out = _flex(qh, kh, vh, score_mod=score_mod)
+    out = _flex(qh, kh, vh, score_mod=_score_mod(m, p, n))
     return out.reshape(b, n, h, l, d).transpose(2, 3)
 
 

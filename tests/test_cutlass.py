@@ -29,13 +29,11 @@ pytestmark = [
 ]
 
 # Pass rule: error(fused) <= RATIO * error(eager, same dtype) + FLOOR[dtype, direction], errors as
-# ||x - ref|| / max(||ref||, NOISE_RMS * sqrt(numel)) against the fp32 reference. Inputs and the
-# output gradient are unit normal, so every tensor here has an RMS far above NOISE_RMS unless its
-# exact value is 0 (at L = 1 softmax is exactly 1 and dq, dk, the bias gradients vanish): there fp32
-# rounding (~1e-7) is measured against NOISE_RMS, and the floor only matters where the eager error
-# is itself ~0.
+# ||x - ref|| / ||ref|| against the fp32 reference. Where the exact value is zero (at L = 1 softmax is
+# exactly 1, so dq, dk and the bias gradients vanish) the eager backend returns exact zeros while any
+# fused kernel returns fp32 rounding noise: there the fused tensor's RMS must stay under ZERO_RMS.
 RATIO = 2.0
-NOISE_RMS = 1e-2
+ZERO_RMS = 1e-5
 FLOOR = {
     (torch.bfloat16, "forward"): 1e-4,
     (torch.bfloat16, "backward"): 1e-4,
@@ -45,10 +43,12 @@ FLOOR = {
 GRAD_NAMES = ("q", "k", "v", "mask_bias", "pair_bias")
 
 
+def rms(x: torch.Tensor) -> float:
+    return x.double().norm().item() / max(x.numel(), 1) ** 0.5
+
+
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    scale = max(ref.norm().item(), NOISE_RMS * ref.numel() ** 0.5)
-    return (x - ref).norm().item() / scale
+    return (x.double() - ref.double()).norm().item() / ref.double().norm().item()
 
 
 def make_inputs(batch, rows, len_q, len_k, heads, head_dim, dtype, variant, bias_dtype=None, seed=0, masked_frac=0.1):
@@ -103,6 +103,10 @@ def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1):
     ]:
         assert fused.shape == ref.shape, name
         assert torch.isfinite(fused).all(), f"{name}: non-finite values (unwritten or NaN)"
+        if rms(ref) == 0.0:
+            report.append(f"{name}: exact zero, fused RMS {rms(fused):.1e}")
+            assert rms(fused) <= ZERO_RMS, f"{name}: exact value 0, fused RMS {rms(fused):.3e} > {ZERO_RMS}"
+            continue
         e_fused, e_eager = rel_error(fused, ref), rel_error(eager, ref)
         allowed = RATIO * e_eager + FLOOR[(dtype, direction)]
         report.append(f"{name}: fused {e_fused:.2e} eager {e_eager:.2e}")
