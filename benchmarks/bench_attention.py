@@ -97,7 +97,7 @@ _score_mods: dict = {}
 def _score_mod(m, p, n):
     """One score_mod per bias pair, built once: a new closure per call would make torch.compile
     recompile until it gives up and runs flex_attention unfused."""
-    key = (id(m), id(p))
+    key = (id(m), id(p), p is not None and p.requires_grad)  # the captured view must track grad
     if key not in _score_mods:
         b, l = m.shape[0], m.shape[-1]
         mask_flat = m.reshape(b * n, l)  # [B*N, Lk]
