@@ -266,7 +266,8 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             d.n_train, d.n_val, d.min_len, d.max_len, d.n_seq, time.perf_counter() - t0,
         )
 
-    # Model.
+    # Model: the same initial weights on every process (DDP also broadcasts rank 0's).
+    torch.manual_seed(cfg.seed)
     edges = distance_bins(cfg.model.first_break, cfg.model.last_break, cfg.model.no_bins).to(ctx.device)
     model = ContactTrunk(
         evoformer_stack=OmegaConf.to_container(cfg.model.evoformer_stack, resolve=True),

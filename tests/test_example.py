@@ -118,6 +118,15 @@ def test_resume_continues_exactly(tmp_path):
         train_example.find_checkpoint(str(tmp_path / "nowhere"))
 
 
+def test_runs_are_reproducible(tmp_path):
+    for name in ("a", "b"):
+        train_example.train(config(*TINY, "trainer.steps=2"), str(tmp_path / name))
+    a = torch.load(tmp_path / "a" / "checkpoints" / "step_000002.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "b" / "checkpoints" / "step_000002.pt", weights_only=False)["model"]
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_two_process_ddp_with_gloo(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
