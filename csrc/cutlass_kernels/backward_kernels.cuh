@@ -4,10 +4,10 @@
 //   dV = P^T.dO    dP = dO.V^T    dS = P * (dP - delta), delta = rowsum(dO * O)
 //   dQ = scale * dS.K    dK = scale * dS^T.Q    d(pair_bias) = sum_n dS    d(mask_bias) = sum_{h,i} dS
 // Nothing is accumulated with atomics, so every gradient is bitwise reproducible:
-//  - dK/dV kernel: CTA = (b * N + n, key block, h), loops over query blocks. It computes S^T = K.Q^T
+//  - dK/dV kernel: CTA = (key block, b * N + n) on x (key block fastest), h on y; loops over query blocks. It computes S^T = K.Q^T
 //    so that P^T and dS^T are A operands in registers for dV += P^T.dO and dK += dS^T.Q; the row
 //    sums of dS^T are the mask-bias gradient of (b, n, h) per key.
-//  - dQ kernel: CTA = (b * N + n, query block, h), loops over key blocks; dQ stays in registers.
+//  - dQ kernel: CTA = (query block, b * N + n) on x, h on y; loops over key blocks; dQ stays in registers.
 //  - pair-bias kernel (only when that gradient is wanted): CTA = (b, n-chunk, query block, key
 //    block, h), loops over the chunk's rows n recomputing S, dP and dS, sums dS in registers and
 //    writes its tile of the chunk's partial once. The partials ([n_chunks, B, H, Lq, Lk] fp32) are
@@ -89,8 +89,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.x / p.N, n = blockIdx.x % p.N, h = blockIdx.z;
-  const int j0 = blockIdx.y * kBlockKV;
+  const RowTile rt = decode_row_tile((p.Lk + kBlockKV - 1) / kBlockKV, p.N);
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
+  const int j0 = rt.tile * kBlockKV;
   const int rows_k = min(kBlockKV, p.Lk - j0);
   const int64_t bnh = (b * p.N + n) * p.H + h;
 
@@ -308,8 +309,12 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
   using Element = typename Cfg::Element;
   constexpr int kNTiles = Cfg::kNTiles, kKSteps = Cfg::kKSteps, kPitch = Cfg::kPitch;
   float sc[1][kNTiles][4];
-  init_scores<Cfg::kPair != kNoPair, 1, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair, warp_row0,
-                                                                  valid_keys, p.inv_scale, lane);
+  if (valid_keys < Cfg::kBlockK)
+    init_scores<Cfg::kPair != kNoPair, true, 1, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
+                                                                          warp_row0, valid_keys, p.inv_scale, lane);
+  else
+    init_scores<Cfg::kPair != kNoPair, false, 1, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
+                                                                           warp_row0, valid_keys, p.inv_scale, lane);
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -377,9 +382,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.x / p.N, n = blockIdx.x % p.N, h = blockIdx.z;
+  const RowTile rt = decode_row_tile((p.Lq + kBlockQ - 1) / kBlockQ, p.N);
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int64_t bnh = (b * p.N + n) * p.H + h;
-  const int m0 = blockIdx.y * kBlockQ;
+  const int m0 = rt.tile * kBlockQ;
   const int rows_q = min(kBlockQ, p.Lq - m0);
   const int warp_row0 = warp * 16;
 
@@ -503,7 +509,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
   const int64_t kb = blockIdx.x % n_kb, qb = (blockIdx.x / n_kb) % n_qb;
   const int64_t chunk = (blockIdx.x / (int64_t(n_kb) * n_qb)) % p.n_chunks;
   const int64_t b = blockIdx.x / (int64_t(n_kb) * n_qb * p.n_chunks);
-  const int64_t h = blockIdx.z;
+  const int64_t h = blockIdx.y;
   const int m0 = int(qb) * kBlockQ, n0 = int(kb) * kBlockK;
   const int rows_q = min(kBlockQ, p.Lq - m0), rows_k = min(kBlockK, p.Lk - n0);
   const int n_begin = int(chunk) * p.n_chunk_size, n_end = min(p.N, n_begin + p.n_chunk_size);
@@ -631,14 +637,14 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   auto dkdv = backward_dkdv_kernel<Cfg>;
   if (cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDkdvSmemBytes) != cudaSuccess)
     check_launch("evoformer backward dK/dV (shared-memory attribute)");
-  const dim3 grid_kv(unsigned(int64_t(p.B) * p.N), unsigned((p.Lk + Cfg::kBlockKV - 1) / Cfg::kBlockKV), unsigned(p.H));
+  const dim3 grid_kv(unsigned(int64_t(p.B) * p.N * ((p.Lk + Cfg::kBlockKV - 1) / Cfg::kBlockKV)), unsigned(p.H));
   dkdv<<<grid_kv, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream>>>(p);
   check_launch("evoformer backward dK/dV");
 
   auto dq = backward_dq_kernel<Cfg>;
   if (cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDqSmemBytes) != cudaSuccess)
     check_launch("evoformer backward dQ (shared-memory attribute)");
-  const dim3 grid_q(unsigned(int64_t(p.B) * p.N), unsigned((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2), unsigned(p.H));
+  const dim3 grid_q(unsigned(int64_t(p.B) * p.N * ((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2)), unsigned(p.H));
   dq<<<grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream>>>(p);
   check_launch("evoformer backward dQ");
 
@@ -648,7 +654,7 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
       if (cudaFuncSetAttribute(dpair, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kBiasSmemBytes) != cudaSuccess)
         check_launch("evoformer backward pair bias (shared-memory attribute)");
       const int64_t tiles = int64_t((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2) * ((p.Lk + Cfg::kBlockK - 1) / Cfg::kBlockK);
-      const dim3 grid_b(unsigned(int64_t(p.B) * p.n_chunks * tiles), 1, unsigned(p.H));
+      const dim3 grid_b(unsigned(int64_t(p.B) * p.n_chunks * tiles), unsigned(p.H));
       dpair<<<grid_b, Cfg::kThreads, Cfg::kBiasSmemBytes, stream>>>(p);
       check_launch("evoformer backward pair bias");
     }

@@ -76,9 +76,9 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const int64_t d = q.size(4);
   TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 128, "evoformer attention: head dim D must be a multiple of 8 in [8, 128]; ",
               describe("q", q));
-  TORCH_CHECK(q.size(0) * q.size(1) < (int64_t(1) << 31) && q.size(2) < (int64_t(1) << 30) &&
-                  k.size(2) < (int64_t(1) << 30) && q.size(3) <= 65535,
-              "evoformer attention: B*N must be < 2^31, L < 2^30 and H <= 65535; ", describe("q", q));
+  const int64_t blocks = (std::max(q.size(2), k.size(2)) + 63) / 64;  // the kernels' smallest tile is 64
+  TORCH_CHECK(q.size(0) * q.size(1) * blocks < (int64_t(1) << 31) && q.size(3) <= 65535,
+              "evoformer attention: B * N * ceil(L / 64) must be < 2^31 and H <= 65535; ", describe("q", q));
 }
 
 // A stride the kernel can use: 0 for a size-1 dimension (never stepped over).

@@ -3,10 +3,11 @@
 // accumulator starts at the biases divided by the scale (init_scores), so the biases cost one FFMA
 // per element; probabilities are exp2((S - max) * scale * log2(e)).
 //
-// CTA = (b * N + n, query block, h). Each warp owns kMTiles * 16 query rows; K, V, the
-// pair-bias tile and the mask tile of the next key block are copied (cp.async) while the current
-// one is used. blockIdx.x runs over b * N + n fastest, so CTAs that read the same pair-bias tile
-// (same b, h and query block, different n) run side by side and share it through L2.
+// CTA = (query block, b * N + n) on blockIdx.x (query block fastest, see decode_row_tile), h on
+// blockIdx.y. Each warp owns kMTiles * 16 query rows; K, V, the pair-bias tile and the mask tile of
+// the next key block are copied (cp.async) while the current one is used. The query blocks of one
+// (b, n, h) run side by side and share K and V through L2; the pair-bias tile of a query block is
+// shared by the rows n, n_query_blocks CTAs apart.
 #pragma once
 
 #include "kernel_utils.cuh"
@@ -57,9 +58,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.x / p.N, n = blockIdx.x % p.N;
-  const int m0 = blockIdx.y * kBlockM;
-  const int64_t h = blockIdx.z;
+  const RowTile rt = decode_row_tile((p.Lq + kBlockM - 1) / kBlockM, p.N);
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
+  const int m0 = rt.tile * kBlockM;
   const int rows_q = min(kBlockM, p.Lq - m0);
   const int warp_row0 = warp * kMTiles * 16;
 
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   cp_async_commit();
 
   float o[kMTiles][kDTiles][4];
-  float row_max[kMTiles][2], row_sum[kMTiles][2];  // max of S (raw units), this thread's partial row sums
+  float row_max_s[kMTiles][2], row_sum_s[kMTiles][2];  // max of S (raw units), this thread's partial row sums
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) row_max[mt][r] = -kInf, row_sum[mt][r] = 0.f;
+    for (int r = 0; r < 2; ++r) row_max_s[mt][r] = -kInf, row_sum_s[mt][r] = 0.f;
   }
   uint32_t qf[kMTiles][Cfg::kKSteps][4];  // Q as A operand, loaded once (when Cfg::kQInRegs)
 
@@ -121,8 +122,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 
     // S = (mask + pair) / scale + Q . K^T  [kMTiles * 16 rows, kBlockN keys] per warp
     float s[kMTiles][kNTiles][4];
-    init_scores<Cfg::kPair != kNoPair, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs, warp_row0,
-                                                                          p.Lk - n0, p.inv_scale, lane);
+    if (n0 + kBlockN > p.Lk)
+      init_scores<Cfg::kPair != kNoPair, true, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs,
+                                                                                warp_row0, p.Lk - n0, p.inv_scale, lane);
+    else
+      init_scores<Cfg::kPair != kNoPair, false, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs,
+                                                                                 warp_row0, p.Lk - n0, p.inv_scale, lane);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
       uint32_t q_tmp[kMTiles][1][4];
@@ -147,21 +152,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = row_max[mt][r];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = quad_max(mx);
+        const float mx = fmaxf(row_max_s[mt][r], quad_max(row_max<kNTiles>(s[mt], r)));
         const float m_use = mx == -kInf ? 0.f : mx;  // all keys so far -inf: exp2(-inf) = 0
-        const float alpha = fast_exp2((row_max[mt][r] - m_use) * p.scale_log2);
-        row_max[mt][r] = mx;
-        float sum = 0.f;
+        const float alpha = fast_exp2((row_max_s[mt][r] - m_use) * p.scale_log2);
+        row_max_s[mt][r] = mx;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
           s[mt][nt][2 * r] = fast_exp2((s[mt][nt][2 * r] - m_use) * p.scale_log2);
           s[mt][nt][2 * r + 1] = fast_exp2((s[mt][nt][2 * r + 1] - m_use) * p.scale_log2);
-          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
         }
-        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+        row_sum_s[mt][r] = fmaf(row_sum_s[mt][r], alpha, row_sum<kNTiles>(s[mt], r));
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * r] *= alpha, o[mt][dt][2 * r + 1] *= alpha;
       }
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(row_sum[mt][r]);
+      const float sum = quad_sum(row_sum_s[mt][r]);
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
       if (row < p.Lq) {
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
           if (d < p.D)
             *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
         }
-        if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max[mt][r], __log2f(sum)) : make_float2(0.f, kInf);
+        if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[mt][r], __log2f(sum)) : make_float2(0.f, kInf);
       }
     }
 }
@@ -216,7 +216,7 @@ void launch_forward(const AttentionParams& p, cudaStream_t stream) {
   auto kernel = forward_kernel<Cfg>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
     check_launch("evoformer forward (shared-memory attribute)");
-  const dim3 grid(unsigned(int64_t(p.B) * p.N), unsigned((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM), unsigned(p.H));
+  const dim3 grid(unsigned(int64_t(p.B) * p.N * ((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM)), unsigned(p.H));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   check_launch("evoformer forward");
 }

@@ -28,7 +28,7 @@
 #define EVOFORMER_FWD_MIN_BLOCKS 2
 #endif
 #ifndef EVOFORMER_BWD_MIN_BLOCKS
-#define EVOFORMER_BWD_MIN_BLOCKS 2
+#define EVOFORMER_BWD_MIN_BLOCKS 3
 #endif
 
 namespace evoformer {
@@ -185,6 +185,43 @@ __device__ __forceinline__ void c_to_a_frag(uint32_t (&a)[4], const float (&c)[k
   a[3] = pack2<Element>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
 }
 
+// Maximum / sum over the 2 * kNTiles values of one row (r) of an accumulator tile, as a tree so the
+// dependency chain is log2 deep rather than linear.
+template <int kNTiles>
+__device__ __forceinline__ float row_max(const float (&c)[kNTiles][4], int r) {
+  float v[kNTiles];
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i) v[i] = fmaxf(c[i][2 * r], c[i][2 * r + 1]);
+#pragma unroll
+  for (int w = 1; w < kNTiles; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < kNTiles; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+  return v[0];
+}
+template <int kNTiles>
+__device__ __forceinline__ float row_sum(const float (&c)[kNTiles][4], int r) {
+  float v[kNTiles];
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i) v[i] = c[i][2 * r] + c[i][2 * r + 1];
+#pragma unroll
+  for (int w = 1; w < kNTiles; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < kNTiles; i += 2 * w) v[i] += v[i + w];
+  return v[0];
+}
+
+// Grid index x = tile + n_tiles * (n + N * b): CTAs that share a row n's tiles (q, k, v of one
+// (b, n, h)) are adjacent in launch order, so the re-reads hit L2; heads run on blockIdx.y.
+struct RowTile {
+  int64_t b, n;
+  int tile;
+};
+__device__ __forceinline__ RowTile decode_row_tile(int n_tiles, int N) {
+  const int64_t x = blockIdx.x;
+  const int64_t bn = x / n_tiles;
+  return RowTile{bn / N, bn % N, int(x % n_tiles)};
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -196,8 +233,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Starts a warp's score tile at the biases divided by the scale, so that after S += q.k the logits
 // in log2 units are x = S * scale_log2. Rows are queries (row0 + mt*16 + g + 8r of the pair tile),
-// columns are the stage's keys; keys at or past `valid_keys` start at -inf.
-template <bool kHasPair, int kMTiles, int kNTiles, int kPairPitch, typename PairT>
+// columns are the stage's keys; with kCheckKeys (the last key block), keys at or past `valid_keys`
+// start at -inf.
+template <bool kHasPair, bool kCheckKeys, int kMTiles, int kNTiles, int kPairPitch, typename PairT>
 __device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], const float* mask_tile,
                                             const PairT* pair_tile, int row0, int valid_keys, float inv_scale,
                                             int lane) {
@@ -206,8 +244,8 @@ __device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], con
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = nt * 8 + 2 * t;
     float2 cb = mask_tile ? *reinterpret_cast<const float2*>(mask_tile + col) : make_float2(0.f, 0.f);
-    if (col >= valid_keys) cb.x = -kInf;
-    if (col + 1 >= valid_keys) cb.y = -kInf;
+    if (kCheckKeys && col >= valid_keys) cb.x = -kInf;
+    if (kCheckKeys && col + 1 >= valid_keys) cb.y = -kInf;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

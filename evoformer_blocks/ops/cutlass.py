@@ -107,8 +107,9 @@ class CutlassBackend(Backend):
 
     def extra_reasons(self, inputs: AttentionInputs) -> list[str]:
         reasons = []
-        if inputs.batch * inputs.rows >= 2**31:
-            reasons.append(f"B*N = {inputs.batch * inputs.rows} must be below 2^31")
+        blocks = -(-max(inputs.len_q, inputs.len_k) // 64)
+        if inputs.batch * inputs.rows * blocks >= 2**31:
+            reasons.append(f"B * N * ceil(L / 64) = {inputs.batch * inputs.rows * blocks} must be below 2^31 (grid size)")
         if inputs.heads > 65535:
             reasons.append(f"H = {inputs.heads} exceeds 65535")
         if inputs.device.type == "cuda" and not reasons:
