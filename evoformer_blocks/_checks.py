@@ -68,27 +68,34 @@ def chunked(fn: Callable[..., torch.Tensor], inputs: dict, no_batch_dims: int, c
     return out.reshape(*lead, *out.shape[1:])  # [*lead, ...]
 
 
+def _as_dict(owner: str, cfg: Any) -> dict:
+    import ml_collections  # imported here: only configs need them, not the modules
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, ml_collections.ConfigDict):
+        return cfg.to_dict()
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise ValueError(f"{owner}.from_config: `cfg` must be a ConfigDict, DictConfig or mapping, got {type(cfg).__name__}")
+
+
 def build_from_config(cls, cfg: Any, section: str, overrides: dict):
     """``cls(**arguments)`` from a config: a mapping (``ConfigDict``, ``DictConfig``, dict) of the
     constructor's arguments, or a whole preset that holds them under ``section``; ``overrides``
     win over the config. Unknown or missing arguments raise ``ValueError`` naming them."""
-    if hasattr(cfg, "to_dict"):  # ml_collections.ConfigDict
-        cfg = cfg.to_dict()
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"{cls.__name__}.from_config: `cfg` must be a mapping or ConfigDict, got {type(cfg).__name__}")
-    if section in cfg:
-        cfg = cfg[section]
-        if hasattr(cfg, "to_dict"):
-            cfg = cfg.to_dict()
-    arguments = {**dict(cfg), **overrides}
+    owner = cls.__name__
+    arguments = _as_dict(owner, cfg)
+    if section in arguments:
+        arguments = _as_dict(owner, arguments[section])
+    arguments.update(overrides)
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p != "self"]
     unknown = sorted(set(arguments) - set(accepted))
     if unknown:
-        raise ValueError(f"{cls.__name__}.from_config: `cfg` has unknown keys {unknown}; accepted: {accepted}")
-    missing = [
-        p for p in accepted if params[p].default is inspect.Parameter.empty and p not in arguments
-    ]
+        raise ValueError(f"{owner}.from_config: `cfg` has unknown keys {unknown}; accepted: {accepted}")
+    missing = [p for p in accepted if params[p].default is inspect.Parameter.empty and p not in arguments]
     if missing:
-        raise ValueError(f"{cls.__name__}.from_config: `cfg` lacks the required keys {missing}")
+        raise ValueError(f"{owner}.from_config: `cfg` lacks the required keys {missing}")
     return cls(**arguments)

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from evoformer_blocks import (
     DropoutColumnwise,
@@ -275,6 +276,10 @@ def test_from_config():
     assert stack.blocks[0].tri_att_start.backend == "eager"
     extra = ExtraMSAStack.from_config(cfg.extra_msa_stack.to_dict(), no_blocks=3)
     assert len(extra.blocks) == 3 and extra.blocks[0].msa_att_col.eps == cfg.extra_msa_stack.eps
+    hydra_style = OmegaConf.create({"evoformer_stack": cfg.evoformer_stack.to_dict()})  # not in struct mode
+    assert len(EvoformerStack.from_config(hydra_style, no_blocks=1).blocks) == 1
+    with pytest.raises(ValueError, match="`cfg` must be"):
+        EvoformerStack.from_config([1, 2])
     with pytest.raises(ValueError, match="unknown keys.*c_typo"):
         EvoformerStack.from_config(cfg, c_typo=3)
     with pytest.raises(ValueError, match="lacks the required keys.*no_blocks"):
