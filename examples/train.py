@@ -9,7 +9,11 @@ next to the random baseline (the contact density of those pairs).
     python examples/train.py trainer.steps=2000 model.evoformer_stack.no_blocks=4
     python examples/train.py model=af2 backend=cutlass    # GPU: cutlass kernels, bf16 autocast
     torchrun --nproc_per_node=2 examples/train.py         # DistributedDataParallel (gloo on CPU)
-    python examples/train.py resume=outputs/<date>/<time> trainer.steps=1200
+    python examples/train.py resume=outputs/<date>/<time>  # continue from that run's newest checkpoint
+
+A resumed run with the same settings continues exactly where the checkpoint left off (batches and
+dropout masks are functions of the seed and the step); a larger ``trainer.steps`` trains on with
+the learning-rate schedule stretched to the new length.
 
 Outputs go to Hydra's run directory: ``train.log``, ``metrics.jsonl``, ``checkpoints/``,
 ``contacts.png`` (held-out proteins: predicted above the diagonal, true contacts below).

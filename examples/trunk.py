@@ -53,8 +53,8 @@ class ContactTrunk(nn.Module):
         self.extra_msa = None
         if extra_msa_stack is not None:
             self.extra_msa_embed = Linear(NUM_TOKENS, extra_msa_stack["c_m"])
-            self.extra_msa = ExtraMSAStack(**extra_msa_stack, backend=backend)
-        self.evoformer = EvoformerStack(**evoformer_stack, backend=backend)
+            self.extra_msa = ExtraMSAStack.from_config(extra_msa_stack, backend=backend)
+        self.evoformer = EvoformerStack.from_config(evoformer_stack, backend=backend)
         # The stack's single representation feeds AF2's structure module; this trunk has none, so
         # that projection gets no gradient (frozen, which DistributedDataParallel requires).
         self.evoformer.linear.requires_grad_(False)
