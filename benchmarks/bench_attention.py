@@ -127,6 +127,11 @@ def run_flex(q, k, v, m, p):
     from torch.nn.attention.flex_attention import flex_attention
 
     if _flex is None:
+        # One compiled flex_attention serves every shape and grad mode of the suite: lift dynamo's
+        # recompile limit, or it silently falls back to the unfused (materializing) path.
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 4096)
         _flex = torch.compile(flex_attention)
     b, n, l, h, d = q.shape
     qh, kh, vh = (t.transpose(2, 3).reshape(b * n, h, l, d) for t in (q, k, v))  # [B*N, H, L, D]

@@ -1,25 +1,15 @@
 #!/usr/bin/env bash
-# On the GPU machine: ncu stall/throughput sections and the SASS opcode mix of the kernels of one
-# suite shape (default 0). Writes to ${OUT:-/tmp}/.
+# On the GPU machine: ncu throughput and warp-stall breakdown of one kernel of one suite shape.
+#   bash benchmarks/profile.sh SHAPE_INDEX KERNEL_REGEX   (e.g. 0 forward_kernel)
 set -u
 shape=${1:-0}
-out=${OUT:-/tmp}
-for kernel in forward_kernel backward_dkdv_kernel backward_dq_kernel; do
-  ncu --clock-control none --kernel-name "regex:${kernel}" --launch-skip 2 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      python3 benchmarks/one_step.py "$shape" > "$out/ncu_${kernel}.txt" 2>&1
-  grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Block Limit|Eligible Warps|L2 Hit|Shared Memory Configuration Size|Dynamic Shared" "$out/ncu_${kernel}.txt" | sed "s/^/${kernel}: /"
+kernel=${2:-forward_kernel}
+stalls=""
+for s in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait not_selected lg_throttle \
+         dispatch_stall no_instruction branch_resolving tex_throttle selected; do
+  stalls="$stalls,smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio"
 done
-so=$(ls .gpu-build/torch_extensions/*/*.so | head -1)
-cuobjdump -sass "$so" > "$out/all.sass" 2>/dev/null
-python3 - "$out/all.sass" <<'PY'
-import re, sys, collections
-text = open(sys.argv[1]).read()
-for fn in re.findall(r"Function : (\S+)", text):
-    if "bfloat16" not in fn or "Li32ELi1E" not in fn:
-        continue
-    body = text.split("Function : " + fn, 1)[1].split("Function : ", 1)[0]
-    ops = collections.Counter(m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", body))
-    print(fn[:90], sum(ops.values()), "instructions:", ", ".join(f"{k} {v}" for k, v in ops.most_common(18)))
-PY
+ncu --clock-control none --kernel-name "regex:${kernel}" --launch-skip 2 --launch-count 1 \
+    --metrics "gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum.per_second,dram__bytes.sum.per_second,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,sm__sass_inst_executed.sum${stalls}" \
+    python3 benchmarks/one_step.py "$shape" 2>&1 | grep -E "^\s+(gpu__|sm__|smsp__|lts__|dram__|l1tex__|launch__)" \
+    | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/\s+/ /g'
