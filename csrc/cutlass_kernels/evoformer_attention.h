@@ -60,10 +60,6 @@ struct AttentionParams {
   int n_chunk_size;  // rows n summed by one CTA of the pair-bias gradient kernel
   int n_chunks;      // ceil(N / n_chunk_size)
 
-  // ---- forward schedule (set by the launcher) -------------------------------------------------
-  int fwd_n_group;        // rows n processed, one after another, by one forward CTA
-  int fwd_pair_resident;  // 1: a CTA keeps its whole pair-bias row block in shared memory
-
   // ---- sizes ---------------------------------------------------------------------------------
   int B, N, Lq, Lk, H, D;
   float scale;       // multiplies q.k
