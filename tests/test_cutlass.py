@@ -19,14 +19,9 @@ import torch
 os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 from evoformer_blocks import ops  # noqa: E402
+from gpu import requires_sm80  # noqa: E402
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
-        reason="needs a CUDA GPU of compute capability >= 8.0",
-    ),
-]
+pytestmark = requires_sm80
 
 # Pass rule: error(fused) <= RATIO * error(eager, same dtype) + FLOOR[dtype, direction], errors as
 # ||x - ref|| / ||ref|| against the fp32 reference. Where the exact value is zero (at L = 1 softmax is

@@ -13,14 +13,9 @@ import pytest
 import torch
 
 import evoformer_blocks as eb
+from gpu import requires_sm80
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
-        reason="needs a CUDA GPU of compute capability >= 8.0",
-    ),
-]
+pytestmark = requires_sm80
 
 RATIO = 2.0
 FLOOR = 1e-4

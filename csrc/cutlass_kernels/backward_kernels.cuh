@@ -30,6 +30,9 @@ struct BackwardConfig {
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kTileBytes16 = kPitch * sizeof(Element);  // one row of a q/k/v tile
+  // Resident CTAs per SM compiled for: the register cap (168 at 3 CTAs) pays off at D = 32 and
+  // makes D = 64 / 128 spill hundreds of bytes, so those keep the compiler's own allocation.
+  static constexpr int kMinBlocksPerSM = kHeadDim <= 32 ? EVOFORMER_BWD_MIN_BLOCKS : 1;
 
   // dK/dV kernel: 16 keys per warp, query steps of kBlockQ.
   static constexpr int kBlockKV = kWarps * 16;
@@ -66,7 +69,7 @@ __device__ __forceinline__ float to_float(T x) {
 }
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backward_dkdv_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dkdv_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockKV = Cfg::kBlockKV, kBlockQ = Cfg::kBlockQ;
@@ -144,9 +147,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
     for (int e = 0; e < 4; ++e) dk[dt][e] = 0.f, dv[dt][e] = 0.f;
   float dmask_acc[2] = {0.f, 0.f};
   uint32_t kf[1][kKSteps][4], vf[1][kKSteps][4];  // used when Cfg::kKVInRegs
-  auto kv_frag = [&](uint32_t(&a)[1][1][4], const Element* tile, int kk) {
-    load_a_frags<1, 1, kPitch>(a, tile + kk * 16, warp * 16, lane);
-  };
 
   const int n_blocks = (p.Lq + kBlockQ - 1) / kBlockQ;
   for (int ib = 0; ib < n_blocks; ++ib) {
@@ -184,19 +184,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
         st[qt][2 * r + 1] = by;
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t a_tmp[1][1][4];
-      if constexpr (!Cfg::kKVInRegs) kv_frag(a_tmp, sK, kk);
-      const uint32_t(&a)[4] = Cfg::kKVInRegs ? kf[0][kk] : a_tmp[0][0];
-#pragma unroll
-      for (int qt = 0; qt < kQTiles; qt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_nmajor<kPitch>(bf, sQ, qt * 8, kk * 16, lane);
-        mma<Element>(st[qt], a, bf[0][0], bf[0][1]);
-        mma<Element>(st[qt + 1], a, bf[1][0], bf[1][1]);
-      }
-    }
+    mma_a_by_nmajor<Element, kQTiles, kKSteps, kPitch>(
+        st, [&](int kk) { return a_frag_of<kKSteps, kPitch, Cfg::kKVInRegs>(kf[0], sK, warp * 16, kk, lane); }, sQ,
+        lane);
 
     // P^T = exp2((S^T - m) * scale_log2 - l), (m, l) of the query (column)
 #pragma unroll
@@ -210,18 +200,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
     }
 
     // dV += P^T . dO
-#pragma unroll
-    for (int kc = 0; kc < kBlockQ / 16; ++kc) {
-      uint32_t a[4];
-      c_to_a_frag<Element>(a, st, kc);
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; dt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_kmajor<kPitch>(bf, sdO, kc * 16, dt * 8, lane);
-        mma<Element>(dv[dt], a, bf[0][0], bf[0][1]);
-        mma<Element>(dv[dt + 1], a, bf[1][0], bf[1][1]);
-      }
-    }
+    mma_c_by_kmajor<Element, kQTiles, kDTiles, kPitch>(dv, st, sdO, lane);
 
     // dP^T = V . dO^T
     float dpt[kQTiles][4];
@@ -229,19 +208,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
     for (int qt = 0; qt < kQTiles; ++qt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[qt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t a_tmp[1][1][4];
-      if constexpr (!Cfg::kKVInRegs) kv_frag(a_tmp, sV, kk);
-      const uint32_t(&a)[4] = Cfg::kKVInRegs ? vf[0][kk] : a_tmp[0][0];
-#pragma unroll
-      for (int qt = 0; qt < kQTiles; qt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_nmajor<kPitch>(bf, sdO, qt * 8, kk * 16, lane);
-        mma<Element>(dpt[qt], a, bf[0][0], bf[0][1]);
-        mma<Element>(dpt[qt + 1], a, bf[1][0], bf[1][1]);
-      }
-    }
+    mma_a_by_nmajor<Element, kQTiles, kKSteps, kPitch>(
+        dpt, [&](int kk) { return a_frag_of<kKSteps, kPitch, Cfg::kKVInRegs>(vf[0], sV, warp * 16, kk, lane); }, sdO,
+        lane);
 
     // dS^T = P^T * (dP^T - delta); its row sums are the mask-bias gradient.
 #pragma unroll
@@ -256,18 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
     }
 
     // dK += dS^T . Q
-#pragma unroll
-    for (int kc = 0; kc < kBlockQ / 16; ++kc) {
-      uint32_t a[4];
-      c_to_a_frag<Element>(a, dpt, kc);
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; dt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_kmajor<kPitch>(bf, sQ, kc * 16, dt * 8, lane);
-        mma<Element>(dk[dt], a, bf[0][0], bf[0][1]);
-        mma<Element>(dk[dt + 1], a, bf[1][0], bf[1][1]);
-      }
-    }
+    mma_c_by_kmajor<Element, kQTiles, kDTiles, kPitch>(dk, dpt, sQ, lane);
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
@@ -319,28 +277,10 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dp[nt][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk) {
-    uint32_t qa[1][1][4], da[1][1][4];
-    if constexpr (!kFragsInRegs) {
-      load_a_frags<1, 1, kPitch>(qa, sQ + kk * 16, warp_row0, lane);
-      load_a_frags<1, 1, kPitch>(da, sdO + kk * 16, warp_row0, lane);
-    }
-    const uint32_t(&qa_c)[4] = qa[0][0];
-    const uint32_t(&da_c)[4] = da[0][0];
-    const uint32_t(&aq)[4] = kFragsInRegs ? qf[0][kk] : qa_c;
-    const uint32_t(&ado)[4] = kFragsInRegs ? dof[0][kk] : da_c;
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; nt += 2) {
-      uint32_t bk[2][2], bv[2][2];
-      load_b_frags_nmajor<kPitch>(bk, sK, nt * 8, kk * 16, lane);
-      load_b_frags_nmajor<kPitch>(bv, sV, nt * 8, kk * 16, lane);
-      mma<Element>(sc[0][nt], aq, bk[0][0], bk[0][1]);
-      mma<Element>(sc[0][nt + 1], aq, bk[1][0], bk[1][1]);
-      mma<Element>(dp[nt], ado, bv[0][0], bv[0][1]);
-      mma<Element>(dp[nt + 1], ado, bv[1][0], bv[1][1]);
-    }
-  }
+  mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
+      sc[0], [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(qf[0], sQ, warp_row0, kk, lane); }, sK, lane);
+  mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
+      dp, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(dof[0], sdO, warp_row0, kk, lane); }, sV, lane);
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -361,7 +301,7 @@ __device__ __forceinline__ void load_row_stats(float2 (&stats_row)[2], float (&d
 }
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backward_dq_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dq_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;
@@ -451,18 +391,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
                                                  stats_row, delta_row, warp_row0, p.Lk - n0, lane);
 
     // dQ += dS . K
-#pragma unroll
-    for (int kc = 0; kc < kBlockK / 16; ++kc) {
-      uint32_t a[4];
-      c_to_a_frag<Element>(a, ds, kc);
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; dt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_kmajor<kPitch>(bf, sK, kc * 16, dt * 8, lane);
-        mma<Element>(dq[dt], a, bf[0][0], bf[0][1]);
-        mma<Element>(dq[dt + 1], a, bf[1][0], bf[1][1]);
-      }
-    }
+    mma_c_by_kmajor<Element, Cfg::kNTiles, kDTiles, kPitch>(dq, ds, sK, lane);
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
@@ -484,7 +413,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backw
 }
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, EVOFORMER_BWD_MIN_BLOCKS) backward_dpair_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dpair_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;

@@ -175,19 +175,37 @@ void maybe_poison(at::Tensor& t) {
   if (poison_outputs() && t.defined() && t.numel() > 0) t.fill_(std::nan(""));
 }
 
+// Everything forward and backward share: checks, the kernel layouts of q/k/v, the prepared biases
+// and the parameters describing them. Call under the device guard.
+struct Prepared {
+  at::Tensor q, k, v, mask, pair;
+  AttentionParams p{};
+  int pair_kind = kNoPair;
+};
+Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                 const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias, double scale) {
+  Prepared r;
+  r.q = kernel_layout(q_in), r.k = kernel_layout(k_in), r.v = kernel_layout(v_in);
+  set_qkv(r.p, r.q, r.k, r.v);
+  r.p.scale = float(scale), r.p.inv_scale = float(1.0 / scale), r.p.scale_log2 = float(scale * M_LOG2E);
+  r.mask = prepare_mask(r.p, mask_bias, r.q, scale);
+  r.pair = prepare_pair(r.p, r.pair_kind, pair_bias, r.q);
+  return r;
+}
+
+void check_scale(double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+}
+
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const std::optional<at::Tensor>& mask_bias,
                                            const std::optional<at::Tensor>& pair_bias, double scale) {
   check_qkv(q_in, k_in, v_in);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+  check_scale(scale);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
-  AttentionParams p{};
-  set_qkv(p, q, k, v);
-  p.scale = float(scale), p.inv_scale = float(1.0 / scale), p.scale_log2 = float(scale * M_LOG2E);
-  const at::Tensor mask = prepare_mask(p, mask_bias, q, scale);
-  int pair_kind = kNoPair;
-  const at::Tensor pair = prepare_pair(p, pair_kind, pair_bias, q);
+  Prepared prep = prepare(q_in, k_in, v_in, mask_bias, pair_bias, scale);
+  AttentionParams& p = prep.p;
+  const at::Tensor& q = prep.q;
 
   at::Tensor out = at::empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
   at::Tensor stats = at::empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
@@ -197,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
   p.o_stride_h = kstride(out, 3);
   p.stats = stats.data_ptr<float>();
-  launcher_for(true, q.scalar_type(), p.D, pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+  launcher_for(true, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
   return {out, stats};
 }
 
@@ -221,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias, const at::Tensor& out_in,
     const at::Tensor& stats_in, double scale, bool need_dmask, bool need_dpair) {
   check_qkv(q_in, k_in, v_in);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+  check_scale(scale);
   TORCH_CHECK(dout_in.sizes() == q_in.sizes() && dout_in.scalar_type() == q_in.scalar_type() &&
                   out_in.sizes() == q_in.sizes() && out_in.scalar_type() == q_in.scalar_type(),
               "evoformer attention backward: `dout` and `out` must match q; ", describe("dout", dout_in), "; ",
@@ -231,16 +249,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
                   stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
               "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2]; ", describe("stats", stats_in));
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
+  Prepared prep = prepare(q_in, k_in, v_in, mask_bias, pair_bias, scale);
+  AttentionParams& p = prep.p;
+  const at::Tensor &q = prep.q, &k = prep.k, &v = prep.v;
   const at::Tensor out = kernel_layout(out_in), dout = kernel_layout(dout_in), stats = stats_in.contiguous();
-  AttentionParams p{};
-  set_qkv(p, q, k, v);
-  p.scale = float(scale), p.inv_scale = float(1.0 / scale), p.scale_log2 = float(scale * M_LOG2E);
-  const at::Tensor mask = prepare_mask(p, mask_bias, q, scale);
-  int pair_kind = kNoPair;
-  const at::Tensor pair = prepare_pair(p, pair_kind, pair_bias, q);
-  need_dmask = need_dmask && mask.defined();
-  need_dpair = need_dpair && pair.defined();
+  need_dmask = need_dmask && prep.mask.defined();
+  need_dpair = need_dpair && prep.pair.defined();
 
   p.out = out.data_ptr();
   p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
@@ -263,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
   p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
-  launcher_for(false, q.scalar_type(), p.D, pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+  launcher_for(false, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
 
   // Reduce the partials to the biases' own (broadcast) shapes; fixed-order torch sums.
   at::Tensor dmask = at::empty({0}, q.options()), dpair = at::empty({0}, q.options());

@@ -129,21 +129,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
       init_scores<Cfg::kPair != kNoPair, false, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs,
                                                                                  warp_row0, p.Lk - n0, p.inv_scale, lane);
 #pragma unroll
-    for (int kk = 0; kk < Cfg::kKSteps; ++kk) {
-      uint32_t q_tmp[kMTiles][1][4];
-      if constexpr (!Cfg::kQInRegs) load_a_frags<kMTiles, 1, kPitch>(q_tmp, sQ + kk * 16, warp_row0, lane);
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; nt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_nmajor<kPitch>(bf, sKs, nt * 8, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          const uint32_t(&a)[4] = Cfg::kQInRegs ? qf[mt][kk] : q_tmp[mt][0];
-          mma<Element>(s[mt][nt], a, bf[0][0], bf[0][1]);
-          mma<Element>(s[mt][nt + 1], a, bf[1][0], bf[1][1]);
-        }
-      }
-    }
+    for (int mt = 0; mt < kMTiles; ++mt)
+      mma_a_by_nmajor<Element, kNTiles, Cfg::kKSteps, kPitch>(
+          s[mt],
+          [&](int kk) { return a_frag_of<Cfg::kKSteps, kPitch, Cfg::kQInRegs>(qf[mt], sQ, warp_row0 + mt * 16, kk, lane); },
+          sKs, lane);
 
     // Online softmax: p = exp2((S - max) * scale_log2). Subtracting before scaling makes equal
     // scores give exactly equal weights even when |S| is huge (fully masked rows); what was
@@ -168,21 +158,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 
     // O += P . V
 #pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) c_to_a_frag<Element>(a[mt], s[mt], kc);
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; dt += 2) {
-        uint32_t bf[2][2];
-        load_b_frags_kmajor<kPitch>(bf, sVs, kc * 16, dt * 8, lane);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma<Element>(o[mt][dt], a[mt], bf[0][0], bf[0][1]);
-          mma<Element>(o[mt][dt + 1], a[mt], bf[1][0], bf[1][1]);
-        }
-      }
-    }
+    for (int mt = 0; mt < kMTiles; ++mt) mma_c_by_kmajor<Element, kNTiles, kDTiles, kPitch>(o[mt], s[mt], sVs, lane);
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 

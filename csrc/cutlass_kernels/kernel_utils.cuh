@@ -223,6 +223,68 @@ __device__ __forceinline__ RowTile decode_row_tile(int n_tiles, int N) {
   return RowTile{bn / N, bn % N, int(x % n_tiles)};
 }
 
+// One m16n8k16 A operand held in registers.
+struct AFrag {
+  uint32_t r[4];
+};
+
+// acc[nt] += A . B for one warp's 16 rows: k runs over kKSteps * 16, A's fragment for k-step kk
+// comes from a_frag(kk), and B is an n-major shared-memory tile (smem[n][k], pitch kPitch) whose
+// n covers kNTiles * 8 columns. E.g. S = Q.K^T (smem = K) or dP = dO.V^T (smem = V).
+template <typename Element, int kNTiles, int kKSteps, int kPitch, typename AFragFn>
+__device__ __forceinline__ void mma_a_by_nmajor(float (&acc)[kNTiles][4], AFragFn&& a_frag, const Element* smem,
+                                                int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    const AFrag a = a_frag(kk);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t bf[2][2];
+      load_b_frags_nmajor<kPitch>(bf, smem, nt * 8, kk * 16, lane);
+      mma<Element>(acc[nt], a.r, bf[0][0], bf[0][1]);
+      mma<Element>(acc[nt + 1], a.r, bf[1][0], bf[1][1]);
+    }
+  }
+}
+
+// acc[dt] += C . B for one warp's 16 rows: C is an fp32 accumulator tile [16, kCTiles * 8] (e.g.
+// probabilities or dS, rounded to Element as the A operand) and B a k-major shared-memory tile
+// (smem[k][n], pitch kPitch) whose n covers kDTiles * 8 columns. E.g. O += P.V or dQ += dS.K.
+template <typename Element, int kCTiles, int kDTiles, int kPitch>
+__device__ __forceinline__ void mma_c_by_kmajor(float (&acc)[kDTiles][4], const float (&c)[kCTiles][4],
+                                                const Element* smem, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < kCTiles / 2; ++kc) {
+    uint32_t a[4];
+    c_to_a_frag<Element>(a, c, kc);
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; dt += 2) {
+      uint32_t bf[2][2];
+      load_b_frags_kmajor<kPitch>(bf, smem, kc * 16, dt * 8, lane);
+      mma<Element>(acc[dt], a, bf[0][0], bf[0][1]);
+      mma<Element>(acc[dt + 1], a, bf[1][0], bf[1][1]);
+    }
+  }
+}
+
+// The A fragment of k-step kk of a warp's 16 rows: from registers when `frags` holds them, else
+// read from the row-major shared-memory tile smem[row][k] (pitch kPitch) starting at row0.
+template <int kKSteps, int kPitch, bool kInRegs, typename Element>
+__device__ __forceinline__ AFrag a_frag_of(const uint32_t (&frags)[kKSteps][4], const Element* smem, int row0, int kk,
+                                           int lane) {
+  AFrag f;
+  if constexpr (kInRegs) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f.r[i] = frags[kk][i];
+  } else {
+    uint32_t tmp[1][1][4];
+    load_a_frags<1, 1, kPitch>(tmp, smem + kk * 16, row0, lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f.r[i] = tmp[0][0][i];
+  }
+  return f;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
