@@ -29,8 +29,10 @@ def main() -> None:
     if args.build:
         error = _build.load_error()
         print(f"build      {'ok' if error is None else error}")
-    for key, value in _build.status().items():
+    status = _build.status()
+    for key, value in status.items():
         print(f"{key:<10} {value}")
+    built = status.get("build", "").startswith("built")  # checking cutlass then loads it without compiling
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q = torch.zeros(1, 1, 8, 1, 32, device=device, dtype=dtype)  # representative [B, N, L, H, D]
@@ -39,7 +41,7 @@ def main() -> None:
     for name in backend_names()[1:]:
         impl = get_backend(name)
         if name == "cutlass" and not args.build and device == "cuda":
-            reasons = impl.not_supported_reasons(inputs) if _build_is_cheap() else ["not built yet (run with --build)"]
+            reasons = impl.not_supported_reasons(inputs) if built else ["not built yet (run with --build)"]
         else:
             reasons = impl.not_supported_reasons(inputs)
         caps = impl.capabilities
@@ -48,11 +50,6 @@ def main() -> None:
         print(f"           dtypes {dtypes}; head dim multiple of {caps.head_dim_multiple}"
               f"{'' if caps.max_head_dim is None else f' up to {caps.max_head_dim}'}; "
               f"devices {list(caps.device_types) or 'any'}; deterministic {caps.deterministic}")
-
-
-def _build_is_cheap() -> bool:
-    """True when the extension is already built, so checking it loads it without compiling."""
-    return _build.status().get("build", "").startswith("built")
 
 
 if __name__ == "__main__":

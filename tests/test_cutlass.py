@@ -200,7 +200,7 @@ def test_opcheck():
     torch.library.opcheck(attention_bwd, args)
 
 
-def test_auto_falls_back_for_unsupported_inputs(caplog):
+def test_auto_falls_back_for_unsupported_inputs():
     q32 = torch.randn(1, 2, 10, 2, 16, device="cuda")  # float32: not supported by cutlass
     with pytest.raises(ValueError, match="float32"):
         ops.evoformer_attention(q32, q32, q32, backend="cutlass")

@@ -68,6 +68,17 @@ __device__ __forceinline__ float to_float(T x) {
   return static_cast<float>(x);
 }
 
+// Softmax statistics (m, l) and delta of query row `row` of (b, n, h) = bnh; rows past Lq (tile
+// padding) get l = +inf, so that P = exp2(... - inf) = 0 there, and delta = 0.
+struct RowStat {
+  float2 stats;
+  float delta;
+};
+__device__ __forceinline__ RowStat row_stat(const AttentionParams& p, int64_t bnh, int row) {
+  if (row >= p.Lq) return RowStat{make_float2(0.f, kInf), 0.f};
+  return RowStat{reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row], p.delta[bnh * p.Lq + row]};
+}
+
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dkdv_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
@@ -108,8 +119,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from key j0
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + j0;
-  const float2* stats = reinterpret_cast<const float2*>(p.stats) + bnh * p.Lq;  // [Lq]
-  const float* delta = p.delta + bnh * p.Lq;                                     // [Lq]
 
   // Mask bias / scale of this thread's two keys; keys past Lk are -inf.
   float mask_key[2];
@@ -129,9 +138,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     if constexpr (Cfg::kPair != kNoPair)
       load_tile_async<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads>(
           stage_pair(s), pair + int64_t(i0) * p.pair_stride_q, p.pair_stride_q, rows, p.Lk - j0, tid);
-    for (int c = tid; c < kBlockQ; c += kThreads) {  // padding queries: l = +inf makes P = 0
-      stage_stats(s)[c] = c < rows ? stats[i0 + c] : make_float2(0.f, kInf);
-      stage_delta(s)[c] = c < rows ? delta[i0 + c] : 0.f;
+    for (int c = tid; c < kBlockQ; c += kThreads) {
+      const RowStat rs = row_stat(p, bnh, i0 + c);
+      stage_stats(s)[c] = rs.stats;
+      stage_delta(s)[c] = rs.delta;
     }
   };
 
@@ -289,14 +299,14 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
                   (dp[nt][e] - delta_row[e / 2]);
 }
 
-// This thread's two query rows' softmax statistics and delta; padding rows get l = +inf (P = 0).
+// This thread's two query rows (row0 and row0 + 8) of an accumulator tile.
 __device__ __forceinline__ void load_row_stats(float2 (&stats_row)[2], float (&delta_row)[2], const AttentionParams& p,
                                                int64_t bnh, int row0) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    stats_row[r] = row < p.Lq ? reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row] : make_float2(0.f, kInf);
-    delta_row[r] = row < p.Lq ? p.delta[bnh * p.Lq + row] : 0.f;
+    const RowStat rs = row_stat(p, bnh, row0 + 8 * r);
+    stats_row[r] = rs.stats;
+    delta_row[r] = rs.delta;
   }
 }
 
@@ -467,9 +477,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
       load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(
           stage_mask(s), p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n + n0, 0, 1, p.Lk - n0, tid);
     const int64_t bnh = (b * p.N + n) * p.H + h;
-    for (int c = tid; c < kBlockQ; c += kThreads) {  // padding queries: l = +inf makes P = 0
-      stage_stats(s)[c] = c < rows_q ? reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + m0 + c] : make_float2(0.f, kInf);
-      stage_delta(s)[c] = c < rows_q ? p.delta[bnh * p.Lq + m0 + c] : 0.f;
+    for (int c = tid; c < kBlockQ; c += kThreads) {
+      const RowStat rs = row_stat(p, bnh, m0 + c);
+      stage_stats(s)[c] = rs.stats;
+      stage_delta(s)[c] = rs.delta;
     }
   };
 

@@ -92,13 +92,18 @@ at::Tensor kernel_layout(const at::Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
+// The kernel strides (b, n, l, h) of a [B, N, L, H, D] tensor.
+void set_strides(const at::Tensor& t, int64_t& b, int64_t& n, int64_t& l, int64_t& h) {
+  b = kstride(t, 0), n = kstride(t, 1), l = kstride(t, 2), h = kstride(t, 3);
+}
+
 void set_qkv(AttentionParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  p.q_stride_b = kstride(q, 0), p.q_stride_n = kstride(q, 1), p.q_stride_l = kstride(q, 2), p.q_stride_h = kstride(q, 3);
-  p.k_stride_b = kstride(k, 0), p.k_stride_n = kstride(k, 1), p.k_stride_l = kstride(k, 2), p.k_stride_h = kstride(k, 3);
-  p.v_stride_b = kstride(v, 0), p.v_stride_n = kstride(v, 1), p.v_stride_l = kstride(v, 2), p.v_stride_h = kstride(v, 3);
+  set_strides(q, p.q_stride_b, p.q_stride_n, p.q_stride_l, p.q_stride_h);
+  set_strides(k, p.k_stride_b, p.k_stride_n, p.k_stride_l, p.k_stride_h);
+  set_strides(v, p.v_stride_b, p.v_stride_n, p.v_stride_l, p.v_stride_h);
   p.B = int(q.size(0)), p.N = int(q.size(1)), p.Lq = int(q.size(2)), p.Lk = int(k.size(2));
   p.H = int(q.size(3)), p.D = int(q.size(4));
 }
@@ -212,8 +217,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   maybe_poison(out);
   maybe_poison(stats);
   p.out = out.data_ptr();
-  p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
-  p.o_stride_h = kstride(out, 3);
+  set_strides(out, p.o_stride_b, p.o_stride_n, p.o_stride_l, p.o_stride_h);
   p.stats = stats.data_ptr<float>();
   launcher_for(true, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
   return {out, stats};
@@ -257,11 +261,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   need_dpair = need_dpair && prep.pair.defined();
 
   p.out = out.data_ptr();
-  p.o_stride_b = kstride(out, 0), p.o_stride_n = kstride(out, 1), p.o_stride_l = kstride(out, 2);
-  p.o_stride_h = kstride(out, 3);
+  set_strides(out, p.o_stride_b, p.o_stride_n, p.o_stride_l, p.o_stride_h);
   p.dout = dout.data_ptr();
-  p.do_stride_b = kstride(dout, 0), p.do_stride_n = kstride(dout, 1), p.do_stride_l = kstride(dout, 2);
-  p.do_stride_h = kstride(dout, 3);
+  set_strides(dout, p.do_stride_b, p.do_stride_n, p.do_stride_l, p.do_stride_h);
   p.stats = const_cast<float*>(stats.data_ptr<float>());
 
   const auto f32 = q.options().dtype(at::kFloat);

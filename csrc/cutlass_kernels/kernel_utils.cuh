@@ -115,11 +115,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Copies a [kRows, kCols] tile of 2- or 4-byte values (rows `row_stride` apart in global memory,
-// 16-byte aligned) into shared memory with row pitch `pitch` (default kPitch). Rows >= valid_rows
-// and 16-byte chunks starting at or past valid_cols are zero-filled.
+// 16-byte aligned) into shared memory with row pitch `kPitch`. Rows >= valid_rows and 16-byte
+// chunks starting at or past valid_cols are zero-filled.
 template <typename T, int kRows, int kCols, int kPitch, int kThreads>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
-                                                int valid_cols, int tid, int pitch = kPitch) {
+                                                int valid_cols, int tid) {
   constexpr int kPerChunk = 16 / sizeof(T);
   constexpr int kChunksPerRow = kCols / kPerChunk;
   constexpr int kChunks = kRows * kChunksPerRow;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
       const int r = c / kChunksPerRow;
       const int col = (c % kChunksPerRow) * kPerChunk;
       const bool pred = r < valid_rows && col < valid_cols;
-      cp_async_16(smem + r * pitch + col, pred ? gmem + r * row_stride + col : gmem, pred);
+      cp_async_16(smem + r * kPitch + col, pred ? gmem + r * row_stride + col : gmem, pred);
     }
   }
 }
@@ -301,7 +301,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <bool kHasPair, bool kCheckKeys, int kMTiles, int kNTiles, int kPairPitch, typename PairT>
 __device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], const float* mask_tile,
                                             const PairT* pair_tile, int row0, int valid_keys, float inv_scale,
-                                            int lane, int pair_pitch = kPairPitch) {
+                                            int lane) {
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
@@ -315,7 +315,7 @@ __device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], con
       for (int r = 0; r < 2; ++r) {
         float2 v = cb;
         if constexpr (kHasPair) {
-          const float2 pb = load_pair2(pair_tile + (row0 + mt * 16 + g + 8 * r) * pair_pitch + col);
+          const float2 pb = load_pair2(pair_tile + (row0 + mt * 16 + g + 8 * r) * kPairPitch + col);
           v.x = fmaf(pb.x, inv_scale, v.x);
           v.y = fmaf(pb.y, inv_scale, v.y);
         }

@@ -45,6 +45,7 @@ def cuda_flags() -> list[str]:
     """CUDA_FLAGS plus EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS (tuning experiments; part of the cache key)."""
     return CUDA_FLAGS + os.environ.get("EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS", "").split()
 
+
 _loaded: Optional[str] = None  # name of the loaded extension
 _load_error: Optional[str] = None
 
@@ -103,6 +104,15 @@ def build_key(arch: str, include_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _target(arch: str, include_dir: Path) -> tuple[str, Path, Path]:
+    """(extension name, build directory, library path) of the build for these inputs."""
+    from torch.utils import cpp_extension
+
+    name = f"evoformer_blocks_cuda_{build_key(arch, include_dir)}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    return name, build_dir, build_dir / f"{name}.so"
+
+
 @contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,9 +134,7 @@ def load() -> str:
     include_dir = cutlass_include_dir()
     arch = arch_list()
     srcs = sources()
-    name = f"evoformer_blocks_cuda_{build_key(arch, include_dir)}"
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    library = build_dir / f"{name}.so"
+    name, build_dir, library = _target(arch, include_dir)
     verbose = os.environ.get("EVOFORMER_BLOCKS_VERBOSE_BUILD", "0") not in ("", "0")
     previous_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     with _file_lock(build_dir.parent / f"{name}.lock"):
@@ -194,11 +202,8 @@ def status() -> dict[str, str]:
     except RuntimeError as exc:
         info["build"] = f"cannot build here: {exc}"
         return info
-    from torch.utils import cpp_extension
-
-    name = f"evoformer_blocks_cuda_{build_key(arch, include_dir)}"
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    built = (build_dir / f"{name}.so").exists()
+    _, build_dir, library = _target(arch, include_dir)
+    built = library.exists()
     info["arch"] = arch
     info["build"] = f"{'built' if built else 'not built yet (builds on first use)'}: {build_dir}"
     return info

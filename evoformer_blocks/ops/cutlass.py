@@ -112,7 +112,12 @@ class CutlassBackend(Backend):
             reasons.append(f"B * N * ceil(L / 64) = {inputs.batch * inputs.rows * blocks} must be below 2^31 (grid size)")
         if inputs.heads > 65535:
             reasons.append(f"H = {inputs.heads} exceeds 65535")
-        if inputs.device.type == "cuda" and not reasons:
+        return reasons
+
+    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inputs)
+        # Only inputs the kernels could run are worth a (first-use) build of the extension.
+        if not reasons:
             error = _extension_error()
             if error:
                 reasons.append(error)
