@@ -109,14 +109,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const int rows_k = min(kBlockKV, p.Lk - j0);
   const int64_t bnh = (b * p.N + n) * p.H + h;
 
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h;  // [Lq, D]
-  const Element* dout =
-      static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n + h * p.do_stride_h;  // [Lq, D]
+  // q, dO [Lq, D] and pair [Lq, Lk_pad] (from key j0) advance one query block per step
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h;
+  const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n + h * p.do_stride_h;
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h +
                      int64_t(j0) * p.k_stride_l;  // [Lk, D] from key j0
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h +
                      int64_t(j0) * p.v_stride_l;
-  const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from key j0
+  const PairT* pair = nullptr;
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + j0;
 
@@ -129,20 +129,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
         key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
   }
 
+  // Per-thread copy plans; the q / dO / pair pointers advance one query block per step.
+  const TileCopy<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads> copy_q(tid), copy_do(tid);
+  const TileCopy<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads> copy_pair(tid);
   auto load_stage = [&](int s, int i0) {
     const int rows = min(kBlockQ, p.Lq - i0);
-    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(stage_q(s), q + int64_t(i0) * p.q_stride_l,
-                                                                       p.q_stride_l, rows, p.D, tid);
-    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(
-        stage_do(s), dout + int64_t(i0) * p.do_stride_l, p.do_stride_l, rows, p.D, tid);
-    if constexpr (Cfg::kPair != kNoPair)
-      load_tile_async<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads>(
-          stage_pair(s), pair + int64_t(i0) * p.pair_stride_q, p.pair_stride_q, rows, p.Lk - j0, tid);
+    copy_q(stage_q(s), q, p.q_stride_l, rows, p.D);
+    copy_do(stage_do(s), dout, p.do_stride_l, rows, p.D);
+    if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair, p.pair_stride_q, rows, p.Lk - j0);
     for (int c = tid; c < kBlockQ; c += kThreads) {
       const RowStat rs = row_stat(p, bnh, i0 + c);
       stage_stats(s)[c] = rs.stats;
       stage_delta(s)[c] = rs.delta;
     }
+    q += int64_t(kBlockQ) * p.q_stride_l;
+    dout += int64_t(kBlockQ) * p.do_stride_l;
+    if constexpr (Cfg::kPair != kNoPair) pair += int64_t(kBlockQ) * p.pair_stride_q;
   };
 
   load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sK, k, p.k_stride_l, rows_k, p.D, tid);
@@ -179,21 +181,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
 
     // S^T = (mask + pair)^T / scale + K . Q^T  [16 keys of this warp, kBlockQ queries]
     float st[kQTiles][4];
+    if constexpr (Cfg::kPair != kNoPair) load_bias_tile<kQTiles, kPairPitch, true>(st, sPair, warp * 16, lane);
 #pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt) {
-      const int col = qt * 8 + 2 * t;  // query within the block
+    for (int qt = 0; qt < kQTiles; ++qt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float bx = mask_key[r], by = mask_key[r];
-        if constexpr (Cfg::kPair != kNoPair) {
-          const int key = warp * 16 + g + 8 * r;
-          bx = fmaf(to_float(sPair[col * kPairPitch + key]), p.inv_scale, bx);
-          by = fmaf(to_float(sPair[(col + 1) * kPairPitch + key]), p.inv_scale, by);
-        }
-        st[qt][2 * r] = bx;
-        st[qt][2 * r + 1] = by;
-      }
-    }
+      for (int e = 0; e < 4; ++e)
+        st[qt][e] = Cfg::kPair != kNoPair ? fmaf(st[qt][e], p.inv_scale, mask_key[e / 2]) : mask_key[e / 2];
     mma_a_by_nmajor<Element, kQTiles, kKSteps, kPitch>(
         st, [&](int kk) { return a_frag_of<kKSteps, kPitch, Cfg::kKVInRegs>(kf[0], sK, warp * 16, kk, lane); }, sQ,
         lane);
@@ -276,26 +269,26 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
                                                 int warp_row0, int valid_keys, int lane) {
   using Element = typename Cfg::Element;
   constexpr int kNTiles = Cfg::kNTiles, kKSteps = Cfg::kKSteps, kPitch = Cfg::kPitch;
-  float sc[1][kNTiles][4];
+  float sc[kNTiles][4];
   if (valid_keys < Cfg::kBlockK)
-    init_scores<Cfg::kPair != kNoPair, true, 1, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
-                                                                          warp_row0, valid_keys, p.inv_scale, lane);
+    init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
+                                                                       warp_row0, valid_keys, p.inv_scale, lane);
   else
-    init_scores<Cfg::kPair != kNoPair, false, 1, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
-                                                                           warp_row0, valid_keys, p.inv_scale, lane);
+    init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
+                                                                        warp_row0, valid_keys, p.inv_scale, lane);
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dp[nt][e] = 0.f;
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
-      sc[0], [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(qf[0], sQ, warp_row0, kk, lane); }, sK, lane);
+      sc, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(qf[0], sQ, warp_row0, kk, lane); }, sK, lane);
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
       dp, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(dof[0], sdO, warp_row0, kk, lane); }, sV, lane);
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      dp[nt][e] = fast_exp2(fmaf(sc[0][nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y)) *
+      dp[nt][e] = fast_exp2(fmaf(sc[nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y)) *
                   (dp[nt][e] - delta_row[e / 2]);
 }
 
@@ -343,23 +336,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
                      int64_t(m0) * p.q_stride_l;  // [Lq, D] from query m0
   const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
                         h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D]
+  // K, V [Lk, D], advanced one key block per step
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;
   const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
   const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from query m0
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
 
+  // Per-thread copy plans; the K / V pointers advance one key block per step.
+  const TileCopy<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
+  const TileCopy<PairT, kBlockQ, kBlockK, kPairPitch, kThreads> copy_pair(tid);
+  const TileCopy<float, 1, kBlockK, kBlockK, kThreads> copy_mask(tid);
   auto load_stage = [&](int s, int n0) {
     const int rows_k = min(kBlockK, p.Lk - n0);
-    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_k(s), k + int64_t(n0) * p.k_stride_l,
-                                                                       p.k_stride_l, rows_k, p.D, tid);
-    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_v(s), v + int64_t(n0) * p.v_stride_l,
-                                                                       p.v_stride_l, rows_k, p.D, tid);
-    if constexpr (Cfg::kPair != kNoPair)
-      load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(stage_pair(s), pair + n0, p.pair_stride_q, rows_q,
-                                                                     p.Lk - n0, tid);
-    if (mask) load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(stage_mask(s), mask + n0, 0, 1, p.Lk - n0, tid);
+    copy_k(stage_k(s), k, p.k_stride_l, rows_k, p.D);
+    copy_v(stage_v(s), v, p.v_stride_l, rows_k, p.D);
+    if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair + n0, p.pair_stride_q, rows_q, p.Lk - n0);
+    if (mask) copy_mask(stage_mask(s), mask + n0, 0, 1, p.Lk - n0);
+    k += int64_t(kBlockK) * p.k_stride_l;
+    v += int64_t(kBlockK) * p.v_stride_l;
   };
 
   load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
@@ -459,29 +455,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
                         int64_t(m0) * p.pair_stride_q + n0;  // [Lq, Lk_pad] tile of (b, h)
     load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(sPair, pair, p.pair_stride_q, rows_q, p.Lk - n0, tid);
   }
+  // Per-thread copy plans; the q / dO / K / V / mask pointers start at row n_begin
+  // and advance one row n per step.
+  const TileCopy<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads> copy_q(tid), copy_do(tid);
+  const TileCopy<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
+  const TileCopy<float, 1, kBlockK, kBlockK, kThreads> copy_mask(tid);
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n_begin * p.q_stride_n + h * p.q_stride_h +
+                     int64_t(m0) * p.q_stride_l;  // [kBlockQ, D] tile of row n
+  const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n_begin * p.do_stride_n +
+                        h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n_begin * p.k_stride_n + h * p.k_stride_h +
+                     int64_t(n0) * p.k_stride_l;  // [kBlockK, D] tile of row n
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n_begin * p.v_stride_n + h * p.v_stride_h +
+                     int64_t(n0) * p.v_stride_l;
+  const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n_begin * p.mask_stride_n + n0 : nullptr;
   auto load_stage = [&](int s, int64_t n) {
-    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
-                       int64_t(m0) * p.q_stride_l;
-    const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
-                          h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
-    const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h +
-                       int64_t(n0) * p.k_stride_l;
-    const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h +
-                       int64_t(n0) * p.v_stride_l;
-    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(stage_q(s), q, p.q_stride_l, rows_q, p.D, tid);
-    load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(stage_do(s), dout, p.do_stride_l, rows_q, p.D,
-                                                                       tid);
-    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_k(s), k, p.k_stride_l, rows_k, p.D, tid);
-    load_tile_async<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads>(stage_v(s), v, p.v_stride_l, rows_k, p.D, tid);
-    if (p.mask_scaled)
-      load_tile_async<float, 1, kBlockK, kBlockK, kThreads>(
-          stage_mask(s), p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n + n0, 0, 1, p.Lk - n0, tid);
+    copy_q(stage_q(s), q, p.q_stride_l, rows_q, p.D);
+    copy_do(stage_do(s), dout, p.do_stride_l, rows_q, p.D);
+    copy_k(stage_k(s), k, p.k_stride_l, rows_k, p.D);
+    copy_v(stage_v(s), v, p.v_stride_l, rows_k, p.D);
+    if (mask) copy_mask(stage_mask(s), mask, 0, 1, p.Lk - n0);
     const int64_t bnh = (b * p.N + n) * p.H + h;
     for (int c = tid; c < kBlockQ; c += kThreads) {
       const RowStat rs = row_stat(p, bnh, m0 + c);
       stage_stats(s)[c] = rs.stats;
       stage_delta(s)[c] = rs.delta;
     }
+    q += p.q_stride_n, dout += p.do_stride_n, k += p.k_stride_n, v += p.v_stride_n;
+    if (mask) mask += p.mask_stride_n;
   };
 
   load_stage(0, n_begin);

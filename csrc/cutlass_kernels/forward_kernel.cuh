@@ -66,25 +66,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 
   const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
                      int64_t(m0) * p.q_stride_l;                                                          // [Lq, D]
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D]
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;  // [Lk, D]
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D], advanced per key block
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;  // [Lk, D], advanced per key block
   const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h), from query m0
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
   const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
 
+  // Per-thread copy plans; the K / V pointers advance one key block per step.
+  const TileCopy<Element, kBlockN, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
+  const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
+  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
   auto load_stage = [&](int stage, int n0) {
     const int rows_k = min(kBlockN, p.Lk - n0);
-    load_tile_async<Element, kBlockN, Cfg::kHeadDim, kPitch, kThreads>(sK + stage * kBlockN * kPitch,
-                                                                       k + int64_t(n0) * p.k_stride_l, p.k_stride_l,
-                                                                       rows_k, p.D, tid);
-    load_tile_async<Element, kBlockN, Cfg::kHeadDim, kPitch, kThreads>(sV + stage * kBlockN * kPitch,
-                                                                       v + int64_t(n0) * p.v_stride_l, p.v_stride_l,
-                                                                       rows_k, p.D, tid);
-    if constexpr (Cfg::kPair != kNoPair)
-      load_tile_async<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads>(
-          sPair + stage * kBlockM * Cfg::kPairPitch, pair + n0, p.pair_stride_q, rows_q, p.Lk - n0, tid);
-    if (mask) load_tile_async<float, 1, kBlockN, kBlockN, kThreads>(sMask + stage * kBlockN, mask + n0, 0, 1, p.Lk - n0, tid);
+    copy_k(sK + stage * kBlockN * kPitch, k, p.k_stride_l, rows_k, p.D);
+    copy_v(sV + stage * kBlockN * kPitch, v, p.v_stride_l, rows_k, p.D);
+    if constexpr (Cfg::kPair != kNoPair) copy_pair(sPair + stage * kBlockM * Cfg::kPairPitch, pair + n0, p.pair_stride_q, rows_q, p.Lk - n0);
+    if (mask) copy_mask(sMask + stage * kBlockN, mask + n0, 0, 1, p.Lk - n0);
+    k += int64_t(kBlockN) * p.k_stride_l;
+    v += int64_t(kBlockN) * p.v_stride_l;
   };
 
   load_tile_async<Element, kBlockM, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   cp_async_commit();
 
   float o[kMTiles][kDTiles][4];
-  float row_max_s[kMTiles][2], row_sum_s[kMTiles][2];  // max of S (raw units), this thread's partial row sums
+  // max of S (raw units) per row; row sums of P as a tensor-core accumulator (rows g, g + 8 in
+  // elements 0-1, 2-3; see mma_c_by_kmajor)
+  float row_max_s[kMTiles][2], row_sum_acc[kMTiles][4];
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -100,7 +102,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) row_max_s[mt][r] = -kInf, row_sum_s[mt][r] = 0.f;
+    for (int r = 0; r < 2; ++r) row_max_s[mt][r] = -kInf;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) row_sum_acc[mt][e] = 0.f;
   }
   uint32_t qf[kMTiles][Cfg::kKSteps][4];  // Q as A operand, loaded once (when Cfg::kQInRegs)
 
@@ -118,22 +122,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     const Element* sKs = sK + stage * kBlockN * kPitch;
     const Element* sVs = sV + stage * kBlockN * kPitch;
     const PairT* sPairs = sPair + stage * kBlockM * Cfg::kPairPitch;
-    const float* sMasks = sMask + stage * kBlockN;
+    const float* sMasks = mask ? sMask + stage * kBlockN : nullptr;
 
     // S = (mask + pair) / scale + Q . K^T  [kMTiles * 16 rows, kBlockN keys] per warp
     float s[kMTiles][kNTiles][4];
-    if (n0 + kBlockN > p.Lk)
-      init_scores<Cfg::kPair != kNoPair, true, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs,
-                                                                                warp_row0, p.Lk - n0, p.inv_scale, lane);
-    else
-      init_scores<Cfg::kPair != kNoPair, false, kMTiles, kNTiles, Cfg::kPairPitch>(s, mask ? sMasks : nullptr, sPairs,
-                                                                                 warp_row0, p.Lk - n0, p.inv_scale, lane);
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      if (n0 + kBlockN > p.Lk)
+        init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s[mt], sMasks, sPairs, warp_row0 + mt * 16,
+                                                                          p.Lk - n0, p.inv_scale, lane);
+      else
+        init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s[mt], sMasks, sPairs, warp_row0 + mt * 16,
+                                                                           p.Lk - n0, p.inv_scale, lane);
       mma_a_by_nmajor<Element, kNTiles, Cfg::kKSteps, kPitch>(
           s[mt],
           [&](int kk) { return a_frag_of<Cfg::kKSteps, kPitch, Cfg::kQInRegs>(qf[mt], sQ, warp_row0 + mt * 16, kk, lane); },
           sKs, lane);
+    }
 
     // Online softmax: p = exp2((S - max) * scale_log2). Subtracting before scaling makes equal
     // scores give exactly equal weights even when |S| is huge (fully masked rows); what was
@@ -151,14 +156,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
           s[mt][nt][2 * r] = fast_exp2((s[mt][nt][2 * r] - m_use) * p.scale_log2);
           s[mt][nt][2 * r + 1] = fast_exp2((s[mt][nt][2 * r + 1] - m_use) * p.scale_log2);
         }
-        row_sum_s[mt][r] = fmaf(row_sum_s[mt][r], alpha, row_sum<kNTiles>(s[mt], r));
+        row_sum_acc[mt][2 * r] *= alpha, row_sum_acc[mt][2 * r + 1] *= alpha;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * r] *= alpha, o[mt][dt][2 * r + 1] *= alpha;
       }
 
     // O += P . V
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) mma_c_by_kmajor<Element, kNTiles, kDTiles, kPitch>(o[mt], s[mt], sVs, lane);
+    for (int mt = 0; mt < kMTiles; ++mt)
+      mma_c_by_kmajor<Element, kNTiles, kDTiles, kPitch, true>(o[mt], s[mt], sVs, lane, row_sum_acc[mt]);
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
@@ -170,7 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(row_sum_s[mt][r]);
+      const float sum = row_sum_acc[mt][2 * r];
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
       if (row < p.Lq) {

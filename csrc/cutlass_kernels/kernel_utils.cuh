@@ -77,16 +77,6 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
-// Two consecutive values of a bias tile in shared memory, as floats.
-template <typename T>
-__device__ __forceinline__ float2 load_pair2(const T* ptr) {
-  if constexpr (std::is_same_v<T, float>) {
-    return *reinterpret_cast<const float2*>(ptr);
-  } else {
-    return unpack2<T>(*reinterpret_cast<const uint32_t*>(ptr));
-  }
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -103,7 +93,8 @@ __device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t& r0, ui
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r0, r1, r2, r3);
 }
 
-// 16-byte global -> shared copy; zero-fills the destination when !pred (src is then not read).
+// 16-byte global -> shared copy; zero-fills the destination when !pred (a source size of 0: src is
+// then not read, so it may point past the tensor).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
   cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(gmem),
                                                               *reinterpret_cast<cute::uint128_t*>(smem), pred);
@@ -114,26 +105,45 @@ __device__ __forceinline__ void cp_async_wait() {
   cute::cp_async_wait<kPending>();
 }
 
-// Copies a [kRows, kCols] tile of 2- or 4-byte values (rows `row_stride` apart in global memory,
-// 16-byte aligned) into shared memory with row pitch `kPitch`. Rows >= valid_rows and 16-byte
-// chunks starting at or past valid_cols are zero-filled.
+// Copies [kRows, kCols] tiles of 2- or 4-byte values (rows `row_stride` apart in global memory,
+// 16-byte aligned) into shared memory with row pitch kPitch, 16 bytes per cp.async. A thread
+// always copies the same column chunk of rows row0, row0 + kRowStep, ... (fixed at construction),
+// so each copy costs one predicate and one address per chunk.
+// Rows >= valid_rows and chunks starting at or past valid_cols are zero-filled.
+template <typename T, int kRows, int kCols, int kPitch, int kThreads>
+struct TileCopy {
+  static constexpr int kPerChunk = 16 / sizeof(T);
+  static constexpr int kChunksPerRow = kCols / kPerChunk;
+  static_assert(kCols % kPerChunk == 0, "tile width must be a whole number of 16-byte chunks");
+  static_assert(kThreads % kChunksPerRow == 0, "each thread must keep one column chunk");
+  static constexpr int kRowStep = kThreads / kChunksPerRow;
+  static constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
+
+  int row0, col;
+
+  __device__ __forceinline__ explicit TileCopy(int tid) : row0(tid / kChunksPerRow), col((tid % kChunksPerRow) * kPerChunk) {}
+
+  __device__ __forceinline__ void operator()(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
+                                             int valid_cols) const {
+    const bool col_ok = col < valid_cols;
+    T* s = smem + row0 * kPitch + col;
+    const T* g = gmem + row0 * row_stride + col;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = row0 + it * kRowStep;
+      if (kRows % kRowStep == 0 || r < kRows) {
+        const bool pred = col_ok && r < valid_rows;
+        cp_async_16(s + it * kRowStep * kPitch, g + it * kRowStep * row_stride, pred);  // !pred: nothing is read
+      }
+    }
+  }
+};
+
+// One-off copy of a tile (see TileCopy).
 template <typename T, int kRows, int kCols, int kPitch, int kThreads>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
                                                 int valid_cols, int tid) {
-  constexpr int kPerChunk = 16 / sizeof(T);
-  constexpr int kChunksPerRow = kCols / kPerChunk;
-  constexpr int kChunks = kRows * kChunksPerRow;
-  static_assert(kCols % kPerChunk == 0, "tile width must be a whole number of 16-byte chunks");
-#pragma unroll
-  for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
-    const int c = tid + it * kThreads;
-    if (kChunks % kThreads == 0 || c < kChunks) {
-      const int r = c / kChunksPerRow;
-      const int col = (c % kChunksPerRow) * kPerChunk;
-      const bool pred = r < valid_rows && col < valid_cols;
-      cp_async_16(smem + r * kPitch + col, pred ? gmem + r * row_stride + col : gmem, pred);
-    }
-  }
+  TileCopy<T, kRows, kCols, kPitch, kThreads>{tid}(smem, gmem, row_stride, valid_rows, valid_cols);
 }
 
 // Loads A fragments of a [16 * kMTiles, 16 * kKTiles] row-major tile in shared memory whose first
@@ -186,7 +196,7 @@ __device__ __forceinline__ void c_to_a_frag(uint32_t (&a)[4], const float (&c)[k
   a[3] = pack2<Element>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
 }
 
-// Maximum / sum over the 2 * kNTiles values of one row (r) of an accumulator tile, as a tree so the
+// Maximum over the 2 * kNTiles values of one row (r) of an accumulator tile, as a tree so the
 // dependency chain is log2 deep rather than linear.
 template <int kNTiles>
 __device__ __forceinline__ float row_max(const float (&c)[kNTiles][4], int r) {
@@ -197,17 +207,6 @@ __device__ __forceinline__ float row_max(const float (&c)[kNTiles][4], int r) {
   for (int w = 1; w < kNTiles; w *= 2)
 #pragma unroll
     for (int i = 0; i + w < kNTiles; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
-  return v[0];
-}
-template <int kNTiles>
-__device__ __forceinline__ float row_sum(const float (&c)[kNTiles][4], int r) {
-  float v[kNTiles];
-#pragma unroll
-  for (int i = 0; i < kNTiles; ++i) v[i] = c[i][2 * r] + c[i][2 * r + 1];
-#pragma unroll
-  for (int w = 1; w < kNTiles; w *= 2)
-#pragma unroll
-    for (int i = 0; i + w < kNTiles; i += 2 * w) v[i] += v[i + w];
   return v[0];
 }
 
@@ -250,13 +249,20 @@ __device__ __forceinline__ void mma_a_by_nmajor(float (&acc)[kNTiles][4], AFragF
 // acc[dt] += C . B for one warp's 16 rows: C is an fp32 accumulator tile [16, kCTiles * 8] (e.g.
 // probabilities or dS, rounded to Element as the A operand) and B a k-major shared-memory tile
 // (smem[k][n], pitch kPitch) whose n covers kDTiles * 8 columns. E.g. O += P.V or dQ += dS.K.
-template <typename Element, int kCTiles, int kDTiles, int kPitch>
+// With kRowSums, also row_sums += C . ones (16 x 8): every column of that tile is the row sum of the
+// rounded C (rows g and g + 8 in elements 0-1 and 2-3), one tensor-core op per 16 columns instead
+// of a chain of adds.
+template <typename Element, int kCTiles, int kDTiles, int kPitch, bool kRowSums = false>
 __device__ __forceinline__ void mma_c_by_kmajor(float (&acc)[kDTiles][4], const float (&c)[kCTiles][4],
-                                                const Element* smem, int lane) {
+                                                const Element* smem, int lane, float* row_sums = nullptr) {
 #pragma unroll
   for (int kc = 0; kc < kCTiles / 2; ++kc) {
     uint32_t a[4];
     c_to_a_frag<Element>(a, c, kc);
+    if constexpr (kRowSums) {
+      const uint32_t ones = pack2<Element>(1.f, 1.f);
+      mma<Element>(*reinterpret_cast<float(*)[4]>(row_sums), a, ones, ones);
+    }
 #pragma unroll
     for (int dt = 0; dt < kDTiles; dt += 2) {
       uint32_t bf[2][2];
@@ -294,15 +300,62 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Starts a warp's score tile at the biases divided by the scale, so that after S += q.k the logits
-// in log2 units are x = S * scale_log2. Rows are queries (row0 + mt*16 + g + 8r of the pair tile),
-// columns are the stage's keys; with kCheckKeys (the last key block), keys at or past `valid_keys`
-// start at -inf.
-template <bool kHasPair, bool kCheckKeys, int kMTiles, int kNTiles, int kPairPitch, typename PairT>
-__device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], const float* mask_tile,
-                                            const PairT* pair_tile, int row0, int valid_keys, float inv_scale,
-                                            int lane) {
+// Pair-bias values of a warp's 16-row score tile in accumulator layout: out[nt][e] is the bias of
+// score (row g + 8 * (e / 2), column nt * 8 + 2t + e % 2). The tile lives in shared memory, either
+// with score rows along its rows (kTransposed = false: tile[row0 + row][col]) or transposed
+// (tile[col][row0 + row], the dK/dV kernel's S^T). 16-bit tiles are read with ldmatrix, four 8x8
+// blocks at a time; fp32 tiles element-wise.
+template <int kNTiles, int kPitch, bool kTransposed, typename T>
+__device__ __forceinline__ void load_bias_tile(float (&out)[kNTiles][4], const T* tile, int row0, int lane) {
   const int g = lane / 4, t = lane % 4;
+  if constexpr (sizeof(T) == 2) {
+    static_assert(kNTiles % 2 == 0, "ldmatrix covers two n8 tiles");
+    const int mat = lane / 8;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t r[4];
+      if constexpr (!kTransposed) {
+        // matrices: (rows 0-7, cols nt), (rows 8-15, cols nt), (rows 0-7, cols nt+1), (rows 8-15, cols nt+1)
+        ldsm_x4(tile + (row0 + (mat % 2) * 8 + lane % 8) * kPitch + nt * 8 + (mat / 2) * 8, r[0], r[1], r[2], r[3]);
+      } else {
+        // stored [col][row]; transposed 8x8 blocks in the same order as above
+        ldsm_x4_trans(tile + (nt * 8 + (mat / 2) * 8 + lane % 8) * kPitch + row0 + (mat % 2) * 8, r[0], r[1], r[2],
+                      r[3]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 v = unpack2<T>(r[i]);
+        out[nt + i / 2][2 * (i % 2)] = v.x;
+        out[nt + i / 2][2 * (i % 2) + 1] = v.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + g + 8 * r, col = nt * 8 + 2 * t;
+        float2 v;
+        if constexpr (!kTransposed) {
+          v = *reinterpret_cast<const float2*>(tile + row * kPitch + col);
+        } else {
+          v = make_float2(tile[col * kPitch + row], tile[(col + 1) * kPitch + row]);
+        }
+        out[nt][2 * r] = v.x;
+        out[nt][2 * r + 1] = v.y;
+      }
+  }
+}
+
+// Starts a warp's 16-row score tile at the biases divided by the scale, so that after S += q.k the
+// logits in log2 units are x = S * scale_log2. Columns are the stage's keys: the mask bias (already
+// divided by the scale) is per column; the pair tile holds rows row0.. of this stage (see
+// load_bias_tile). With kCheckKeys (the last key block), keys at or past `valid_keys` start at -inf.
+template <bool kHasPair, bool kCheckKeys, int kNTiles, int kPairPitch, typename PairT>
+__device__ __forceinline__ void init_scores(float (&s)[kNTiles][4], const float* mask_tile, const PairT* pair_tile,
+                                            int row0, int valid_keys, float inv_scale, int lane) {
+  const int t = lane % 4;
+  if constexpr (kHasPair) load_bias_tile<kNTiles, kPairPitch, false>(s, pair_tile, row0, lane);
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = nt * 8 + 2 * t;
@@ -310,18 +363,15 @@ __device__ __forceinline__ void init_scores(float (&s)[kMTiles][kNTiles][4], con
     if (kCheckKeys && col >= valid_keys) cb.x = -kInf;
     if (kCheckKeys && col + 1 >= valid_keys) cb.y = -kInf;
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float2 v = cb;
-        if constexpr (kHasPair) {
-          const float2 pb = load_pair2(pair_tile + (row0 + mt * 16 + g + 8 * r) * kPairPitch + col);
-          v.x = fmaf(pb.x, inv_scale, v.x);
-          v.y = fmaf(pb.y, inv_scale, v.y);
-        }
-        s[mt][nt][2 * r] = v.x;
-        s[mt][nt][2 * r + 1] = v.y;
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (kHasPair) {
+        s[nt][2 * r] = fmaf(s[nt][2 * r], inv_scale, cb.x);
+        s[nt][2 * r + 1] = fmaf(s[nt][2 * r + 1], inv_scale, cb.y);
+      } else {
+        s[nt][2 * r] = cb.x;
+        s[nt][2 * r + 1] = cb.y;
       }
+    }
   }
 }
 
