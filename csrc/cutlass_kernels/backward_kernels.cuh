@@ -129,6 +129,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
         key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
   }
 
+  // The statistics of the next query block are loaded into registers with its tiles and stored to
+  // shared memory after the current block's math, so their global-load latency is hidden.
+  static_assert(kBlockQ <= kThreads, "one thread per query row of a block");
+  RowStat pending;
+  auto store_pending = [&](int s) {
+    if (tid < kBlockQ) stage_stats(s)[tid] = pending.stats, stage_delta(s)[tid] = pending.delta;
+  };
   // Per-thread copy plans; the q / dO / pair pointers advance one query block per step.
   const TileCopy<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads> copy_q(tid), copy_do(tid);
   const TileCopy<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads> copy_pair(tid);
@@ -137,11 +144,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     copy_q(stage_q(s), q, p.q_stride_l, rows, p.D);
     copy_do(stage_do(s), dout, p.do_stride_l, rows, p.D);
     if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair, p.pair_stride_q, rows, p.Lk - j0);
-    for (int c = tid; c < kBlockQ; c += kThreads) {
-      const RowStat rs = row_stat(p, bnh, i0 + c);
-      stage_stats(s)[c] = rs.stats;
-      stage_delta(s)[c] = rs.delta;
-    }
+    if (tid < kBlockQ) pending = row_stat(p, bnh, i0 + tid);  // stored by store_pending (latency hidden)
     q += int64_t(kBlockQ) * p.q_stride_l;
     dout += int64_t(kBlockQ) * p.do_stride_l;
     if constexpr (Cfg::kPair != kNoPair) pair += int64_t(kBlockQ) * p.pair_stride_q;
@@ -150,6 +153,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sK, k, p.k_stride_l, rows_k, p.D, tid);
   load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sV, v, p.v_stride_l, rows_k, p.D, tid);
   load_stage(0, 0);
+  store_pending(0);
   cp_async_commit();
 
   float dk[kDTiles][4], dv[kDTiles][4];
@@ -205,30 +209,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     // dV += P^T . dO
     mma_c_by_kmajor<Element, kQTiles, kDTiles, kPitch>(dv, st, sdO, lane);
 
-    // dP^T = V . dO^T
+    // dP^T - delta = V . dO^T - delta: the accumulator starts at -delta of the query (column).
     float dpt[kQTiles][4];
 #pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt)
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 dl = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[qt][e] = 0.f;
+      for (int r = 0; r < 2; ++r) dpt[qt][2 * r] = -dl.x, dpt[qt][2 * r + 1] = -dl.y;
+    }
     mma_a_by_nmajor<Element, kQTiles, kKSteps, kPitch>(
         dpt, [&](int kk) { return a_frag_of<kKSteps, kPitch, Cfg::kKVInRegs>(vf[0], sV, warp * 16, kk, lane); }, sdO,
         lane);
 
     // dS^T = P^T * (dP^T - delta); its row sums are the mask-bias gradient.
 #pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt) {
-      const float2 dl = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
+    for (int qt = 0; qt < kQTiles; ++qt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        dpt[qt][2 * r] = st[qt][2 * r] * (dpt[qt][2 * r] - dl.x);
-        dpt[qt][2 * r + 1] = st[qt][2 * r + 1] * (dpt[qt][2 * r + 1] - dl.y);
+        dpt[qt][2 * r] *= st[qt][2 * r];
+        dpt[qt][2 * r + 1] *= st[qt][2 * r + 1];
         dmask_acc[r] += dpt[qt][2 * r] + dpt[qt][2 * r + 1];
       }
-    }
 
     // dK += dS^T . Q
     mma_c_by_kmajor<Element, kQTiles, kDTiles, kPitch>(dk, dpt, sQ, lane);
+    if (ib + 1 < n_blocks) store_pending(s ^ 1);
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
@@ -279,7 +284,7 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dp[nt][e] = 0.f;
+    for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];  // the product below gives dP - delta
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
       sc, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(qf[0], sQ, warp_row0, kk, lane); }, sK, lane);
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
@@ -288,8 +293,7 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      dp[nt][e] = fast_exp2(fmaf(sc[nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y)) *
-                  (dp[nt][e] - delta_row[e / 2]);
+      dp[nt][e] *= fast_exp2(fmaf(sc[nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y));
 }
 
 // This thread's two query rows (row0 and row0 + 8) of an accumulator tile.
@@ -441,9 +445,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const int g = lane / 4, t = lane % 4;
   // blockIdx.x = ((b * n_chunks + chunk) * n_query_blocks + query block) * n_key_blocks + key block
   const int n_kb = (p.Lk + kBlockK - 1) / kBlockK, n_qb = (p.Lq + kBlockQ - 1) / kBlockQ;
-  const int64_t kb = blockIdx.x % n_kb, qb = (blockIdx.x / n_kb) % n_qb;
-  const int64_t chunk = (blockIdx.x / (int64_t(n_kb) * n_qb)) % p.n_chunks;
-  const int64_t b = blockIdx.x / (int64_t(n_kb) * n_qb * p.n_chunks);
+  // (32-bit unsigned arithmetic: the grid's x extent is below 2^31)
+  const unsigned x = blockIdx.x, x_qb = x / unsigned(n_kb), x_chunk = x_qb / unsigned(n_qb);
+  const int64_t kb = x - x_qb * unsigned(n_kb), qb = x_qb - x_chunk * unsigned(n_qb);
+  const int64_t chunk = x_chunk % unsigned(p.n_chunks), b = x_chunk / unsigned(p.n_chunks);
   const int64_t h = blockIdx.y;
   const int m0 = int(qb) * kBlockQ, n0 = int(kb) * kBlockK;
   const int rows_q = min(kBlockQ, p.Lq - m0), rows_k = min(kBlockK, p.Lk - n0);
@@ -455,8 +460,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
                         int64_t(m0) * p.pair_stride_q + n0;  // [Lq, Lk_pad] tile of (b, h)
     load_tile_async<PairT, kBlockQ, kBlockK, kPairPitch, kThreads>(sPair, pair, p.pair_stride_q, rows_q, p.Lk - n0, tid);
   }
-  // Per-thread copy plans; the q / dO / K / V / mask pointers start at row n_begin
-  // and advance one row n per step.
+  // Per-thread copy plans; the q / dO / K / V / mask pointers start at row n_begin and advance one
+  // row n per step. The row statistics are plain loads (staging them through registers or
+  // cp.async made this kernel spill at its 168-register cap).
   const TileCopy<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads> copy_q(tid), copy_do(tid);
   const TileCopy<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
   const TileCopy<float, 1, kBlockK, kBlockK, kThreads> copy_mask(tid);

@@ -22,12 +22,12 @@ struct ForwardConfig {
   static constexpr int kPair = kPair_;
   // 16 query rows per warp keeps the per-thread state small (S: 32 registers) so that two CTAs of
   // 8 warps fit an SM; the 8 warps share each K/V/pair tile copied into shared memory.
-  static constexpr int kWarps = kHeadDim <= 64 ? 8 : 4;
+  static constexpr int kWarps = kHeadDim <= 64 ? EVOFORMER_FWD_WARPS : 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMinBlocksPerSM = EVOFORMER_FWD_MIN_BLOCKS;
-  static constexpr int kMTiles = 1;  // 16-row MMA tiles per warp
+  static constexpr int kMTiles = kHeadDim <= 64 ? EVOFORMER_FWD_MTILES : 1;  // 16-row MMA tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;   // queries per CTA
-  static constexpr int kBlockN = 64;                      // keys per step
+  static constexpr int kBlockN = EVOFORMER_FWD_BLOCK_N;   // keys per step
   static constexpr int kNTiles = kBlockN / 8;             // n8 tiles of S per 16 rows
   static constexpr int kDTiles = kHeadDim / 8;            // n8 tiles of O per 16 rows
   static constexpr int kKSteps = kHeadDim / 16;           // k16 steps of q.k^T
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = row_sum_acc[mt][2 * r];
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float inv = sum > 0.f ? __fdividef(1.f, sum) : 0.f;
       const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
       if (row < p.Lq) {
         Element* orow = out + int64_t(row) * p.o_stride_l;

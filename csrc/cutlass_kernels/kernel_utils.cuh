@@ -28,6 +28,17 @@
 #ifndef EVOFORMER_FWD_MIN_BLOCKS
 #define EVOFORMER_FWD_MIN_BLOCKS 2
 #endif
+// Forward warps per CTA and 16-row tiles per warp at D <= 64, keys per step (A/B knobs, see
+// benchmarks/tune.sh).
+#ifndef EVOFORMER_FWD_WARPS
+#define EVOFORMER_FWD_WARPS 8
+#endif
+#ifndef EVOFORMER_FWD_MTILES
+#define EVOFORMER_FWD_MTILES 1
+#endif
+#ifndef EVOFORMER_FWD_BLOCK_N
+#define EVOFORMER_FWD_BLOCK_N 64
+#endif
 #ifndef EVOFORMER_BWD_MIN_BLOCKS
 #define EVOFORMER_BWD_MIN_BLOCKS 3
 #endif
@@ -217,9 +228,11 @@ struct RowTile {
   int tile;
 };
 __device__ __forceinline__ RowTile decode_row_tile(int n_tiles, int N) {
-  const int64_t x = blockIdx.x;
-  const int64_t bn = x / n_tiles;
-  return RowTile{bn / N, bn % N, int(x % n_tiles)};
+  // blockIdx.x < 2^31 (grid limit), so 32-bit unsigned division (64-bit division is a long
+  // software routine) suffices.
+  const unsigned x = blockIdx.x;
+  const unsigned bn = x / unsigned(n_tiles);
+  return RowTile{int64_t(bn / unsigned(N)), int64_t(bn % unsigned(N)), int(x - bn * unsigned(n_tiles))};
 }
 
 // One m16n8k16 A operand held in registers.
