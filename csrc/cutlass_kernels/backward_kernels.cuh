@@ -577,6 +577,21 @@ __global__ void backward_delta_kernel(const AttentionParams p) {
 }
 
 template <typename Element, int kHeadDim, int kPair>
+int backward_pair_grad_blocks_per_sm() {
+  if constexpr (kPair == kNoPair) {
+    return 0;
+  } else {
+    using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
+    auto kernel = backward_dpair_kernel<Cfg>;
+    int blocks = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kBiasSmemBytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kBiasSmemBytes) != cudaSuccess)
+      check_launch("evoformer backward pair bias (occupancy query)");
+    return blocks;
+  }
+}
+
+template <typename Element, int kHeadDim, int kPair>
 void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
   launch_backward_delta<Element>(p, stream);

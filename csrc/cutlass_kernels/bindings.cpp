@@ -36,19 +36,43 @@ Launcher backward_for(int pair) {
   return pair == kNoPair ? &launch_backward<E, D, kNoPair>
                          : pair == kPairInput ? &launch_backward<E, D, kPairInput> : &launch_backward<E, D, kPairFloat>;
 }
+using BlocksQuery = int (*)();
+template <typename E, int D>
+BlocksQuery pair_grad_blocks_for(int pair) {
+  return pair == kNoPair ? &backward_pair_grad_blocks_per_sm<E, D, kNoPair>
+                         : pair == kPairInput ? &backward_pair_grad_blocks_per_sm<E, D, kPairInput>
+                                              : &backward_pair_grad_blocks_per_sm<E, D, kPairFloat>;
+}
+template <typename E>
+BlocksQuery select_pair_grad_blocks(int bucket, int pair) {
+  return bucket == 32 ? pair_grad_blocks_for<E, 32>(pair)
+                      : bucket == 64 ? pair_grad_blocks_for<E, 64>(pair) : pair_grad_blocks_for<E, 128>(pair);
+}
 template <typename E>
 Launcher select_launcher(bool forward, int bucket, int pair) {
   if (forward) return bucket == 32 ? forward_for<E, 32>(pair) : bucket == 64 ? forward_for<E, 64>(pair) : forward_for<E, 128>(pair);
   return bucket == 32 ? backward_for<E, 32>(pair) : bucket == 64 ? backward_for<E, 64>(pair) : backward_for<E, 128>(pair);
 }
 
-Launcher launcher_for(bool forward, at::ScalarType dtype, int head_dim, int pair) {
+int head_dim_bucket(int head_dim) {
   int bucket = 0;
   for (int b : kHeadDimBuckets)
     if (bucket == 0 && head_dim <= b) bucket = b;
   TORCH_CHECK(bucket != 0, "evoformer attention: head dim ", head_dim, " exceeds the largest bucket");
+  return bucket;
+}
+
+Launcher launcher_for(bool forward, at::ScalarType dtype, int head_dim, int pair) {
+  const int bucket = head_dim_bucket(head_dim);
   return dtype == at::kBFloat16 ? select_launcher<cutlass::bfloat16_t>(forward, bucket, pair)
                                 : select_launcher<cutlass::half_t>(forward, bucket, pair);
+}
+
+// CTAs of the pair-bias-gradient kernel resident per SM for this dtype / head dim / pair kind.
+int pair_grad_blocks_per_sm(at::ScalarType dtype, int head_dim, int pair) {
+  const int bucket = head_dim_bucket(head_dim);
+  return (dtype == at::kBFloat16 ? select_pair_grad_blocks<cutlass::bfloat16_t>(bucket, pair)
+                                 : select_pair_grad_blocks<cutlass::half_t>(bucket, pair))();
 }
 
 std::string describe(const char* name, const at::Tensor& t) {
@@ -223,18 +247,32 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   return {out, stats};
 }
 
-// Rows n summed by one CTA of the pair-bias gradient kernel: enough n-chunks to give about four
-// CTAs per SM, each chunk costing a [B, H, Lq, Lk] fp32 partial, capped at 256 MiB in all.
-int choose_n_chunk_size(const AttentionParams& p, int block_q, int block_k) {
+// Rows n summed by one CTA of the pair-bias gradient kernel. Its grid is ctas_per_chunk CTAs per
+// n-chunk, each looping over the chunk's rows; with `slots` CTAs resident on the GPU its time goes
+// as waves * (rows per chunk + a per-CTA overhead of about two rows). The count that (nearly)
+// minimises this is taken, so the last wave is not left mostly empty; each chunk costs a
+// [B, H, Lq, Lk] fp32 partial, 256 MiB in all at most.
+int choose_n_chunk_size(const AttentionParams& p, int block_q, int block_k, int blocks_per_sm) {
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t slots = int64_t(sms) * std::max(blocks_per_sm, 1);
   const int64_t ctas_per_chunk =
       int64_t(p.B) * p.H * ((p.Lq + block_q - 1) / block_q) * ((p.Lk + block_k - 1) / block_k);
-  int64_t chunks = (4 * int64_t(sms) + ctas_per_chunk - 1) / ctas_per_chunk;
   const int64_t slab_bytes = int64_t(p.B) * p.H * p.Lq * p.Lk * 4;
   const int64_t budget_chunks = std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(slab_bytes, 1));
-  chunks = std::max<int64_t>(1, std::min<int64_t>({chunks, budget_chunks, int64_t(p.N)}));
+  // Beyond ~16 waves the last wave's waste is small; no need to search further.
+  const int64_t max_chunks = std::max<int64_t>(1, std::min<int64_t>({int64_t(p.N), budget_chunks, 16 * slots / ctas_per_chunk + 1}));
+  constexpr int64_t kOverheadRows = 2;
+  auto cost = [&](int64_t chunks) {
+    const int64_t waves = (chunks * ctas_per_chunk + slots - 1) / slots;
+    return waves * ((p.N + chunks - 1) / chunks + kOverheadRows);
+  };
+  int64_t best_cost = cost(1);
+  for (int64_t chunks = 2; chunks <= max_chunks; ++chunks) best_cost = std::min(best_cost, cost(chunks));
+  // The fewest chunks within 3 % of the best: memory for the partials grows with the count.
+  int64_t chunks = 1;
+  while (cost(chunks) * 100 > best_cost * 103) ++chunks;
   return int((p.N + chunks - 1) / chunks);
 }
 
@@ -271,7 +309,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();
-  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64, /*block_k=*/64) : p.N;
+  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64, /*block_k=*/64,
+                                                    pair_grad_blocks_per_sm(q.scalar_type(), p.D, prep.pair_kind))
+                              : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
   at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();
   for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);

@@ -77,6 +77,11 @@ void launch_forward(const AttentionParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward(const AttentionParams& params, cudaStream_t stream);
 
+// CTAs of the pair-bias-gradient kernel of a backward instantiation that fit on one SM at once
+// (0 for instantiations without a pair bias); sizes that kernel's grid (see choose_n_chunk_size).
+template <typename Element, int kHeadDim, int kPair>
+int backward_pair_grad_blocks_per_sm();
+
 // delta = rowsum(dout * out) in float32 (shared by every backward instantiation).
 template <typename Element>
 void launch_backward_delta(const AttentionParams& params, cudaStream_t stream);

@@ -27,20 +27,22 @@ TEMPLATE = """\
 
 namespace evoformer {{
 template void launch_{direction}<{element}, {head_dim}, {pair}>(const AttentionParams&, cudaStream_t);
-}}  // namespace evoformer
+{extra}}}  // namespace evoformer
 """
+# Further functions a direction's translation unit instantiates.
+EXTRA = {
+    "forward": "",
+    "backward": "template int backward_pair_grad_blocks_per_sm<{element}, {head_dim}, {pair}>();\n",
+}
 
 
 def files() -> dict[str, str]:
     out = {}
     for direction, dtype, head_dim, pair in itertools.product(DIRECTIONS, ELEMENTS, HEAD_DIM_BUCKETS, PAIR_KINDS):
         name = f"{direction}_{dtype}_d{head_dim}_{pair}.cu"
+        fields = dict(element=ELEMENTS[dtype], head_dim=head_dim, pair=PAIR_KINDS[pair])
         out[name] = TEMPLATE.format(
-            header=DIRECTIONS[direction],
-            direction=direction,
-            element=ELEMENTS[dtype],
-            head_dim=head_dim,
-            pair=PAIR_KINDS[pair],
+            header=DIRECTIONS[direction], direction=direction, extra=EXTRA[direction].format(**fields), **fields
         )
     return out
 
