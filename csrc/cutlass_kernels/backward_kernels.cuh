@@ -63,11 +63,6 @@ struct BackwardConfig {
   static constexpr int kBiasSmemBytes = kBiasPairBytes + 2 * kBiasStageBytes;
 };
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
-}
-
 // Softmax statistics (m, l) and delta of query row `row` of (b, n, h) = bnh; rows past Lq (tile
 // padding) get l = +inf, so that P = exp2(... - inf) = 0 there, and delta = 0.
 struct RowStat {

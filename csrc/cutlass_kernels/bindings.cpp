@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
 
 #include <cutlass/numeric_types.h>
 
@@ -25,34 +26,7 @@ namespace evoformer {
 namespace {
 
 using Launcher = void (*)(const AttentionParams&, cudaStream_t);
-
-template <typename E, int D>
-Launcher forward_for(int pair) {
-  return pair == kNoPair ? &launch_forward<E, D, kNoPair>
-                         : pair == kPairInput ? &launch_forward<E, D, kPairInput> : &launch_forward<E, D, kPairFloat>;
-}
-template <typename E, int D>
-Launcher backward_for(int pair) {
-  return pair == kNoPair ? &launch_backward<E, D, kNoPair>
-                         : pair == kPairInput ? &launch_backward<E, D, kPairInput> : &launch_backward<E, D, kPairFloat>;
-}
 using BlocksQuery = int (*)();
-template <typename E, int D>
-BlocksQuery pair_grad_blocks_for(int pair) {
-  return pair == kNoPair ? &backward_pair_grad_blocks_per_sm<E, D, kNoPair>
-                         : pair == kPairInput ? &backward_pair_grad_blocks_per_sm<E, D, kPairInput>
-                                              : &backward_pair_grad_blocks_per_sm<E, D, kPairFloat>;
-}
-template <typename E>
-BlocksQuery select_pair_grad_blocks(int bucket, int pair) {
-  return bucket == 32 ? pair_grad_blocks_for<E, 32>(pair)
-                      : bucket == 64 ? pair_grad_blocks_for<E, 64>(pair) : pair_grad_blocks_for<E, 128>(pair);
-}
-template <typename E>
-Launcher select_launcher(bool forward, int bucket, int pair) {
-  if (forward) return bucket == 32 ? forward_for<E, 32>(pair) : bucket == 64 ? forward_for<E, 64>(pair) : forward_for<E, 128>(pair);
-  return bucket == 32 ? backward_for<E, 32>(pair) : bucket == 64 ? backward_for<E, 64>(pair) : backward_for<E, 128>(pair);
-}
 
 int head_dim_bucket(int head_dim) {
   int bucket = 0;
@@ -62,17 +36,39 @@ int head_dim_bucket(int head_dim) {
   return bucket;
 }
 
-Launcher launcher_for(bool forward, at::ScalarType dtype, int head_dim, int pair) {
+// The one place that maps (dtype, head dim, pair kind) to an instantiation: returns
+// pick(Element{}, integral_constant<head-dim bucket>, integral_constant<pair kind>), which names a
+// function of that instantiation (every branch must return the same pointer type).
+template <typename Pick>
+auto for_instantiation(at::ScalarType dtype, int head_dim, int pair, Pick&& pick) {
+  using std::integral_constant;
   const int bucket = head_dim_bucket(head_dim);
-  return dtype == at::kBFloat16 ? select_launcher<cutlass::bfloat16_t>(forward, bucket, pair)
-                                : select_launcher<cutlass::half_t>(forward, bucket, pair);
+  auto by_pair = [&](auto element, auto dim) {
+    return pair == kNoPair      ? pick(element, dim, integral_constant<int, kNoPair>{})
+           : pair == kPairInput ? pick(element, dim, integral_constant<int, kPairInput>{})
+                                : pick(element, dim, integral_constant<int, kPairFloat>{});
+  };
+  auto by_bucket = [&](auto element) {
+    return bucket == 32   ? by_pair(element, integral_constant<int, 32>{})
+           : bucket == 64 ? by_pair(element, integral_constant<int, 64>{})
+                          : by_pair(element, integral_constant<int, 128>{});
+  };
+  return dtype == at::kBFloat16 ? by_bucket(cutlass::bfloat16_t{}) : by_bucket(cutlass::half_t{});
+}
+
+Launcher launcher_for(bool forward, at::ScalarType dtype, int head_dim, int pair) {
+  return for_instantiation(dtype, head_dim, pair, [forward](auto element, auto dim, auto kind) -> Launcher {
+    using E = decltype(element);
+    constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
+    return forward ? &launch_forward<E, D, P> : &launch_backward<E, D, P>;
+  });
 }
 
 // CTAs of the pair-bias-gradient kernel resident per SM for this dtype / head dim / pair kind.
 int pair_grad_blocks_per_sm(at::ScalarType dtype, int head_dim, int pair) {
-  const int bucket = head_dim_bucket(head_dim);
-  return (dtype == at::kBFloat16 ? select_pair_grad_blocks<cutlass::bfloat16_t>(bucket, pair)
-                                 : select_pair_grad_blocks<cutlass::half_t>(bucket, pair))();
+  return for_instantiation(dtype, head_dim, pair, [](auto element, auto dim, auto kind) -> BlocksQuery {
+    return &backward_pair_grad_blocks_per_sm<decltype(element), decltype(dim)::value, decltype(kind)::value>;
+  })();
 }
 
 std::string describe(const char* name, const at::Tensor& t) {

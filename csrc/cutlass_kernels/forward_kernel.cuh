@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     // O += P . V
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
-      mma_c_by_kmajor<Element, kNTiles, kDTiles, kPitch, true>(o[mt], s[mt], sVs, lane, row_sum_acc[mt]);
+      mma_c_by_kmajor<Element, kNTiles, kDTiles, kPitch, true>(o[mt], s[mt], sVs, lane, &row_sum_acc[mt]);
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 

@@ -267,14 +267,14 @@ __device__ __forceinline__ void mma_a_by_nmajor(float (&acc)[kNTiles][4], AFragF
 // of a chain of adds.
 template <typename Element, int kCTiles, int kDTiles, int kPitch, bool kRowSums = false>
 __device__ __forceinline__ void mma_c_by_kmajor(float (&acc)[kDTiles][4], const float (&c)[kCTiles][4],
-                                                const Element* smem, int lane, float* row_sums = nullptr) {
+                                                const Element* smem, int lane, float (*row_sums)[4] = nullptr) {
 #pragma unroll
   for (int kc = 0; kc < kCTiles / 2; ++kc) {
     uint32_t a[4];
     c_to_a_frag<Element>(a, c, kc);
     if constexpr (kRowSums) {
       const uint32_t ones = pack2<Element>(1.f, 1.f);
-      mma<Element>(*reinterpret_cast<float(*)[4]>(row_sums), a, ones, ones);
+      mma<Element>(*row_sums, a, ones, ones);
     }
 #pragma unroll
     for (int dt = 0; dt < kDTiles; dt += 2) {
