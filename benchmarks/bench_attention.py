@@ -132,7 +132,10 @@ def run_flex(q, k, v, m, p):
         for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, 4096)
-        _flex = torch.compile(flex_attention)
+        # dynamic=False: every shape gets its own static-shape kernel, as in a training run with a
+        # fixed crop; otherwise the second shape seen turns the sizes symbolic and every later shape
+        # runs a generic kernel several times slower than Flex's real one.
+        _flex = torch.compile(flex_attention, dynamic=False)
     b, n, l, h, d = q.shape
     qh, kh, vh = (t.transpose(2, 3).reshape(b * n, h, l, d) for t in (q, k, v))  # [B*N, H, L, D]
     out = _flex(qh, kh, vh, score_mod=_score_mod(m, p, n))

@@ -1,5 +1,7 @@
-"""One warmed-up cutlass forward + backward of a suite shape: a target for ncu / compute-sanitizer.
+"""Warmed-up forward (+ backward) steps of one implementation on a suite shape: a target for ncu /
+compute-sanitizer.
 
+    python benchmarks/one_step.py [SHAPE_INDEX] [IMPL: cutlass|flex|sdpa|eager] [fwd|fwdbwd]
     ncu --kernel-name regex:forward_kernel --launch-skip 3 --launch-count 1 python benchmarks/one_step.py 0
 """
 
@@ -9,13 +11,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import SUITE, make_inputs, run_cutlass  # noqa: E402
+from bench_attention import IMPLS, SUITE, make_inputs  # noqa: E402
 
 shape = SUITE[int(sys.argv[1]) if len(sys.argv) > 1 else 0]
+impl = sys.argv[2] if len(sys.argv) > 2 else "cutlass"
+backward = (sys.argv[3] if len(sys.argv) > 3 else "fwdbwd") == "fwdbwd"
+fn = IMPLS[impl]
 q, k, v, m, p = make_inputs(shape)
-leaves = [t.requires_grad_(True) for t in (q, k, v) + ((p,) if p is not None else ())]
+leaves = [t.requires_grad_(backward) for t in (q, k, v) + ((p,) if p is not None else ())]
 dout = torch.randn_like(q)
 for _ in range(5):
-    torch.autograd.grad(run_cutlass(q, k, v, m, p), leaves, dout)
+    out = fn(q, k, v, m, p)
+    if backward:
+        torch.autograd.grad(out, leaves, dout)
 torch.cuda.synchronize()
-print("done", shape.name)
+print("done", shape.name, impl, "forward+backward" if backward else "forward")
