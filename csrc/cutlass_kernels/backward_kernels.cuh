@@ -75,7 +75,7 @@ __device__ __forceinline__ RowStat row_stat(const AttentionParams& p, int64_t bn
 }
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dkdv_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dkdv_kernel(const AttentionParams p, const RowTileGrid grid) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockKV = Cfg::kBlockKV, kBlockQ = Cfg::kBlockQ;
@@ -96,9 +96,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   };
   auto stage_delta = [&](int s) { return reinterpret_cast<float*>(stage_stats(s) + kBlockQ); };
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;  // unsigned: no sign fix-ups
   const int g = lane / 4, t = lane % 4;
-  const RowTile rt = decode_row_tile((p.Lk + kBlockKV - 1) / kBlockKV, p.N);
+  const RowTile rt = grid.decode();
   const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int j0 = rt.tile * kBlockKV;
   const int rows_k = min(kBlockKV, p.Lk - j0);
@@ -303,7 +303,7 @@ __device__ __forceinline__ void load_row_stats(float2 (&stats_row)[2], float (&d
 }
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dq_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dq_kernel(const AttentionParams p, const RowTileGrid grid) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;
@@ -322,9 +322,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     return reinterpret_cast<float*>(stages + (s + 1) * Cfg::kDqStageBytes - kBlockK * 4);
   };
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;  // unsigned: no sign fix-ups
   const int g = lane / 4, t = lane % 4;
-  const RowTile rt = decode_row_tile((p.Lq + kBlockQ - 1) / kBlockQ, p.N);
+  const RowTile rt = grid.decode();
   const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int64_t bnh = (b * p.N + n) * p.H + h;
   const int m0 = rt.tile * kBlockQ;
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   auto stage_stats = [&](int s) { return reinterpret_cast<float2*>(stage_mask(s) + kBlockK); };
   auto stage_delta = [&](int s) { return reinterpret_cast<float*>(stage_stats(s) + kBlockQ); };
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;  // (signed: the unsigned form spills here)
   const int g = lane / 4, t = lane % 4;
   // blockIdx.x = ((b * n_chunks + chunk) * n_query_blocks + query block) * n_key_blocks + key block
   const int n_kb = (p.Lk + kBlockK - 1) / kBlockK, n_qb = (p.Lq + kBlockQ - 1) / kBlockQ;
@@ -594,15 +594,15 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   auto dkdv = backward_dkdv_kernel<Cfg>;
   if (cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDkdvSmemBytes) != cudaSuccess)
     check_launch("evoformer backward dK/dV (shared-memory attribute)");
-  const dim3 grid_kv(unsigned(int64_t(p.B) * p.N * ((p.Lk + Cfg::kBlockKV - 1) / Cfg::kBlockKV)), unsigned(p.H));
-  dkdv<<<grid_kv, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream>>>(p);
+  const RowTileGrid grid_kv(p.B, p.N, (p.Lk + Cfg::kBlockKV - 1) / Cfg::kBlockKV);
+  dkdv<<<grid_kv.dims(p.H), Cfg::kThreads, Cfg::kDkdvSmemBytes, stream>>>(p, grid_kv);
   check_launch("evoformer backward dK/dV");
 
   auto dq = backward_dq_kernel<Cfg>;
   if (cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDqSmemBytes) != cudaSuccess)
     check_launch("evoformer backward dQ (shared-memory attribute)");
-  const dim3 grid_q(unsigned(int64_t(p.B) * p.N * ((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2)), unsigned(p.H));
-  dq<<<grid_q, Cfg::kThreads, Cfg::kDqSmemBytes, stream>>>(p);
+  const RowTileGrid grid_q(p.B, p.N, (p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2);
+  dq<<<grid_q.dims(p.H), Cfg::kThreads, Cfg::kDqSmemBytes, stream>>>(p, grid_q);
   check_launch("evoformer backward dQ");
 
   if constexpr (kPair != kNoPair) {

@@ -42,7 +42,7 @@ struct ForwardConfig {
 };
 
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_kernel(const AttentionParams p, const RowTileGrid grid) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kPitch = Cfg::kPitch;
@@ -56,9 +56,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   PairT* sPair = reinterpret_cast<PairT*>(smem + Cfg::kQBytes + 4 * Cfg::kKVBytes);   // [2][kBlockM][kPairPitch]
   float* sMask = reinterpret_cast<float*>(smem + Cfg::kQBytes + 4 * Cfg::kKVBytes + 2 * Cfg::kPairBytes);  // [2][kBlockN]
 
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;  // unsigned: no sign fix-ups
   const int g = lane / 4, t = lane % 4;
-  const RowTile rt = decode_row_tile((p.Lq + kBlockM - 1) / kBlockM, p.N);
+  const RowTile rt = grid.decode();
   const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int m0 = rt.tile * kBlockM;
   const int rows_q = min(kBlockM, p.Lq - m0);
@@ -68,12 +68,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
                      int64_t(m0) * p.q_stride_l;                                                          // [Lq, D]
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D], advanced per key block
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;  // [Lk, D], advanced per key block
-  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h), from query m0
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h), from query m0, advanced per key block
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
-  const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
+  const bool has_mask = p.mask_scaled != nullptr;
+  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad], advanced per key block
 
-  // Per-thread copy plans; the K / V pointers advance one key block per step.
+  // Per-thread copy plans; the K / V / pair / mask pointers advance one key block per step.
   const TileCopy<Element, kBlockN, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
   const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
   const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
@@ -81,8 +82,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     const int rows_k = min(kBlockN, p.Lk - n0);
     copy_k(sK + stage * kBlockN * kPitch, k, p.k_stride_l, rows_k, p.D);
     copy_v(sV + stage * kBlockN * kPitch, v, p.v_stride_l, rows_k, p.D);
-    if constexpr (Cfg::kPair != kNoPair) copy_pair(sPair + stage * kBlockM * Cfg::kPairPitch, pair + n0, p.pair_stride_q, rows_q, p.Lk - n0);
-    if (mask) copy_mask(sMask + stage * kBlockN, mask + n0, 0, 1, p.Lk - n0);
+    if constexpr (Cfg::kPair != kNoPair) {
+      copy_pair(sPair + stage * kBlockM * Cfg::kPairPitch, pair, p.pair_stride_q, rows_q, p.Lk - n0);
+      pair += kBlockN;
+    }
+    if (has_mask) {
+      copy_mask(sMask + stage * kBlockN, mask, 0, 1, p.Lk - n0);
+      mask += kBlockN;
+    }
     k += int64_t(kBlockN) * p.k_stride_l;
     v += int64_t(kBlockN) * p.v_stride_l;
   };
@@ -122,7 +129,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     const Element* sKs = sK + stage * kBlockN * kPitch;
     const Element* sVs = sV + stage * kBlockN * kPitch;
     const PairT* sPairs = sPair + stage * kBlockM * Cfg::kPairPitch;
-    const float* sMasks = mask ? sMask + stage * kBlockN : nullptr;
+    const float* sMasks = has_mask ? sMask + stage * kBlockN : nullptr;
 
     // S = (mask + pair) / scale + Q . K^T  [kMTiles * 16 rows, kBlockN keys] per warp
     float s[kMTiles][kNTiles][4];
@@ -177,16 +184,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = row_sum_acc[mt][2 * r];
-      const float inv = sum > 0.f ? __fdividef(1.f, sum) : 0.f;
+      const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 1: the row maximum contributes exp2(0)
       const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
       if (row < p.Lq) {
         Element* orow = out + int64_t(row) * p.o_stride_l;
+        auto store = [&](auto check_d) {
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          const int d = dt * 8 + 2 * t;
-          if (d < p.D)
-            *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-        }
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            const int d = dt * 8 + 2 * t;
+            if (!decltype(check_d)::value || d < p.D)
+              *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+          }
+        };
+        if (p.D == Cfg::kHeadDim)
+          store(std::false_type{});  // D fills its bucket: no per-column test
+        else
+          store(std::true_type{});
         if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[mt][r], __log2f(sum)) : make_float2(0.f, kInf);
       }
     }
@@ -198,8 +211,8 @@ void launch_forward(const AttentionParams& p, cudaStream_t stream) {
   auto kernel = forward_kernel<Cfg>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
     check_launch("evoformer forward (shared-memory attribute)");
-  const dim3 grid(unsigned(int64_t(p.B) * p.N * ((p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM)), unsigned(p.H));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  const RowTileGrid grid(p.B, p.N, (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  kernel<<<grid.dims(p.H), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
   check_launch("evoformer forward");
 }
 

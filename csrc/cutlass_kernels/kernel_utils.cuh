@@ -19,6 +19,7 @@
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
+#include <cutlass/fast_math.h>
 #include <cutlass/numeric_types.h>
 
 #include "evoformer_attention.h"
@@ -88,6 +89,13 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
+// 1 / x in one MUFU op (no denormal handling: x >= 1 where it is used, a softmax row sum).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -132,7 +140,8 @@ struct TileCopy {
 
   int row0, col;
 
-  __device__ __forceinline__ explicit TileCopy(int tid) : row0(tid / kChunksPerRow), col((tid % kChunksPerRow) * kPerChunk) {}
+  __device__ __forceinline__ explicit TileCopy(int tid)
+      : row0(int(unsigned(tid) / kChunksPerRow)), col(int(unsigned(tid) % kChunksPerRow) * kPerChunk) {}
 
   __device__ __forceinline__ void operator()(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
                                              int valid_cols) const {
@@ -221,19 +230,29 @@ __device__ __forceinline__ float row_max(const float (&c)[kNTiles][4], int r) {
   return v[0];
 }
 
-// Grid index x = tile + n_tiles * (n + N * b): CTAs that share a row n's tiles (q, k, v of one
-// (b, n, h)) are adjacent in launch order, so the re-reads hit L2; heads run on blockIdx.y.
+// Grid of CTAs that each own one tile of one row (b, n): x = tile + n_tiles * (n + N * b), so CTAs
+// that share a row's tiles (q, k, v of one (b, n, h)) are adjacent in launch order and the re-reads
+// hit L2; heads run on blockIdx.y. The two divisions that decode x use multipliers precomputed on
+// the host (cutlass::FastDivmod: a multiply-high and a shift each instead of a division routine);
+// x < 2^31 (grid limit) is within FastDivmod's range.
 struct RowTile {
   int64_t b, n;
   int tile;
 };
-__device__ __forceinline__ RowTile decode_row_tile(int n_tiles, int N) {
-  // blockIdx.x < 2^31 (grid limit), so 32-bit unsigned division (64-bit division is a long
-  // software routine) suffices.
-  const unsigned x = blockIdx.x;
-  const unsigned bn = x / unsigned(n_tiles);
-  return RowTile{int64_t(bn / unsigned(N)), int64_t(bn % unsigned(N)), int(x - bn * unsigned(n_tiles))};
-}
+struct RowTileGrid {
+  cutlass::FastDivmod tiles, rows;
+  unsigned n_ctas;  // B * N * n_tiles; the bindings keep it below 2^31
+
+  RowTileGrid(int B, int N, int n_tiles) : tiles(n_tiles), rows(N), n_ctas(unsigned(int64_t(B) * N * n_tiles)) {}
+  dim3 dims(int H) const { return dim3(n_ctas, unsigned(H)); }
+
+  __device__ __forceinline__ RowTile decode() const {
+    int bn, tile, b, n;
+    tiles(bn, tile, int(blockIdx.x));
+    rows(b, n, bn);
+    return RowTile{b, n, tile};
+  }
+};
 
 // One m16n8k16 A operand held in registers.
 struct AFrag {
