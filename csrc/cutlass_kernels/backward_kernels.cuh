@@ -14,6 +14,8 @@
 //    summed by the host in a fixed order.
 #pragma once
 
+#include <atomic>
+
 #include "kernel_utils.cuh"
 
 namespace evoformer {
@@ -577,11 +579,20 @@ int backward_pair_grad_blocks_per_sm() {
     return 0;
   } else {
     using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
+    // Queried once per device (the answer depends only on the GPU): blocks + 1, 0 = not yet.
+    constexpr int kCachedDevices = 64;
+    static std::atomic<int> cached[kCachedDevices];
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) check_launch("evoformer backward pair bias (current device)");
+    if (device < kCachedDevices) {
+      if (const int c = cached[device].load(std::memory_order_relaxed)) return c - 1;
+    }
     auto kernel = backward_dpair_kernel<Cfg>;
     int blocks = 0;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kBiasSmemBytes) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kBiasSmemBytes) != cudaSuccess)
       check_launch("evoformer backward pair bias (occupancy query)");
+    if (device < kCachedDevices) cached[device].store(blocks + 1, std::memory_order_relaxed);
     return blocks;
   }
 }
