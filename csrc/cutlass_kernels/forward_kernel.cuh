@@ -14,20 +14,40 @@
 
 namespace evoformer {
 
+// Tiling per head-dim bucket: {warps, 16-row tiles per warp, keys per step, min CTAs per SM}.
+// Every warp's state is one or two 16-row tiles (S: 16-32 registers per tile) so that 16 warps fit
+// an SM; at D = 32 two row tiles per warp over 32-key steps give each warp two independent softmax
+// chains at the same register count. The warps share each K/V/pair tile copied into shared memory.
+template <int kHeadDim, int kPair>
+struct ForwardTiling {  // D = 128
+  static constexpr int kWarps = 4, kMTiles = 1, kBlockN = 64, kMinBlocks = 2;
+};
+template <int kPair>
+struct ForwardTiling<32, kPair> {
+  // fp32 pair tiles take more registers: one CTA fewer per SM instead of spilling
+  static constexpr int kWarps = EVOFORMER_FWD_D32_WARPS, kMTiles = EVOFORMER_FWD_D32_MTILES,
+                       kBlockN = EVOFORMER_FWD_D32_BLOCK_N,
+                       kMinBlocks = EVOFORMER_FWD_D32_MIN_BLOCKS - (kPair == kPairFloat ? 1 : 0);
+};
+template <int kPair>
+struct ForwardTiling<64, kPair> {
+  static constexpr int kWarps = EVOFORMER_FWD_D64_WARPS, kMTiles = EVOFORMER_FWD_D64_MTILES,
+                       kBlockN = EVOFORMER_FWD_D64_BLOCK_N, kMinBlocks = EVOFORMER_FWD_D64_MIN_BLOCKS;
+};
+
 template <typename Element_, int kHeadDim_, int kPair_>
 struct ForwardConfig {
   using Element = Element_;
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
   static constexpr int kPair = kPair_;
-  // 16 query rows per warp keeps the per-thread state small (S: 32 registers) so that two CTAs of
-  // 8 warps fit an SM; the 8 warps share each K/V/pair tile copied into shared memory.
-  static constexpr int kWarps = kHeadDim <= 64 ? EVOFORMER_FWD_WARPS : 4;
+  using Tiling = ForwardTiling<kHeadDim, kPair>;
+  static constexpr int kWarps = Tiling::kWarps;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMinBlocksPerSM = EVOFORMER_FWD_MIN_BLOCKS;
-  static constexpr int kMTiles = kHeadDim <= 64 ? EVOFORMER_FWD_MTILES : 1;  // 16-row MMA tiles per warp
+  static constexpr int kMinBlocksPerSM = Tiling::kMinBlocks;
+  static constexpr int kMTiles = Tiling::kMTiles;  // 16-row MMA tiles per warp
   static constexpr int kBlockM = kWarps * kMTiles * 16;   // queries per CTA
-  static constexpr int kBlockN = EVOFORMER_FWD_BLOCK_N;   // keys per step
+  static constexpr int kBlockN = Tiling::kBlockN;        // keys per step
   static constexpr int kNTiles = kBlockN / 8;             // n8 tiles of S per 16 rows
   static constexpr int kDTiles = kHeadDim / 8;            // n8 tiles of O per 16 rows
   static constexpr int kKSteps = kHeadDim / 16;           // k16 steps of q.k^T

@@ -24,22 +24,35 @@
 
 #include "evoformer_attention.h"
 
-// Minimum resident CTAs per SM the kernels are compiled for (caps registers per thread); tunable
-// at build time, e.g. EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS="-DEVOFORMER_FWD_MIN_BLOCKS=1".
-#ifndef EVOFORMER_FWD_MIN_BLOCKS
-#define EVOFORMER_FWD_MIN_BLOCKS 2
+// Forward tiling of the D = 32 and D = 64 buckets: warps per CTA, 16-row tiles per warp, keys per
+// step and the minimum resident CTAs per SM compiled for (which caps registers per thread). A/B
+// knobs at build time, e.g. EVOFORMER_BLOCKS_EXTRA_CUDA_FLAGS="-DEVOFORMER_FWD_D32_MIN_BLOCKS=3"
+// (see benchmarks/tune.sh); the defaults are the fastest measured on an H100 (benchmarks/RESULTS.md).
+#ifndef EVOFORMER_FWD_D32_WARPS
+#define EVOFORMER_FWD_D32_WARPS 4
 #endif
-// Forward warps per CTA and 16-row tiles per warp at D <= 64, keys per step (A/B knobs, see
-// benchmarks/tune.sh).
-#ifndef EVOFORMER_FWD_WARPS
-#define EVOFORMER_FWD_WARPS 8
+#ifndef EVOFORMER_FWD_D32_MTILES
+#define EVOFORMER_FWD_D32_MTILES 2
 #endif
-#ifndef EVOFORMER_FWD_MTILES
-#define EVOFORMER_FWD_MTILES 1
+#ifndef EVOFORMER_FWD_D32_BLOCK_N
+#define EVOFORMER_FWD_D32_BLOCK_N 32
 #endif
-#ifndef EVOFORMER_FWD_BLOCK_N
-#define EVOFORMER_FWD_BLOCK_N 64
+#ifndef EVOFORMER_FWD_D32_MIN_BLOCKS
+#define EVOFORMER_FWD_D32_MIN_BLOCKS 4
 #endif
+#ifndef EVOFORMER_FWD_D64_WARPS
+#define EVOFORMER_FWD_D64_WARPS 8
+#endif
+#ifndef EVOFORMER_FWD_D64_MTILES
+#define EVOFORMER_FWD_D64_MTILES 1
+#endif
+#ifndef EVOFORMER_FWD_D64_BLOCK_N
+#define EVOFORMER_FWD_D64_BLOCK_N 64
+#endif
+#ifndef EVOFORMER_FWD_D64_MIN_BLOCKS
+#define EVOFORMER_FWD_D64_MIN_BLOCKS 2
+#endif
+// Minimum resident CTAs per SM of the D = 32 backward kernels (see BackwardConfig).
 #ifndef EVOFORMER_BWD_MIN_BLOCKS
 #define EVOFORMER_BWD_MIN_BLOCKS 3
 #endif
