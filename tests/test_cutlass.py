@@ -119,10 +119,11 @@ def test_matches_reference(dtype, head_dim, variant, length):
     check_against_reference(*inputs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("variant", ["mask", "pair", "both"])
 @pytest.mark.parametrize("head_dim", [32, 72])
-def test_float32_biases(variant, head_dim):
-    inputs = make_inputs(1, 4, 77, 77, 3, head_dim, torch.bfloat16, variant, bias_dtype=torch.float32)
+def test_float32_biases(dtype, variant, head_dim):
+    inputs = make_inputs(1, 4, 77, 77, 3, head_dim, dtype, variant, bias_dtype=torch.float32)
     check_against_reference(*inputs)
 
 
