@@ -3,7 +3,7 @@
 // accumulator starts at the biases divided by the scale (init_scores), so the biases cost one FFMA
 // per element; probabilities are exp2((S - max) * scale * log2(e)).
 //
-// CTA = (query block, b * N + n) on blockIdx.x (query block fastest, see decode_row_tile), h on
+// CTA = (query block, b * N + n) on blockIdx.x (query block fastest, see RowTileGrid), h on
 // blockIdx.y. Each warp owns kMTiles * 16 query rows; K, V, the pair-bias tile and the mask tile of
 // the next key block are copied (cp.async) while the current one is used. The query blocks of one
 // (b, n, h) run side by side and share K and V through L2; the pair-bias tile of a query block is
