@@ -107,12 +107,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const int64_t bnh = (b * p.N + n) * p.H + h;
 
   // q, dO [Lq, D] and pair [Lq, Lk_pad] (from key j0) advance one query block per step
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h;
-  const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n + h * p.do_stride_h;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h +
-                     int64_t(j0) * p.k_stride_l;  // [Lk, D] from key j0
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h +
-                     int64_t(j0) * p.v_stride_l;
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, 0, h);
+  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, 0, h);
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, j0, h);  // [Lk, D] from key j0
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, j0, h);
   const PairT* pair = nullptr;
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + j0;
@@ -138,17 +136,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const TileCopy<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads> copy_pair(tid);
   auto load_stage = [&](int s, int i0) {
     const int rows = min(kBlockQ, p.Lq - i0);
-    copy_q(stage_q(s), q, p.q_stride_l, rows, p.D);
-    copy_do(stage_do(s), dout, p.do_stride_l, rows, p.D);
+    copy_q(stage_q(s), q, p.q_strides.l, rows, p.D);
+    copy_do(stage_do(s), dout, p.do_strides.l, rows, p.D);
     if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair, p.pair_stride_q, rows, p.Lk - j0);
     if (tid < kBlockQ) pending = row_stat(p, bnh, i0 + tid);  // stored by store_pending (latency hidden)
-    q += int64_t(kBlockQ) * p.q_stride_l;
-    dout += int64_t(kBlockQ) * p.do_stride_l;
+    q += int64_t(kBlockQ) * p.q_strides.l;
+    dout += int64_t(kBlockQ) * p.do_strides.l;
     if constexpr (Cfg::kPair != kNoPair) pair += int64_t(kBlockQ) * p.pair_stride_q;
   };
 
-  load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sK, k, p.k_stride_l, rows_k, p.D, tid);
-  load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sV, v, p.v_stride_l, rows_k, p.D, tid);
+  load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sK, k, p.k_strides.l, rows_k, p.D, tid);
+  load_tile_async<Element, kBlockKV, Cfg::kHeadDim, kPitch, kThreads>(sV, v, p.v_strides.l, rows_k, p.D, tid);
   load_stage(0, 0);
   store_pending(0);
   cp_async_commit();
@@ -333,13 +331,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const int rows_q = min(kBlockQ, p.Lq - m0);
   const int warp_row0 = warp * 16;
 
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
-                     int64_t(m0) * p.q_stride_l;  // [Lq, D] from query m0
-  const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
-                        h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from query m0
+  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, m0, h);
   // K, V [Lk, D], advanced one key block per step
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);
   const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
   const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from query m0
   if constexpr (Cfg::kPair != kNoPair)
@@ -351,16 +347,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const TileCopy<float, 1, kBlockK, kBlockK, kThreads> copy_mask(tid);
   auto load_stage = [&](int s, int n0) {
     const int rows_k = min(kBlockK, p.Lk - n0);
-    copy_k(stage_k(s), k, p.k_stride_l, rows_k, p.D);
-    copy_v(stage_v(s), v, p.v_stride_l, rows_k, p.D);
+    copy_k(stage_k(s), k, p.k_strides.l, rows_k, p.D);
+    copy_v(stage_v(s), v, p.v_strides.l, rows_k, p.D);
     if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair + n0, p.pair_stride_q, rows_q, p.Lk - n0);
     if (mask) copy_mask(stage_mask(s), mask + n0, 0, 1, p.Lk - n0);
-    k += int64_t(kBlockK) * p.k_stride_l;
-    v += int64_t(kBlockK) * p.v_stride_l;
+    k += int64_t(kBlockK) * p.k_strides.l;
+    v += int64_t(kBlockK) * p.v_strides.l;
   };
 
-  load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
-  load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sdO, dout, p.do_stride_l, rows_q, p.D, tid);
+  load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_strides.l, rows_q, p.D, tid);
+  load_tile_async<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads>(sdO, dout, p.do_strides.l, rows_q, p.D, tid);
   load_stage(0, 0);
   cp_async_commit();
 
@@ -463,20 +459,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const TileCopy<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads> copy_q(tid), copy_do(tid);
   const TileCopy<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
   const TileCopy<float, 1, kBlockK, kBlockK, kThreads> copy_mask(tid);
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n_begin * p.q_stride_n + h * p.q_stride_h +
-                     int64_t(m0) * p.q_stride_l;  // [kBlockQ, D] tile of row n
-  const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n_begin * p.do_stride_n +
-                        h * p.do_stride_h + int64_t(m0) * p.do_stride_l;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n_begin * p.k_stride_n + h * p.k_stride_h +
-                     int64_t(n0) * p.k_stride_l;  // [kBlockK, D] tile of row n
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n_begin * p.v_stride_n + h * p.v_stride_h +
-                     int64_t(n0) * p.v_stride_l;
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n_begin, m0, h);  // [kBlockQ, D] tile of row n
+  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n_begin, m0, h);
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n_begin, n0, h);  // [kBlockK, D] tile of row n
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n_begin, n0, h);
   const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n_begin * p.mask_stride_n + n0 : nullptr;
   auto load_stage = [&](int s, int64_t n) {
-    copy_q(stage_q(s), q, p.q_stride_l, rows_q, p.D);
-    copy_do(stage_do(s), dout, p.do_stride_l, rows_q, p.D);
-    copy_k(stage_k(s), k, p.k_stride_l, rows_k, p.D);
-    copy_v(stage_v(s), v, p.v_stride_l, rows_k, p.D);
+    copy_q(stage_q(s), q, p.q_strides.l, rows_q, p.D);
+    copy_do(stage_do(s), dout, p.do_strides.l, rows_q, p.D);
+    copy_k(stage_k(s), k, p.k_strides.l, rows_k, p.D);
+    copy_v(stage_v(s), v, p.v_strides.l, rows_k, p.D);
     if (mask) copy_mask(stage_mask(s), mask, 0, 1, p.Lk - n0);
     const int64_t bnh = (b * p.N + n) * p.H + h;
     for (int c = tid; c < kBlockQ; c += kThreads) {
@@ -484,7 +476,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
       stage_stats(s)[c] = rs.stats;
       stage_delta(s)[c] = rs.delta;
     }
-    q += p.q_stride_n, dout += p.do_stride_n, k += p.k_stride_n, v += p.v_stride_n;
+    q += p.q_strides.n, dout += p.do_strides.n, k += p.k_strides.n, v += p.v_strides.n;
     if (mask) mask += p.mask_stride_n;
   };
 
@@ -554,10 +546,8 @@ __global__ void backward_delta_kernel(const AttentionParams p) {
     const int64_t i = (idx / p.H) % p.Lq;
     const int64_t n = (idx / (int64_t(p.H) * p.Lq)) % p.N;
     const int64_t b = idx / (int64_t(p.H) * p.Lq * p.N);
-    const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride_b + n * p.o_stride_n + i * p.o_stride_l +
-                       h * p.o_stride_h;
-    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride_b + n * p.do_stride_n +
-                       i * p.do_stride_l + h * p.do_stride_h;
+    const Element* o = static_cast<const Element*>(p.out) + p.o_strides.at(b, n, i, h);
+    const Element* d = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, i, h);
     float acc = 0.f;
     for (int c = 0; c < p.D; c += 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);

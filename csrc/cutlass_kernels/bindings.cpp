@@ -113,17 +113,17 @@ at::Tensor kernel_layout(const at::Tensor& t) {
 }
 
 // The kernel strides (b, n, l, h) of a [B, N, L, H, D] tensor.
-void set_strides(const at::Tensor& t, int64_t& b, int64_t& n, int64_t& l, int64_t& h) {
-  b = kstride(t, 0), n = kstride(t, 1), l = kstride(t, 2), h = kstride(t, 3);
+RowStrides row_strides(const at::Tensor& t) {
+  return RowStrides{kstride(t, 0), kstride(t, 1), kstride(t, 2), kstride(t, 3)};
 }
 
 void set_qkv(AttentionParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  set_strides(q, p.q_stride_b, p.q_stride_n, p.q_stride_l, p.q_stride_h);
-  set_strides(k, p.k_stride_b, p.k_stride_n, p.k_stride_l, p.k_stride_h);
-  set_strides(v, p.v_stride_b, p.v_stride_n, p.v_stride_l, p.v_stride_h);
+  p.q_strides = row_strides(q);
+  p.k_strides = row_strides(k);
+  p.v_strides = row_strides(v);
   p.B = int(q.size(0)), p.N = int(q.size(1)), p.Lq = int(q.size(2)), p.Lk = int(k.size(2));
   p.H = int(q.size(3)), p.D = int(q.size(4));
 }
@@ -237,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   maybe_poison(out);
   maybe_poison(stats);
   p.out = out.data_ptr();
-  set_strides(out, p.o_stride_b, p.o_stride_n, p.o_stride_l, p.o_stride_h);
+  p.o_strides = row_strides(out);
   p.stats = stats.data_ptr<float>();
   launcher_for(true, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
   return {out, stats};
@@ -295,9 +295,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   need_dpair = need_dpair && prep.pair.defined();
 
   p.out = out.data_ptr();
-  set_strides(out, p.o_stride_b, p.o_stride_n, p.o_stride_l, p.o_stride_h);
+  p.o_strides = row_strides(out);
   p.dout = dout.data_ptr();
-  set_strides(dout, p.do_stride_b, p.do_stride_n, p.do_stride_l, p.do_stride_h);
+  p.do_strides = row_strides(dout);
   p.stats = const_cast<float*>(stats.data_ptr<float>());
 
   const auto f32 = q.options().dtype(at::kFloat);

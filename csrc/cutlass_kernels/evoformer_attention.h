@@ -19,14 +19,21 @@ enum PairKind : int {
   kPairFloat = 2, // pair bias in float32
 };
 
+// Strides in elements of a [B, N, L, H, D] tensor whose D is contiguous (0 along a size-1 dimension).
+struct RowStrides {
+  int64_t b, n, l, h;
+  // Offset of element (bi, ni, row, hi, 0).
+  __host__ __device__ int64_t at(int64_t bi, int64_t ni, int64_t row, int64_t hi) const {
+    return bi * b + ni * n + hi * h + row * l;
+  }
+};
+
 struct AttentionParams {
   // ---- inputs --------------------------------------------------------------------------------
   const void* q;  // [B, N, Lq, H, D]
   const void* k;  // [B, N, Lk, H, D]
   const void* v;  // [B, N, Lk, H, D]
-  int64_t q_stride_b, q_stride_n, q_stride_l, q_stride_h;
-  int64_t k_stride_b, k_stride_n, k_stride_l, k_stride_h;
-  int64_t v_stride_b, v_stride_n, v_stride_l, v_stride_h;
+  RowStrides q_strides, k_strides, v_strides;
 
   // Mask bias divided by `scale`, float32: [B|1, N|1, Lk_pad] (Lk_pad % 4 == 0); a stride of 0
   // broadcasts. nullptr: no mask bias.
@@ -40,7 +47,7 @@ struct AttentionParams {
 
   // ---- forward outputs / backward inputs --------------------------------------------------
   void* out;   // [B, N, Lq, H, D]
-  int64_t o_stride_b, o_stride_n, o_stride_l, o_stride_h;
+  RowStrides o_strides;
   // Softmax statistics per query row, [B, N, H, Lq, 2] contiguous fp32: (m, l) with m = max_j S_ij
   // (raw score units, see below) and l = log2(sum_j exp2((S_ij - m) * scale_log2)), so that
   // P_ij = exp2((S_ij - m) * scale_log2 - l). Keeping m apart from l keeps P exact when |S| is
@@ -49,7 +56,7 @@ struct AttentionParams {
 
   // ---- backward ----------------------------------------------------------------------------
   const void* dout;  // [B, N, Lq, H, D]
-  int64_t do_stride_b, do_stride_n, do_stride_l, do_stride_h;
+  RowStrides do_strides;
   float* delta;      // [B, N, H, Lq] contiguous: rowsum(dout * out)
   void* dq;          // [B, N, Lq, H, D] contiguous
   void* dk;          // [B, N, Lk, H, D] contiguous

@@ -84,10 +84,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   const int rows_q = min(kBlockM, p.Lq - m0);
   const int warp_row0 = warp * kMTiles * 16;
 
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride_b + n * p.q_stride_n + h * p.q_stride_h +
-                     int64_t(m0) * p.q_stride_l;                                                          // [Lq, D]
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride_b + n * p.k_stride_n + h * p.k_stride_h;  // [Lk, D], advanced per key block
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride_b + n * p.v_stride_n + h * p.v_stride_h;  // [Lk, D], advanced per key block
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D]
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D], advanced per key block
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);  // [Lk, D], advanced per key block
   const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h), from query m0, advanced per key block
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
@@ -100,8 +99,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
   auto load_stage = [&](int stage, int n0) {
     const int rows_k = min(kBlockN, p.Lk - n0);
-    copy_k(sK + stage * kBlockN * kPitch, k, p.k_stride_l, rows_k, p.D);
-    copy_v(sV + stage * kBlockN * kPitch, v, p.v_stride_l, rows_k, p.D);
+    copy_k(sK + stage * kBlockN * kPitch, k, p.k_strides.l, rows_k, p.D);
+    copy_v(sV + stage * kBlockN * kPitch, v, p.v_strides.l, rows_k, p.D);
     if constexpr (Cfg::kPair != kNoPair) {
       copy_pair(sPair + stage * kBlockM * Cfg::kPairPitch, pair, p.pair_stride_q, rows_q, p.Lk - n0);
       pair += kBlockN;
@@ -110,11 +109,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
       copy_mask(sMask + stage * kBlockN, mask, 0, 1, p.Lk - n0);
       mask += kBlockN;
     }
-    k += int64_t(kBlockN) * p.k_stride_l;
-    v += int64_t(kBlockN) * p.v_stride_l;
+    k += int64_t(kBlockN) * p.k_strides.l;
+    v += int64_t(kBlockN) * p.v_strides.l;
   };
 
-  load_tile_async<Element, kBlockM, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_stride_l, rows_q, p.D, tid);
+  load_tile_async<Element, kBlockM, Cfg::kHeadDim, kPitch, kThreads>(sQ, q, p.q_strides.l, rows_q, p.D, tid);
   load_stage(0, 0);
   cp_async_commit();
 
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 
   // Epilogue: o / rowsum and the row statistics (max, log2 rowsum); (0, +inf) for rows whose keys
   // are all -inf, so the backward's exp2(... - inf) gives P = 0 there.
-  Element* out = static_cast<Element*>(p.out) + b * p.o_stride_b + n * p.o_stride_n + h * p.o_stride_h;  // [Lq, D]
+  Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
   float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;               // [Lq]
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -207,7 +206,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
       const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 1: the row maximum contributes exp2(0)
       const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
       if (row < p.Lq) {
-        Element* orow = out + int64_t(row) * p.o_stride_l;
+        Element* orow = out + int64_t(row) * p.o_strides.l;
         auto store = [&](auto check_d) {
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
