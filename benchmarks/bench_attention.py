@@ -145,12 +145,12 @@ def run_flex(q, k, v, m, p):
 IMPLS = {"cutlass": run_cutlass, "flex": run_flex, "sdpa": run_sdpa, "eager": run_eager}
 
 
-def bench(fn, inputs, backward: bool) -> tuple[float, float]:
-    """(median ms, peak extra MiB) of forward or forward+backward."""
-    from triton.testing import do_bench
-
+def make_step(fn, inputs, backward: bool, pair_grad: bool = True):
+    """(step, leaves): step() runs fn's forward and, with `backward`, the gradients of q, k, v and
+    (with `pair_grad`) the pair bias for one fixed random dout. `leaves` had requires_grad set to
+    `backward`."""
     q, k, v, m, p = inputs
-    leaves = [t for t in (q, k, v, p) if t is not None]
+    leaves = [q, k, v] + ([p] if p is not None and pair_grad else [])
     for t in leaves:
         t.requires_grad_(backward)
     dout = torch.randn_like(q) if backward else None
@@ -161,6 +161,14 @@ def bench(fn, inputs, backward: bool) -> tuple[float, float]:
             torch.autograd.grad(out, leaves, dout)
         return out
 
+    return step, leaves
+
+
+def bench(fn, inputs, backward: bool) -> tuple[float, float]:
+    """(median ms, peak extra MiB) of forward or forward+backward."""
+    from triton.testing import do_bench
+
+    step, leaves = make_step(fn, inputs, backward)
     step()  # compile / build / warm up
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

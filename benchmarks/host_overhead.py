@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import IMPLS, SUITE, make_inputs  # noqa: E402
+from bench_attention import IMPLS, SUITE, make_inputs, make_step  # noqa: E402
 
 
 def main() -> None:
@@ -26,14 +26,7 @@ def main() -> None:
     for index in indices:
         shape = SUITE[index]
         for impl in impls:
-            fn = IMPLS[impl]
-            q, k, v, m, p = make_inputs(shape)
-            leaves = [t.requires_grad_(True) for t in (q, k, v) + ((p,) if p is not None else ())]
-            dout = torch.randn_like(q)
-
-            def step():
-                torch.autograd.grad(fn(q, k, v, m, p), leaves, dout)
-
+            step, _ = make_step(IMPLS[impl], make_inputs(shape), backward=True)
             for _ in range(10):
                 step()
             torch.cuda.synchronize()

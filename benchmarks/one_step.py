@@ -11,18 +11,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import IMPLS, SUITE, make_inputs  # noqa: E402
+from bench_attention import IMPLS, SUITE, make_inputs, make_step  # noqa: E402
 
 shape = SUITE[int(sys.argv[1]) if len(sys.argv) > 1 else 0]
 impl = sys.argv[2] if len(sys.argv) > 2 else "cutlass"
 backward = (sys.argv[3] if len(sys.argv) > 3 else "fwdbwd") == "fwdbwd"
-fn = IMPLS[impl]
-q, k, v, m, p = make_inputs(shape)
-leaves = [t.requires_grad_(backward) for t in (q, k, v) + ((p,) if p is not None else ())]
-dout = torch.randn_like(q)
+step, _ = make_step(IMPLS[impl], make_inputs(shape), backward)
 for _ in range(5):
-    out = fn(q, k, v, m, p)
-    if backward:
-        torch.autograd.grad(out, leaves, dout)
+    step()
 torch.cuda.synchronize()
 print("done", shape.name, impl, "forward+backward" if backward else "forward")

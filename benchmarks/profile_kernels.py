@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import SUITE, make_inputs, run_cutlass  # noqa: E402
+from bench_attention import SUITE, make_inputs, make_step, run_cutlass  # noqa: E402
 
 
 def main() -> None:
@@ -18,17 +18,13 @@ def main() -> None:
     for index in indices:
         shape = SUITE[index]
         for want_pair_grad in (True, False):
-            q, k, v, m, p = make_inputs(shape)
-            leaves = [q, k, v] + ([p] if (p is not None and want_pair_grad) else [])
-            for t in leaves:
-                t.requires_grad_(True)
-            dout = torch.randn_like(q)
+            step, _ = make_step(run_cutlass, make_inputs(shape), backward=True, pair_grad=want_pair_grad)
             for _ in range(3):
-                torch.autograd.grad(run_cutlass(q, k, v, m, p), leaves, dout)
+                step()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    torch.autograd.grad(run_cutlass(q, k, v, m, p), leaves, dout)
+                    step()
                 torch.cuda.synchronize()
             print(f"\n### {shape.name}, pair-bias gradient {'on' if want_pair_grad else 'off'} (5 iterations)")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60))
