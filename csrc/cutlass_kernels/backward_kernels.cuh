@@ -336,12 +336,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   // K, V [Lk, D], advanced one key block per step
   const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);
   const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);
-  const float* mask = p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
-  const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from query m0
+  const bool has_mask = p.mask_scaled != nullptr;
+  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad], advanced per key block
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] of (b, h), from query m0, advanced per key block
   if constexpr (Cfg::kPair != kNoPair)
     pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
 
-  // Per-thread copy plans; the K / V pointers advance one key block per step.
+  // Per-thread copy plans; the K / V / pair / mask pointers advance one key block per step.
   const TileCopy<Element, kBlockK, Cfg::kHeadDim, kPitch, kThreads> copy_k(tid), copy_v(tid);
   const TileCopy<PairT, kBlockQ, kBlockK, kPairPitch, kThreads> copy_pair(tid);
   const TileCopy<float, 1, kBlockK, kBlockK, kThreads> copy_mask(tid);
@@ -349,8 +350,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     const int rows_k = min(kBlockK, p.Lk - n0);
     copy_k(stage_k(s), k, p.k_strides.l, rows_k, p.D);
     copy_v(stage_v(s), v, p.v_strides.l, rows_k, p.D);
-    if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair + n0, p.pair_stride_q, rows_q, p.Lk - n0);
-    if (mask) copy_mask(stage_mask(s), mask + n0, 0, 1, p.Lk - n0);
+    if constexpr (Cfg::kPair != kNoPair) {
+      copy_pair(stage_pair(s), pair, p.pair_stride_q, rows_q, p.Lk - n0);
+      pair += kBlockK;
+    }
+    if (has_mask) {
+      copy_mask(stage_mask(s), mask, 0, 1, p.Lk - n0);
+      mask += kBlockK;
+    }
     k += int64_t(kBlockK) * p.k_strides.l;
     v += int64_t(kBlockK) * p.v_strides.l;
   };
@@ -386,7 +393,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     }
     const Element* sK = stage_k(s);
     float ds[Cfg::kNTiles][4];
-    if (mask)
+    if (has_mask)
       compute_ds_tile<Cfg, true, Cfg::kQInRegs>(ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), stage_mask(s),
                                                 stats_row, delta_row, warp_row0, p.Lk - n0, lane);
     else
