@@ -1,6 +1,7 @@
 """Times evoformer_attention against its peers on the suite of ../shared/ANCHORS.md, in one process.
 
-For each shape: the cutlass backend, FlexAttention (torch.compile'd, a score_mod that adds both
+For each shape: the cutlass backend (on a Hopper GPU also with its portable sm80 forward kernel,
+"cutlass-sm80"), FlexAttention (torch.compile'd, a score_mod that adds both
 biases), SDPA (mask + pair bias materialized as one [B*N, H, L, L] attn_mask) and the eager backend.
 Forward and forward+backward (gradients of q, k, v and the pair bias) are timed with
 triton.testing.do_bench (median, L2 flushed before each run); peak extra memory is the CUDA
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -75,6 +77,19 @@ def make_inputs(shape: Shape, dtype=torch.bfloat16, seed=0):
 # ---- implementations: f(q, k, v, mask_bias, pair_bias) -> out [B, N, L, H, D] -------------------
 def run_cutlass(q, k, v, m, p):
     return ops.evoformer_attention(q, k, v, m, p, backend="cutlass")
+
+
+def run_cutlass_sm80(q, k, v, m, p):
+    """The cutlass backend with its portable (sm80) forward kernel, also on a Hopper GPU."""
+    previous = os.environ.get("EVOFORMER_BLOCKS_KERNELS")
+    os.environ["EVOFORMER_BLOCKS_KERNELS"] = "sm80"
+    try:
+        return run_cutlass(q, k, v, m, p)
+    finally:
+        if previous is None:
+            del os.environ["EVOFORMER_BLOCKS_KERNELS"]
+        else:
+            os.environ["EVOFORMER_BLOCKS_KERNELS"] = previous
 
 
 def run_eager(q, k, v, m, p):
@@ -142,7 +157,7 @@ def run_flex(q, k, v, m, p):
     return out.reshape(b, n, h, l, d).transpose(2, 3)
 
 
-IMPLS = {"cutlass": run_cutlass, "flex": run_flex, "sdpa": run_sdpa, "eager": run_eager}
+IMPLS = {"cutlass": run_cutlass, "cutlass-sm80": run_cutlass_sm80, "flex": run_flex, "sdpa": run_sdpa, "eager": run_eager}
 
 
 def make_step(fn, inputs, backward: bool, pair_grad: bool = True):
@@ -193,11 +208,13 @@ def accuracy(inputs) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="all", help="'all', or comma-separated indices into the suite")
-    parser.add_argument("--impls", default="cutlass,flex,sdpa,eager")
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated, from " + ", ".join(IMPLS) + " (default: all; cutlass-sm80 only on a Hopper GPU)")
     parser.add_argument("--json", default=None, help="write all numbers here")
     args = parser.parse_args()
     shapes = SUITE if args.shapes == "all" else [SUITE[int(i)] for i in args.shapes.split(",")]
-    impls = args.impls.split(",")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    impls = args.impls.split(",") if args.impls else [i for i in IMPLS if hopper or i != "cutlass-sm80"]
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
     results = []
     for shape in shapes:

@@ -29,6 +29,10 @@ def main() -> None:
     if args.build:
         error = _build.load_error()
         print(f"build      {'ok' if error is None else error}")
+        if error is None and torch.cuda.is_available():
+            from .ops.cutlass import forward_kernels
+
+            print(f"kernels    forward {forward_kernels()} (EVOFORMER_BLOCKS_KERNELS=sm80 forces the portable ones)")
     status = _build.status()
     for key, value in status.items():
         print(f"{key:<10} {value}")

@@ -3,6 +3,7 @@
 // of the bias-gradient partials to the biases' broadcast shapes.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
+//   forward_kernels(device) -> "sm90" | "sm80": the forward kernel family that runs on that device
 //   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32)
 //   backward(dout, q, k, v, mask_bias?, pair_bias?, out, stats, scale, need_dmask, need_dpair)
 //       -> (dq, dk, dv, dmask_bias, dpair_bias); a bias gradient not asked for is an empty tensor.
@@ -15,6 +16,7 @@
 #include <cstdlib>
 #include <optional>
 #include <sstream>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -56,12 +58,44 @@ auto for_instantiation(at::ScalarType dtype, int head_dim, int pair, Pick&& pick
   return dtype == at::kBFloat16 ? by_bucket(cutlass::bfloat16_t{}) : by_bucket(cutlass::half_t{});
 }
 
-Launcher launcher_for(bool forward, at::ScalarType dtype, int head_dim, int pair) {
-  return for_instantiation(dtype, head_dim, pair, [forward](auto element, auto dim, auto kind) -> Launcher {
+enum class Direction { kForward, kForwardSm90, kBackward };
+
+Launcher launcher_for(Direction direction, at::ScalarType dtype, int head_dim, int pair) {
+  return for_instantiation(dtype, head_dim, pair, [direction](auto element, auto dim, auto kind) -> Launcher {
     using E = decltype(element);
     constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
-    return forward ? &launch_forward<E, D, P> : &launch_backward<E, D, P>;
+    switch (direction) {
+      case Direction::kForward: return &launch_forward<E, D, P>;
+      case Direction::kForwardSm90: return &launch_forward_sm90<E, D, P>;
+      default: return &launch_backward<E, D, P>;
+    }
   });
+}
+
+// Whether the forward runs the Hopper kernel: the build holds sm_90a code (EVOFORMER_SM90A, set by
+// the JIT build when it compiles for 9.0a), the device has compute capability 9.0, and
+// EVOFORMER_BLOCKS_KERNELS is unset or "auto" ("sm80" keeps the portable kernels; read on every call
+// so that one process can time both).
+bool use_sm90(int device) {
+  const char* env = std::getenv("EVOFORMER_BLOCKS_KERNELS");
+  const std::string choice = env == nullptr || env[0] == '\0' ? "auto" : env;
+  TORCH_CHECK(choice == "auto" || choice == "sm80",
+              "evoformer attention: EVOFORMER_BLOCKS_KERNELS must be `auto` or `sm80`, got `", choice, "`");
+#ifdef EVOFORMER_SM90A
+  if (choice == "sm80") return false;
+  static int capability[64] = {};  // major * 10 + minor per device, 0 until asked
+  TORCH_CHECK(device >= 0 && device < 64, "evoformer attention: device index ", device, " out of range");
+  if (capability[device] == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    capability[device] = major * 10 + minor;
+  }
+  return capability[device] == 90;
+#else
+  (void)device;
+  return false;
+#endif
 }
 
 // CTAs of the pair-bias-gradient kernel resident per SM for this dtype / head dim / pair kind.
@@ -239,7 +273,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   p.out = out.data_ptr();
   p.o_strides = row_strides(out);
   p.stats = stats.data_ptr<float>();
-  launcher_for(true, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+  const Direction direction = use_sm90(q.get_device()) ? Direction::kForwardSm90 : Direction::kForward;
+  launcher_for(direction, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
   return {out, stats};
 }
 
@@ -315,7 +350,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
   p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
-  launcher_for(false, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+  launcher_for(Direction::kBackward, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
 
   // Reduce the partials to the biases' own (broadcast) shapes; fixed-order torch sums.
   at::Tensor dmask = at::empty({0}, q.options()), dpair = at::empty({0}, q.options());
@@ -336,10 +371,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dmask, dpair};
 }
 
+// Which forward kernels run on `device` now: "sm90" (Hopper wgmma) or "sm80" (see use_sm90).
+std::string forward_kernels(int64_t device) { return use_sm90(int(device)) ? "sm90" : "sm80"; }
+
 }  // namespace
 }  // namespace evoformer
 
 TORCH_LIBRARY(evoformer_blocks_cuda, m) {
+  m.def("forward_kernels(int device) -> str", &evoformer::forward_kernels);
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, Tensor out, "

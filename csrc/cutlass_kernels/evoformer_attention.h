@@ -81,6 +81,11 @@ struct AttentionParams {
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward(const AttentionParams& params, cudaStream_t stream);
 
+// The Hopper forward (forward_sm90.cuh): the same outputs as launch_forward, with wgmma. Holds code
+// only in builds for sm_90a (EVOFORMER_SM90A); the bindings launch it only there, on a 9.0 device.
+template <typename Element, int kHeadDim, int kPair>
+void launch_forward_sm90(const AttentionParams& params, cudaStream_t stream);
+
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward(const AttentionParams& params, cudaStream_t stream);
 

@@ -166,26 +166,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
           sKs, lane);
     }
 
-    // Online softmax: p = exp2((S - max) * scale_log2). Subtracting before scaling makes equal
-    // scores give exactly equal weights even when |S| is huge (fully masked rows); what was
-    // accumulated is rescaled by exp2((old max - new max) * scale_log2).
+    // Online softmax (softmax_step); what was accumulated is rescaled by alpha.
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      float alpha[2];
+      softmax_step<kNTiles>(s[mt], row_max_s[mt], alpha, p.scale_log2);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float mx = fmaxf(row_max_s[mt][r], quad_max(row_max<kNTiles>(s[mt], r)));
-        const float m_use = mx == -kInf ? 0.f : mx;  // all keys so far -inf: exp2(-inf) = 0
-        const float alpha = fast_exp2((row_max_s[mt][r] - m_use) * p.scale_log2);
-        row_max_s[mt][r] = mx;
+        row_sum_acc[mt][2 * r] *= alpha[r], row_sum_acc[mt][2 * r + 1] *= alpha[r];
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          s[mt][nt][2 * r] = fast_exp2((s[mt][nt][2 * r] - m_use) * p.scale_log2);
-          s[mt][nt][2 * r + 1] = fast_exp2((s[mt][nt][2 * r + 1] - m_use) * p.scale_log2);
-        }
-        row_sum_acc[mt][2 * r] *= alpha, row_sum_acc[mt][2 * r + 1] *= alpha;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * r] *= alpha, o[mt][dt][2 * r + 1] *= alpha;
+        for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][2 * r] *= alpha[r], o[mt][dt][2 * r + 1] *= alpha[r];
       }
+    }
 
     // O += P . V
 #pragma unroll
@@ -194,34 +186,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
-  // Epilogue: o / rowsum and the row statistics (max, log2 rowsum); (0, +inf) for rows whose keys
-  // are all -inf, so the backward's exp2(... - inf) gives P = 0 there.
+  // Epilogue (store_output_rows): o / rowsum and the row statistics.
   Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
-  float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;               // [Lq]
+  float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float sum = row_sum_acc[mt][2 * r];
-      const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 1: the row maximum contributes exp2(0)
-      const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
-      if (row < p.Lq) {
-        Element* orow = out + int64_t(row) * p.o_strides.l;
-        auto store = [&](auto check_d) {
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            const int d = dt * 8 + 2 * t;
-            if (!decltype(check_d)::value || d < p.D)
-              *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-          }
-        };
-        if (p.D == Cfg::kHeadDim)
-          store(std::false_type{});  // D fills its bucket: no per-column test
-        else
-          store(std::true_type{});
-        if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[mt][r], __log2f(sum)) : make_float2(0.f, kInf);
-      }
-    }
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    const float row_sum[2] = {row_sum_acc[mt][0], row_sum_acc[mt][2]};
+    store_output_rows<Element, kDTiles>(o[mt], row_sum, row_max_s[mt], out, p.o_strides.l, stats,
+                                        m0 + warp_row0 + mt * 16 + g, p.Lq, p.D, lane);
+  }
 }
 
 template <typename Element, int kHeadDim, int kPair>

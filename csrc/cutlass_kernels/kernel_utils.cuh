@@ -420,6 +420,61 @@ __device__ __forceinline__ void init_scores(float (&s)[kNTiles][4], const float*
   }
 }
 
+// One online-softmax step for rows g and g + 8 (r = 0, 1) of a 16-row score tile in accumulator
+// layout: updates the running maxima (raw score units), turns the scores into probabilities
+// exp2((S - max) * scale_log2) in place and returns in alpha the factor by which what was
+// accumulated for each row must be rescaled. Subtracting before scaling makes equal scores give
+// exactly equal weights even when |S| is huge (fully masked rows); a row whose keys so far are all
+// -inf uses max 0, so exp2(-inf) = 0.
+template <int kNTiles>
+__device__ __forceinline__ void softmax_step(float (&s)[kNTiles][4], float (&row_max_s)[2], float (&alpha)[2],
+                                             float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float mx = fmaxf(row_max_s[r], quad_max(row_max<kNTiles>(s, r)));
+    const float m_use = mx == -kInf ? 0.f : mx;
+    alpha[r] = fast_exp2((row_max_s[r] - m_use) * scale_log2);
+    row_max_s[r] = mx;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      s[nt][2 * r] = fast_exp2((s[nt][2 * r] - m_use) * scale_log2);
+      s[nt][2 * r + 1] = fast_exp2((s[nt][2 * r + 1] - m_use) * scale_log2);
+    }
+  }
+}
+
+// Forward epilogue of one 16-row tile: o / rowsum into out[row][0..D) (rows g and g + 8 of the tile
+// are `row` and `row + 8`, written when < Lq; out is the [Lq, D] slice of this (b, n, h), rows
+// `o_stride` apart) and the row statistics (max, log2 rowsum) into stats[row]; rows whose keys are
+// all -inf get (0, +inf), so the backward's exp2(... - inf) gives P = 0 there.
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], const float (&row_sum)[2],
+                                                  const float (&row_max_s)[2], Element* out, int64_t o_stride,
+                                                  float2* stats, int row, int Lq, int D, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r, row += 8) {
+    const float sum = row_sum[r];
+    const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 1: the row maximum contributes exp2(0)
+    if (row < Lq) {
+      Element* orow = out + int64_t(row) * o_stride;
+      auto store = [&](auto check_d) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int d = dt * 8 + 2 * t;
+          if (!decltype(check_d)::value || d < D)
+            *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        }
+      };
+      if (D == kDTiles * 8)
+        store(std::false_type{});  // D fills its bucket: no per-column test
+      else
+        store(std::true_type{});
+      if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(sum)) : make_float2(0.f, kInf);
+    }
+  }
+}
+
 template <int kPair, typename Element>
 struct PairType {
   using type = std::conditional_t<kPair == kPairFloat, float, Element>;

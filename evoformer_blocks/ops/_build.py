@@ -83,20 +83,37 @@ def sources() -> list[Path]:
 
 
 def arch_list() -> str:
-    """TORCH_CUDA_ARCH_LIST if set, else the visible GPU's compute capability (e.g. "9.0")."""
+    """TORCH_CUDA_ARCH_LIST if set, else the visible GPU's compute capability (e.g. "9.0a").
+
+    Compute capability 9.0 is always built as 9.0a (sm_90a code runs on every 9.0 device and is what
+    the Hopper kernels' wgmma instructions need); other entries are passed through.
+    """
     env = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if env:
-        return env
-    if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device is visible and TORCH_CUDA_ARCH_LIST is not set")
-    major, minor = torch.cuda.get_device_capability()
-    return f"{major}.{minor}"
+        entries = env.replace(";", " ").split()
+    else:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device is visible and TORCH_CUDA_ARCH_LIST is not set")
+        major, minor = torch.cuda.get_device_capability()
+        entries = [f"{major}.{minor}"]
+    return ";".join(re.sub(r"^9\.0(?=$|\+)", "9.0a", entry) for entry in entries)
+
+
+def has_sm90a(arch: str) -> bool:
+    """Whether a build for ``arch`` holds the Hopper (sm_90a) kernels."""
+    return any(entry.startswith("9.0a") for entry in arch.split(";"))
+
+
+def _flags(arch: str) -> tuple[list[str], list[str]]:
+    """(CUDA flags, C++ flags) of a build for ``arch``."""
+    define = ["-DEVOFORMER_SM90A"] if has_sm90a(arch) else []
+    return cuda_flags() + define, CXX_FLAGS + define
 
 
 def build_key(arch: str, include_dir: Path) -> str:
     h = hashlib.sha256()
     for item in (torch.__version__, str(torch.version.cuda), arch, cutlass_version(include_dir), str(include_dir),
-                 " ".join(cuda_flags()), " ".join(CXX_FLAGS), sys.version.split()[0]):
+                 " ".join(_flags(arch)[0]), " ".join(_flags(arch)[1]), sys.version.split()[0]):
         h.update(item.encode() + b"\0")
     for path in sorted(SOURCE_DIR.rglob("*")):
         if path.suffix in (".cpp", ".cu", ".cuh", ".h"):
@@ -153,8 +170,8 @@ def load() -> str:
                 name=name,
                 sources=[str(s) for s in srcs],
                 extra_include_paths=[str(include_dir), str(SOURCE_DIR)],
-                extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=cuda_flags(),
+                extra_cflags=_flags(arch)[1],
+                extra_cuda_cflags=_flags(arch)[0],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=verbose,

@@ -1,0 +1,274 @@
+// Hopper (sm_90a) forward kernel: the same function and outputs as forward_kernel.cuh, with the two
+// products on the warpgroup tensor-core instructions (wgmma): S = Q.K^T reads Q and K from shared
+// memory, O += P.V takes P from registers and V from shared memory. The tensor cores run
+// asynchronously to the softmax of the other warpgroups on the SM, and no B fragments pass through
+// registers.
+//
+// CTA = 2 warpgroups (256 threads) x 64 query rows each = 128 query rows of one (b, n, h), on the
+// same RowTileGrid as the sm80 kernel. Each key step: wait for the step's K / V / pair / mask tiles
+// (cp.async, kStages deep, one barrier per step), start S at the biases (init_scores, the pair tile
+// read with ldmatrix), S += Q.K^T (wgmma, waited), online softmax in registers, O += P.V (wgmma,
+// waited before the next step's barrier so that the stage can be refilled).
+//
+// Shared-memory tiles that wgmma reads use CuTe's GMMA swizzled layouts: Q [128, D] and K [keys, D]
+// K-major; V [keys, D] is the B operand of P.V as (D, keys), i.e. MN-major. cp.async writes them
+// 16 bytes (8 consecutive d of one row) at a time; the swizzle permutes whole 16-byte chunks, so
+// each chunk stays contiguous.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "kernel_utils.cuh"
+
+namespace evoformer {
+namespace sm90 {
+
+template <typename Element_, int kHeadDim_, int kPair_>
+struct ForwardConfig {
+  using Element = Element_;
+  using PairT = typename PairType<kPair_, Element_>::type;
+  static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
+  static constexpr int kPair = kPair_;
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kBlockM = 64 * kWarpGroups;  // queries per CTA: 64 per warpgroup
+  static constexpr int kBlockN = 64;                 // keys per step
+  static constexpr int kNTiles = kBlockN / 8;        // n8 column tiles of a warp's 16 rows of S
+  static constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of a warp's 16 rows of O
+  static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);  // +16 B: conflict-free reads
+
+  // 64-byte rows (D = 32) use the 64-byte swizzle; wider rows the 128-byte one.
+  using AtomK = std::conditional_t<kHeadDim == 32, cute::GMMA::Layout_K_SW64_Atom<Element>,
+                                   cute::GMMA::Layout_K_SW128_Atom<Element>>;
+  using AtomMN = std::conditional_t<kHeadDim == 32, cute::GMMA::Layout_MN_SW64_Atom<Element>,
+                                    cute::GMMA::Layout_MN_SW128_Atom<Element>>;
+  using LayoutQ = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using LayoutK = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using LayoutVt = decltype(cute::tile_to_shape(AtomMN{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}));
+
+  // One warpgroup's products: S [64, kBlockN] = Q [64, D] . K^T; O [64, D] += P [64, kBlockN] . V.
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  using MmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require).
+  static constexpr int kAlign = 1024;
+  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
+  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
+  static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);  // K or V, one stage
+  static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
+  static constexpr int kMaskBytes = kBlockN * 4;
+  static constexpr int kStageBytes = align(2 * kKVBytes + kPairBytes + kMaskBytes);
+  // Three stages when two CTAs still fit an SM (228 KB, 1 KB reserved per CTA), else two.
+  static constexpr int kStages = 2 * (kQBytes + 3 * kStageBytes + kAlign + 1024) <= 228 * 1024 ? 3 : 2;
+  static constexpr int kSmemBytes = kAlign + kQBytes + kStages * kStageBytes;  // + slack to align the base
+  static constexpr int kMinBlocksPerSM = 2 * (kSmemBytes + 1024) <= 228 * 1024 ? 2 : 1;
+};
+
+// Copies a [kRows, kCols] tile of 16-bit values (rows `row_stride` apart in global memory) into a
+// CuTe shared-memory tensor, 16 bytes per cp.async: at(row, col) is the element's address there.
+// Rows >= valid_rows and chunks at or past valid_cols are zero-filled.
+template <int kRows, int kCols, int kThreads, typename T, typename At>
+__device__ __forceinline__ void copy_tile_16(At&& at, const T* gmem, int64_t row_stride, int valid_rows,
+                                             int valid_cols, int tid) {
+  constexpr int kChunks = kCols / 8;
+  static_assert(kThreads % kChunks == 0, "each thread must keep one column chunk");
+  constexpr int kRowStep = kThreads / kChunks;
+  const int row0 = int(unsigned(tid) / kChunks), col = int(unsigned(tid) % kChunks) * 8;
+  const bool col_ok = col < valid_cols;
+#pragma unroll
+  for (int it = 0; it < (kRows + kRowStep - 1) / kRowStep; ++it) {
+    const int r = row0 + it * kRowStep;
+    if (kRows % kRowStep == 0 || r < kRows)
+      cp_async_16(at(r, col), gmem + r * row_stride + col, col_ok && r < valid_rows);
+  }
+}
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
+    forward_kernel(const AttentionParams p, const RowTileGrid grid) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
+
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + Cfg::kAlign - 1) /
+                                       Cfg::kAlign * Cfg::kAlign);
+  Element* q_smem = reinterpret_cast<Element*>(smem);
+  char* stage_smem = smem + Cfg::kQBytes;  // per stage: K, V, pair tile, mask tile
+  auto k_smem = [&](int st) { return reinterpret_cast<Element*>(stage_smem + st * Cfg::kStageBytes); };
+  auto v_smem = [&](int st) { return reinterpret_cast<Element*>(stage_smem + st * Cfg::kStageBytes + Cfg::kKVBytes); };
+  auto pair_smem = [&](int st) {  // [kBlockM][kPairPitch]
+    return reinterpret_cast<PairT*>(stage_smem + st * Cfg::kStageBytes + 2 * Cfg::kKVBytes);
+  };
+  auto mask_smem = [&](int st) {  // [kBlockN]
+    return reinterpret_cast<float*>(stage_smem + st * Cfg::kStageBytes + 2 * Cfg::kKVBytes + Cfg::kPairBytes);
+  };
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{});  // [kBlockM, kHeadDim]
+
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u;
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128u), 0);  // warp-uniform
+  const int wg_tid = threadIdx.x % 128u;
+  const int warp_row0 = wg * 64 + (wg_tid / 32) * 16;  // first of this warp's 16 rows in the CTA tile
+  const RowTile rt = grid.decode();
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
+  const int m0 = rt.tile * kBlockM;
+  const int rows_q = min(kBlockM, p.Lq - m0);
+
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from m0
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h) from query m0, advanced per step
+  if constexpr (Cfg::kPair != kNoPair)
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
+  const bool has_mask = p.mask_scaled != nullptr;
+  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
+
+  const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
+  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
+  auto load_stage = [&](int st, int n0) {  // the tiles of keys n0.. into stage st
+    const int rows_k = min(kBlockN, p.Lk - n0);
+    Tensor sK = make_tensor(make_smem_ptr(k_smem(st)), typename Cfg::LayoutK{});     // [keys, d]
+    Tensor sVt = make_tensor(make_smem_ptr(v_smem(st)), typename Cfg::LayoutVt{});   // [d, keys]
+    copy_tile_16<kBlockN, kHeadDim, kThreads>([&](int r, int c) { return &sK(r, c); }, k, p.k_strides.l, rows_k, p.D, tid);
+    copy_tile_16<kBlockN, kHeadDim, kThreads>([&](int r, int c) { return &sVt(c, r); }, v, p.v_strides.l, rows_k, p.D, tid);
+    if constexpr (Cfg::kPair != kNoPair) {
+      copy_pair(pair_smem(st), pair, p.pair_stride_q, rows_q, p.Lk - n0);
+      pair += kBlockN;
+    }
+    if (has_mask) {
+      copy_mask(mask_smem(st), mask, 0, 1, p.Lk - n0);
+      mask += kBlockN;
+    }
+    k += int64_t(kBlockN) * p.k_strides.l;
+    v += int64_t(kBlockN) * p.v_strides.l;
+  };
+
+  const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
+  copy_tile_16<kBlockM, kHeadDim, kThreads>([&](int r, int c) { return &sQ(r, c); }, q, p.q_strides.l, rows_q, p.D, tid);
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {  // prologue: the first kStages - 1 key blocks
+    if (st < n_blocks) load_stage(st, st * kBlockN);
+    cp_async_commit();
+  }
+
+  // This warpgroup's operands: Q rows [64 wg, 64 wg + 64), K / V of each stage.
+  typename Cfg::MmaS mma_s;
+  typename Cfg::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(wg_tid);
+  auto thr_o = mma_o.get_thread_slice(wg_tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, 0)));
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});  // fp32, rows of this thread
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<kHeadDim>>{});
+  // P as the A operand of P.V (registers): the same (row, key) values as S, two 16-bit per register
+  Tensor tOrP = thr_o.partition_fragment_A(
+      make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), Shape<_64, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{}));
+  static_assert(size(tSrS) == kNTiles * 4 && size(tOrO) == kDTiles * 4 && size(tOrP) == kBlockN / 2,
+                "wgmma fragments must match the m16n8 accumulator layout used by the softmax helpers");
+  // The accumulator fragments of a warp's 16 rows are laid out as kNTiles (kDTiles) n8 tiles of
+  // {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}, like mma.sync's C tiles.
+  float(&s)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrS.data()));
+  float(&o)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tOrO.data()));
+  uint32_t(&pa)[kBlockN / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockN / 16][4]>(raw_pointer_cast(tOrP.data()));
+
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+  float row_max_s[2] = {-kInf, -kInf}, row_sum[2] = {0.f, 0.f};  // this thread's partial row sums
+
+  for (int jb = 0; jb < n_blocks; ++jb) {
+    const int st = jb % kStages;
+    const int n0 = jb * kBlockN;
+    cp_async_wait<kStages - 2>();  // this thread's copies of key block jb have landed
+    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
+    __syncthreads();  // everyone's copies landed; every warpgroup is done with block jb - 1
+    {
+      const int next = jb + kStages - 1;  // refills the stage that block jb - 1 used
+      if (next < n_blocks) load_stage(next % kStages, next * kBlockN);
+      cp_async_commit();
+    }
+
+    // S = (mask + pair) / scale + Q . K^T
+    const PairT* sPair = pair_smem(st);
+    const float* sMask = has_mask ? mask_smem(st) : nullptr;
+    if (n0 + kBlockN > p.Lk)
+      init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                        p.inv_scale, lane);
+    else
+      init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                         p.inv_scale, lane);
+    Tensor sK = make_tensor(make_smem_ptr(k_smem(st)), typename Cfg::LayoutK{});
+    Tensor tSrK = thr_s.partition_fragment_B(sK);
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+
+    float alpha[2];
+    softmax_step<kNTiles>(s, row_max_s, alpha, p.scale_log2);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) o[dt][2 * r] *= alpha[r], o[dt][2 * r + 1] *= alpha[r];
+    }
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) {
+      pa[kc][0] = pack2<Element>(s[2 * kc][0], s[2 * kc][1]);
+      pa[kc][1] = pack2<Element>(s[2 * kc][2], s[2 * kc][3]);
+      pa[kc][2] = pack2<Element>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      pa[kc][3] = pack2<Element>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+    }
+
+    // O += P . V
+    Tensor sVt = make_tensor(make_smem_ptr(v_smem(st)), typename Cfg::LayoutVt{});
+    Tensor tOrV = thr_o.partition_fragment_B(sVt);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tOrP);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tOrP); ++kk) gemm(mma_o, tOrP(_, _, kk), tOrV(_, _, kk), tOrO);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+  }
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
+
+  const float row_total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+  Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
+  float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
+  store_output_rows<Element, kDTiles>(o, row_total, row_max_s, out, p.o_strides.l, stats,
+                                      m0 + warp_row0 + lane / 4, p.Lq, p.D, lane);
+#endif
+}
+
+}  // namespace sm90
+
+template <typename Element, int kHeadDim, int kPair>
+void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = sm90::ForwardConfig<Element, kHeadDim, kPair>;
+  auto kernel = sm90::forward_kernel<Cfg>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
+    check_launch("evoformer forward sm90 (shared-memory attribute)");
+  const RowTileGrid grid(p.B, p.N, (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  kernel<<<grid.dims(p.H), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
+  check_launch("evoformer forward sm90");
+}
+
+}  // namespace evoformer
