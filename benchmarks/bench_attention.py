@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--impls", default=None,
                         help="comma-separated, from " + ", ".join(IMPLS) + " (default: all; cutlass-sm80 only on a Hopper GPU)")
     parser.add_argument("--json", default=None, help="write all numbers here")
+    parser.add_argument("--forward-only", action="store_true", help="skip forward+backward (quick A/B of forward kernels)")
     args = parser.parse_args()
     shapes = SUITE if args.shapes == "all" else [SUITE[int(i)] for i in args.shapes.split(",")]
     hopper = torch.cuda.get_device_capability() == (9, 0)
@@ -226,7 +227,7 @@ def main() -> None:
         for impl in impls:
             try:
                 f_ms, _ = bench(IMPLS[impl], inputs, backward=False)
-                fb_ms, mib = bench(IMPLS[impl], inputs, backward=True)
+                fb_ms, mib = (float("nan"), float("nan")) if args.forward_only else bench(IMPLS[impl], inputs, backward=True)
                 row[impl] = {"fwd_ms": f_ms, "fwdbwd_ms": fb_ms, "peak_mib": mib}
             except Exception as exc:  # a peer failing on a shape is a result, not a crash
                 row[impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}

@@ -5,10 +5,12 @@
 // registers.
 //
 // CTA = 2 warpgroups (256 threads) x 64 query rows each = 128 query rows of one (b, n, h), on the
-// same RowTileGrid as the sm80 kernel. Each key step: wait for the step's K / V / pair / mask tiles
-// (cp.async, kStages deep, one barrier per step), start S at the biases (init_scores, the pair tile
-// read with ldmatrix), S += Q.K^T (wgmma, waited), online softmax in registers, O += P.V (wgmma,
-// waited before the next step's barrier so that the stage can be refilled).
+// same RowTileGrid as the sm80 kernel. Key step j: wait for block j's tiles (one barrier), start
+// copying block j + 1 (cp.async), start S at the biases (init_scores, the pair tile read with
+// ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run
+// block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for that, rescale
+// O and keep P_j in registers for the next step. V is therefore read one step after K: K, the pair
+// and mask tiles live in a 2-stage ring, V in a 3-stage one.
 //
 // Shared-memory tiles that wgmma reads use CuTe's GMMA swizzled layouts: Q [128, D] and K [keys, D]
 // K-major; V [keys, D] is the B operand of P.V as (D, keys), i.e. MN-major. cp.async writes them
@@ -52,42 +54,73 @@ struct ForwardConfig {
   using MmaS = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  // Row sums of P on the tensor cores: [64, 8] += P . ones[kBlockN, 8] (every column is the row sum
+  // of the rounded P, which is what P.V used).
+  using MmaSum = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_8, cute::Int<kBlockN>>>()));
+  using LayoutOnes = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_INTER_Atom<Element>{},
+                                                  cute::Shape<cute::_8, cute::Int<kBlockN>>{}));
   using MmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
-  // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require).
+  // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require): Q, then
+  // two stages of {K, pair tile, mask tile}, then three of V.
   static constexpr int kAlign = 1024;
   static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
   static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);  // K or V, one stage
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
   static constexpr int kMaskBytes = kBlockN * 4;
-  static constexpr int kStageBytes = align(2 * kKVBytes + kPairBytes + kMaskBytes);
-  // Three stages when two CTAs still fit an SM (228 KB, 1 KB reserved per CTA), else two.
-  static constexpr int kStages = 2 * (kQBytes + 3 * kStageBytes + kAlign + 1024) <= 228 * 1024 ? 3 : 2;
-  static constexpr int kSmemBytes = kAlign + kQBytes + kStages * kStageBytes;  // + slack to align the base
+  static constexpr int kKStageBytes = align(kKVBytes + kPairBytes + kMaskBytes);
+  static constexpr int kKStages = 2, kVStages = 3;
+  static constexpr int kOnesBytes = align(8 * kBlockN * 2);
+  static constexpr int kSmemBytes =
+      kAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
   static constexpr int kMinBlocksPerSM = 2 * (kSmemBytes + 1024) <= 228 * 1024 ? 2 : 1;
 };
 
-// Copies a [kRows, kCols] tile of 16-bit values (rows `row_stride` apart in global memory) into a
-// CuTe shared-memory tensor, 16 bytes per cp.async: at(row, col) is the element's address there.
-// Rows >= valid_rows and chunks at or past valid_cols are zero-filled.
-template <int kRows, int kCols, int kThreads, typename T, typename At>
-__device__ __forceinline__ void copy_tile_16(At&& at, const T* gmem, int64_t row_stride, int valid_rows,
-                                             int valid_cols, int tid) {
-  constexpr int kChunks = kCols / 8;
+// Copies [kRows, kCols] tiles of 16-bit values (rows `row_stride` apart in global memory) into a
+// CuTe shared-memory layout, 16 bytes per cp.async. A thread always copies the same column chunk of
+// rows row0, row0 + kRowStep, ...; their swizzled shared-memory offsets are computed once, at
+// construction. Rows >= valid_rows and chunks at or past valid_cols are zero-filled.
+template <int kRows, int kCols, int kThreads>
+struct SwizzledTileCopy {
+  static constexpr int kChunks = kCols / 8;
   static_assert(kThreads % kChunks == 0, "each thread must keep one column chunk");
-  constexpr int kRowStep = kThreads / kChunks;
-  const int row0 = int(unsigned(tid) / kChunks), col = int(unsigned(tid) % kChunks) * 8;
-  const bool col_ok = col < valid_cols;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
+  int row0, col;
+  int offset[kIters];  // elements from the tile's start
+
+  // offset_of(row, col): the element's offset in the shared-memory layout.
+  template <typename OffsetOf>
+  __device__ __forceinline__ SwizzledTileCopy(int tid, OffsetOf&& offset_of)
+      : row0(int(unsigned(tid) / kChunks)), col(int(unsigned(tid) % kChunks) * 8) {
 #pragma unroll
-  for (int it = 0; it < (kRows + kRowStep - 1) / kRowStep; ++it) {
-    const int r = row0 + it * kRowStep;
-    if (kRows % kRowStep == 0 || r < kRows)
-      cp_async_16(at(r, col), gmem + r * row_stride + col, col_ok && r < valid_rows);
+    for (int it = 0; it < kIters; ++it) offset[it] = offset_of(row0 + it * kRowStep, col);
   }
+
+  template <typename T>
+  __device__ __forceinline__ void operator()(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
+                                             int valid_cols) const {
+    const bool col_ok = col < valid_cols;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = row0 + it * kRowStep;
+      if (kRows % kRowStep == 0 || r < kRows)
+        cp_async_16(smem + offset[it], gmem + r * row_stride + col, col_ok && r < valid_rows);
+    }
+  }
+};
+
+// Offset in elements of element (r, c) in a swizzled shared-memory layout whose base is aligned to
+// the swizzle's period (the swizzle acts on address bits, so it is evaluated on a null base).
+template <typename Layout, typename Element>
+__device__ __forceinline__ int swizzled_offset(int r, int c) {
+  auto tile = cute::make_tensor(cute::make_smem_ptr(static_cast<Element*>(nullptr)), Layout{});
+  return int(&tile(r, c) - static_cast<Element*>(nullptr));
 }
 
 template <typename Cfg>
@@ -98,21 +131,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
-  constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
+  constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads;
 
-  extern __shared__ char smem_raw[];
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + Cfg::kAlign - 1) /
-                                       Cfg::kAlign * Cfg::kAlign);
+  extern __shared__ __align__(16) char smem_raw[];
+  // Aligned by an offset from smem_raw (not through an integer cast), so the compiler still knows
+  // every pointer below is shared memory and emits LDS rather than generic loads.
+  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
   Element* q_smem = reinterpret_cast<Element*>(smem);
-  char* stage_smem = smem + Cfg::kQBytes;  // per stage: K, V, pair tile, mask tile
-  auto k_smem = [&](int st) { return reinterpret_cast<Element*>(stage_smem + st * Cfg::kStageBytes); };
-  auto v_smem = [&](int st) { return reinterpret_cast<Element*>(stage_smem + st * Cfg::kStageBytes + Cfg::kKVBytes); };
+  char* k_ring = smem + Cfg::kQBytes;                                    // per stage: K, pair tile, mask tile
+  char* v_ring = k_ring + Cfg::kKStages * Cfg::kKStageBytes;             // per stage: V
+  auto k_smem = [&](int st) { return reinterpret_cast<Element*>(k_ring + st * Cfg::kKStageBytes); };
   auto pair_smem = [&](int st) {  // [kBlockM][kPairPitch]
-    return reinterpret_cast<PairT*>(stage_smem + st * Cfg::kStageBytes + 2 * Cfg::kKVBytes);
+    return reinterpret_cast<PairT*>(k_ring + st * Cfg::kKStageBytes + Cfg::kKVBytes);
   };
   auto mask_smem = [&](int st) {  // [kBlockN]
-    return reinterpret_cast<float*>(stage_smem + st * Cfg::kStageBytes + 2 * Cfg::kKVBytes + Cfg::kPairBytes);
+    return reinterpret_cast<float*>(k_ring + st * Cfg::kKStageBytes + Cfg::kKVBytes + Cfg::kPairBytes);
   };
+  auto v_smem = [&](int st) { return reinterpret_cast<Element*>(v_ring + st * Cfg::kKVBytes); };
+  Element* ones_smem = reinterpret_cast<Element*>(v_ring + Cfg::kVStages * Cfg::kKVBytes);  // [8, kBlockN] of 1
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{});  // [kBlockM, kHeadDim]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
@@ -135,18 +171,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 
   const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
   const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
-  auto load_stage = [&](int st, int n0) {  // the tiles of keys n0.. into stage st
-    const int rows_k = min(kBlockN, p.Lk - n0);
-    Tensor sK = make_tensor(make_smem_ptr(k_smem(st)), typename Cfg::LayoutK{});     // [keys, d]
-    Tensor sVt = make_tensor(make_smem_ptr(v_smem(st)), typename Cfg::LayoutVt{});   // [d, keys]
-    copy_tile_16<kBlockN, kHeadDim, kThreads>([&](int r, int c) { return &sK(r, c); }, k, p.k_strides.l, rows_k, p.D, tid);
-    copy_tile_16<kBlockN, kHeadDim, kThreads>([&](int r, int c) { return &sVt(c, r); }, v, p.v_strides.l, rows_k, p.D, tid);
+  const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_k(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutK, Element>(r, c); });
+  const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_v(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutVt, Element>(c, r); });
+  auto load_block = [&](int jb) {  // the tiles of key block jb into their ring stages
+    const int rows_k = min(kBlockN, p.Lk - jb * kBlockN), ks = jb % Cfg::kKStages;
+    copy_k(k_smem(ks), k, p.k_strides.l, rows_k, p.D);
+    copy_v(v_smem(jb % Cfg::kVStages), v, p.v_strides.l, rows_k, p.D);
     if constexpr (Cfg::kPair != kNoPair) {
-      copy_pair(pair_smem(st), pair, p.pair_stride_q, rows_q, p.Lk - n0);
+      copy_pair(pair_smem(ks), pair, p.pair_stride_q, rows_q, p.Lk - jb * kBlockN);
       pair += kBlockN;
     }
     if (has_mask) {
-      copy_mask(mask_smem(st), mask, 0, 1, p.Lk - n0);
+      copy_mask(mask_smem(ks), mask, 0, 1, p.Lk - jb * kBlockN);
       mask += kBlockN;
     }
     k += int64_t(kBlockN) * p.k_strides.l;
@@ -154,18 +190,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  copy_tile_16<kBlockM, kHeadDim, kThreads>([&](int r, int c) { return &sQ(r, c); }, q, p.q_strides.l, rows_q, p.D, tid);
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {  // prologue: the first kStages - 1 key blocks
-    if (st < n_blocks) load_stage(st, st * kBlockN);
-    cp_async_commit();
-  }
+  for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);  // visible after the first barrier
+  SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
+      q_smem, q, p.q_strides.l, rows_q, p.D);
+  load_block(0);
+  cp_async_commit();
 
   // This warpgroup's operands: Q rows [64 wg, 64 wg + 64), K / V of each stage.
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaO mma_o;
+  typename Cfg::MmaSum mma_sum;
   auto thr_s = mma_s.get_thread_slice(wg_tid);
   auto thr_o = mma_o.get_thread_slice(wg_tid);
+  Tensor tSumrOnes = mma_sum.get_thread_slice(wg_tid).partition_fragment_B(
+      make_tensor(make_smem_ptr(ones_smem), typename Cfg::LayoutOnes{}));
+  Tensor tSumrSum = partition_fragment_C(mma_sum, Shape<_64, _8>{});  // row sums: (g, .) in 0-1, (g + 8, .) in 2-3
   Tensor tSrQ = thr_s.partition_fragment_A(local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, 0)));
   Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});  // fp32, rows of this thread
   Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<kHeadDim>>{});
@@ -178,53 +217,75 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   // {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}, like mma.sync's C tiles.
   float(&s)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrS.data()));
   float(&o)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tOrO.data()));
+  float(&row_sum)[4] = *reinterpret_cast<float(*)[4]>(raw_pointer_cast(tSumrSum.data()));
+  static_assert(size(tSumrSum) == 4, "row-sum accumulator: one m16n8 tile per warp");
   uint32_t(&pa)[kBlockN / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockN / 16][4]>(raw_pointer_cast(tOrP.data()));
 
 #pragma unroll
   for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
-  float row_max_s[2] = {-kInf, -kInf}, row_sum[2] = {0.f, 0.f};  // this thread's partial row sums
+#pragma unroll
+  for (int e = 0; e < 4; ++e) row_sum[e] = 0.f;
+  float row_max_s[2] = {-kInf, -kInf};
+
+  // O += P_{jb}.V_{jb} with P in registers (pa), issued without waiting.
+  auto issue_pv = [&](int jb) {
+    Tensor sVt = make_tensor(make_smem_ptr(v_smem(jb % Cfg::kVStages)), typename Cfg::LayoutVt{});
+    Tensor tOrV = thr_o.partition_fragment_B(sVt);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tSumrSum);
+    warpgroup_fence_operand(tOrP);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tOrP); ++kk) gemm(mma_o, tOrP(_, _, kk), tOrV(_, _, kk), tOrO);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tOrP); ++kk) gemm(mma_sum, tOrP(_, _, kk), tSumrOnes(_, _, kk), tSumrSum);
+    warpgroup_commit_batch();
+  };
 
   for (int jb = 0; jb < n_blocks; ++jb) {
-    const int st = jb % kStages;
+    const int ks = jb % Cfg::kKStages;
     const int n0 = jb * kBlockN;
-    cp_async_wait<kStages - 2>();  // this thread's copies of key block jb have landed
+    cp_async_wait<0>();                        // this thread's copies of key block jb have landed
     cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
-    __syncthreads();  // everyone's copies landed; every warpgroup is done with block jb - 1
-    {
-      const int next = jb + kStages - 1;  // refills the stage that block jb - 1 used
-      if (next < n_blocks) load_stage(next % kStages, next * kBlockN);
-      cp_async_commit();
-    }
+    __syncthreads();  // everyone's copies landed; every warpgroup has finished S_{jb-1} and P_{jb-2}.V
+    if (jb + 1 < n_blocks) load_block(jb + 1);  // into the stages of S_{jb-1} and P_{jb-2}.V
+    cp_async_commit();
 
     // S = (mask + pair) / scale + Q . K^T
-    const PairT* sPair = pair_smem(st);
-    const float* sMask = has_mask ? mask_smem(st) : nullptr;
+    const PairT* sPair = pair_smem(ks);
+    const float* sMask = has_mask ? mask_smem(ks) : nullptr;
     if (n0 + kBlockN > p.Lk)
       init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
                                                                         p.inv_scale, lane);
     else
       init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
                                                                          p.inv_scale, lane);
-    Tensor sK = make_tensor(make_smem_ptr(k_smem(st)), typename Cfg::LayoutK{});
+    Tensor sK = make_tensor(make_smem_ptr(k_smem(ks)), typename Cfg::LayoutK{});
     Tensor tSrK = thr_s.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);
     warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    if (jb > 0) {
+      issue_pv(jb - 1);
+      warpgroup_wait<1>();  // S done; P_{jb-1}.V_{jb-1} may still run
+    } else {
+      warpgroup_wait<0>();
+    }
     warpgroup_fence_operand(tSrS);
 
     float alpha[2];
     softmax_step<kNTiles>(s, row_max_s, alpha, p.scale_log2);
+
+    warpgroup_wait<0>();  // P_{jb-1}.V_{jb-1} done: O, the row sums and pa may change
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tSumrSum);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
+      row_sum[2 * r] *= alpha[r], row_sum[2 * r + 1] *= alpha[r];
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) o[dt][2 * r] *= alpha[r], o[dt][2 * r + 1] *= alpha[r];
     }
@@ -235,22 +296,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       pa[kc][2] = pack2<Element>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
       pa[kc][3] = pack2<Element>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
     }
-
-    // O += P . V
-    Tensor sVt = make_tensor(make_smem_ptr(v_smem(st)), typename Cfg::LayoutVt{});
-    Tensor tOrV = thr_o.partition_fragment_B(sVt);
-    warpgroup_fence_operand(tOrO);
-    warpgroup_fence_operand(tOrP);
-    warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tOrP); ++kk) gemm(mma_o, tOrP(_, _, kk), tOrV(_, _, kk), tOrO);
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
   }
+  issue_pv(n_blocks - 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tOrO);
+  warpgroup_fence_operand(tSumrSum);
   cp_async_wait<0>();  // no copy may be in flight when the CTA exits
 
-  const float row_total[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+  const float row_total[2] = {row_sum[0], row_sum[2]};
   Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
   float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
   store_output_rows<Element, kDTiles>(o, row_total, row_max_s, out, p.o_strides.l, stats,
