@@ -4,8 +4,8 @@
 // asynchronously to the softmax of the other warpgroups on the SM, and no B fragments pass through
 // registers.
 //
-// CTA = 2 warpgroups (256 threads) x 64 query rows each = 128 query rows of one (b, n, h), on the
-// same RowTileGrid as the sm80 kernel. Key step j: wait for block j's tiles (one barrier), start
+// CTA = EVOFORMER_SM90_WARPGROUPS warpgroups (default 1: 128 threads, 4 CTAs per SM) x 64 query
+// rows each, of one (b, n, h), on the same RowTileGrid as the sm80 kernel. Key step j: wait for block j's tiles (one barrier), start
 // copying block j + 1 (cp.async), start S at the biases (init_scores, the pair tile read with
 // ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run
 // block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for that, rescale
@@ -24,6 +24,13 @@
 
 #include "kernel_utils.cuh"
 
+// Warpgroups per CTA (64 query rows each); an A/B knob like the sm80 kernel's tiling macros. One
+// warpgroup per CTA at 4 CTAs per SM measured faster than two at 2 per SM on 5 of the 6 suite shapes
+// (benchmarks/RESULTS.md): the per-step barrier then spans 4 warps instead of 8.
+#ifndef EVOFORMER_SM90_WARPGROUPS
+#define EVOFORMER_SM90_WARPGROUPS 1
+#endif
+
 namespace evoformer {
 namespace sm90 {
 
@@ -33,7 +40,7 @@ struct ForwardConfig {
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
   static constexpr int kPair = kPair_;
-  static constexpr int kWarpGroups = 2;
+  static constexpr int kWarpGroups = EVOFORMER_SM90_WARPGROUPS;
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kBlockM = 64 * kWarpGroups;  // queries per CTA: 64 per warpgroup
   static constexpr int kBlockN = 64;                 // keys per step
@@ -78,7 +85,8 @@ struct ForwardConfig {
   static constexpr int kOnesBytes = align(8 * kBlockN * 2);
   static constexpr int kSmemBytes =
       kAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
-  static constexpr int kMinBlocksPerSM = 2 * (kSmemBytes + 1024) <= 228 * 1024 ? 2 : 1;
+  // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
+  static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
 };
 
 // Copies [kRows, kCols] tiles of 16-bit values (rows `row_stride` apart in global memory) into a
