@@ -4,8 +4,8 @@
 // asynchronously to the softmax of the other warpgroups on the SM, and no B fragments pass through
 // registers.
 //
-// CTA = 2 warpgroups (256 threads) x 64 query rows each = 128 query rows of one (b, n, h), on the
-// same RowTileGrid as the sm80 kernel. Key step j: wait for block j's tiles (one barrier), start
+// CTA = EVOFORMER_SM90_WARPGROUPS warpgroups (default 1: 128 threads, 4 CTAs per SM) x 64 query
+// rows each, of one (b, n, h), on the same RowTileGrid as the sm80 kernel. Key step j: wait for block j's tiles (one barrier), start
 // copying block j + 1 (cp.async), start S at the biases (init_scores, the pair tile read with
 // ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run
 // block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for that, rescale
@@ -24,6 +24,13 @@
 
 #include "kernel_utils.cuh"
 
+// Warpgroups per CTA (64 query rows each); an A/B knob like the sm80 kernel's tiling macros. One
+// warpgroup per CTA at 4 CTAs per SM measured faster than two at 2 per SM on 5 of the 6 suite shapes
+// (benchmarks/RESULTS.md): the per-step barrier then spans 4 warps instead of 8.
+#ifndef EVOFORMER_SM90_WARPGROUPS
+#define EVOFORMER_SM90_WARPGROUPS 1
+#endif
+
 namespace evoformer {
 namespace sm90 {
 
@@ -33,7 +40,7 @@ struct ForwardConfig {
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
   static constexpr int kPair = kPair_;
-  static constexpr int kWarpGroups = 2;
+  static constexpr int kWarpGroups = EVOFORMER_SM90_WARPGROUPS;
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kBlockM = 64 * kWarpGroups;  // queries per CTA: 64 per warpgroup
   static constexpr int kBlockN = 64;                 // keys per step
@@ -65,12 +72,11 @@ struct ForwardConfig {
                                  cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
-  // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require): two Q, then
+  // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require): Q, then
   // two stages of {K, pair tile, mask tile}, then three of V.
   static constexpr int kAlign = 1024;
   static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
-  static constexpr int kQElems = kBlockM * kHeadDim;     // one Q buffer; two: the next row's Q is copied early
-  static constexpr int kQBytes = align(2 * kQElems * 2);
+  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);  // K or V, one stage
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
   static constexpr int kMaskBytes = kBlockN * 4;
@@ -79,7 +85,8 @@ struct ForwardConfig {
   static constexpr int kOnesBytes = align(8 * kBlockN * 2);
   static constexpr int kSmemBytes =
       kAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
-  static constexpr int kMinBlocksPerSM = 2 * (kSmemBytes + 1024) <= 228 * 1024 ? 2 : 1;
+  // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
+  static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
 };
 
 // Copies [kRows, kCols] tiles of 16-bit values (rows `row_stride` apart in global memory) into a
@@ -126,7 +133,7 @@ __device__ __forceinline__ int swizzled_offset(int r, int c) {
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    forward_kernel(const AttentionParams p, const RowTileGrid grid, const int rows_per_cta) {
+    forward_kernel(const AttentionParams p, const RowTileGrid grid) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -150,68 +157,54 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
   auto v_smem = [&](int st) { return reinterpret_cast<Element*>(v_ring + st * Cfg::kKVBytes); };
   Element* ones_smem = reinterpret_cast<Element*>(v_ring + Cfg::kVStages * Cfg::kKVBytes);  // [8, kBlockN] of 1
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{});  // [kBlockM, kHeadDim]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128u), 0);  // warp-uniform
   const int wg_tid = threadIdx.x % 128u;
   const int warp_row0 = wg * 64 + (wg_tid / 32) * 16;  // first of this warp's 16 rows in the CTA tile
-  // This CTA: query rows [m0, m0 + kBlockM) of rows n_first .. n_first + n_rows - 1 of one (b, h);
-  // the key blocks of all its rows form one continuous copy/compute pipeline.
   const RowTile rt = grid.decode();
-  const int64_t b = rt.b, h = blockIdx.y;
-  const int n_first = int(rt.n) * rows_per_cta, n_rows = min(rows_per_cta, p.N - n_first);
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int m0 = rt.tile * kBlockM;
   const int rows_q = min(kBlockM, p.Lq - m0);
-  const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN, n_steps = n_rows * n_blocks;
-  const bool has_mask = p.mask_scaled != nullptr;
-  const PairT* pair_start = nullptr;  // [Lq, Lk_pad] rows of this (b, h) from query m0: the same for every n
+
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from m0
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h) from query m0, advanced per step
   if constexpr (Cfg::kPair != kNoPair)
-    pair_start = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
+  const bool has_mask = p.mask_scaled != nullptr;
+  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
 
   const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
   const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
   const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_k(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutK, Element>(r, c); });
   const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_v(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutVt, Element>(c, r); });
-  const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
-
-  // Copy cursor: the next key block to copy is block lj of row n_first + ln (global step lt); k, v,
-  // pair and mask point at its tiles and advance one key block per copy.
-  int ln = 0, lj = 0, lt = 0;
-  const Element *k = nullptr, *v = nullptr;
-  const PairT* pair = nullptr;
-  const float* mask = nullptr;
-  auto copy_next_block = [&]() {
-    if (lj == 0) {  // a new row n: its Q (into the Q buffer of its parity) and the start of its K, V, mask
-      const int64_t n = n_first + ln;
-      copy_q(q_smem + (ln % 2) * Cfg::kQElems, static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h),
-             p.q_strides.l, rows_q, p.D);
-      k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D]
-      v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);  // [Lk, D]
-      pair = pair_start;
-      mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
-    }
-    const int rows_k = min(kBlockN, p.Lk - lj * kBlockN), ks = lt % Cfg::kKStages;
+  auto load_block = [&](int jb) {  // the tiles of key block jb into their ring stages
+    const int rows_k = min(kBlockN, p.Lk - jb * kBlockN), ks = jb % Cfg::kKStages;
     copy_k(k_smem(ks), k, p.k_strides.l, rows_k, p.D);
-    copy_v(v_smem(lt % Cfg::kVStages), v, p.v_strides.l, rows_k, p.D);
+    copy_v(v_smem(jb % Cfg::kVStages), v, p.v_strides.l, rows_k, p.D);
     if constexpr (Cfg::kPair != kNoPair) {
-      copy_pair(pair_smem(ks), pair, p.pair_stride_q, rows_q, p.Lk - lj * kBlockN);
+      copy_pair(pair_smem(ks), pair, p.pair_stride_q, rows_q, p.Lk - jb * kBlockN);
       pair += kBlockN;
     }
     if (has_mask) {
-      copy_mask(mask_smem(ks), mask, 0, 1, p.Lk - lj * kBlockN);
+      copy_mask(mask_smem(ks), mask, 0, 1, p.Lk - jb * kBlockN);
       mask += kBlockN;
     }
     k += int64_t(kBlockN) * p.k_strides.l;
     v += int64_t(kBlockN) * p.v_strides.l;
-    ++lt;
-    if (++lj == n_blocks) lj = 0, ++ln;
   };
 
+  const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
   for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);  // visible after the first barrier
-  copy_next_block();
+  SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
+      q_smem, q, p.q_strides.l, rows_q, p.D);
+  load_block(0);
   cp_async_commit();
 
-  // This warpgroup's operands: Q rows [64 wg, 64 wg + 64) of either Q buffer, K / V of each stage.
+  // This warpgroup's operands: Q rows [64 wg, 64 wg + 64), K / V of each stage.
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaO mma_o;
   typename Cfg::MmaSum mma_sum;
@@ -220,11 +213,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   Tensor tSumrOnes = mma_sum.get_thread_slice(wg_tid).partition_fragment_B(
       make_tensor(make_smem_ptr(ones_smem), typename Cfg::LayoutOnes{}));
   Tensor tSumrSum = partition_fragment_C(mma_sum, Shape<_64, _8>{});  // row sums: (g, .) in 0-1, (g + 8, .) in 2-3
-  auto q_operand = [&](int buffer) {
-    Tensor sQ = make_tensor(make_smem_ptr(q_smem + buffer * Cfg::kQElems), typename Cfg::LayoutQ{});  // [kBlockM, D]
-    return thr_s.partition_fragment_A(local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, 0)));
-  };
-  const auto tSrQ0 = q_operand(0), tSrQ1 = q_operand(1);
+  Tensor tSrQ = thr_s.partition_fragment_A(local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, 0)));
   Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});  // fp32, rows of this thread
   Tensor tOrO = partition_fragment_C(mma_o, Shape<_64, Int<kHeadDim>>{});
   // P as the A operand of P.V (registers): the same (row, key) values as S, two 16-bit per register
@@ -240,21 +229,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   static_assert(size(tSumrSum) == 4, "row-sum accumulator: one m16n8 tile per warp");
   uint32_t(&pa)[kBlockN / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockN / 16][4]>(raw_pointer_cast(tOrP.data()));
 
-  float row_max_s[2];
-  auto reset_row = [&]() {
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
+  for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) row_sum[e] = 0.f;
-    row_max_s[0] = row_max_s[1] = -kInf;
-  };
-  reset_row();
+  for (int e = 0; e < 4; ++e) row_sum[e] = 0.f;
+  float row_max_s[2] = {-kInf, -kInf};
 
-  // O += P_t.V_t with P in registers (pa), issued without waiting.
-  auto issue_pv = [&](int t) {
-    Tensor sVt = make_tensor(make_smem_ptr(v_smem(t % Cfg::kVStages)), typename Cfg::LayoutVt{});
+  // O += P_{jb}.V_{jb} with P in registers (pa), issued without waiting.
+  auto issue_pv = [&](int jb) {
+    Tensor sVt = make_tensor(make_smem_ptr(v_smem(jb % Cfg::kVStages)), typename Cfg::LayoutVt{});
     Tensor tOrV = thr_o.partition_fragment_B(sVt);
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tSumrSum);
@@ -267,14 +252,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     warpgroup_commit_batch();
   };
 
-  int row = 0, jb = 0;  // the step's row (from n_first) and key block
-  for (int t = 0; t < n_steps; ++t) {
-    const int ks = t % Cfg::kKStages;
+  for (int jb = 0; jb < n_blocks; ++jb) {
+    const int ks = jb % Cfg::kKStages;
     const int n0 = jb * kBlockN;
-    cp_async_wait<0>();                        // this thread's copies of step t have landed
+    cp_async_wait<0>();                        // this thread's copies of key block jb have landed
     cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
-    __syncthreads();  // everyone's copies landed; every warpgroup has finished S_{t-1} and P_{t-2}.V
-    if (t + 1 < n_steps) copy_next_block();  // into the stages of S_{t-1} and P_{t-2}.V
+    __syncthreads();  // everyone's copies landed; every warpgroup has finished S_{jb-1} and P_{jb-2}.V
+    if (jb + 1 < n_blocks) load_block(jb + 1);  // into the stages of S_{jb-1} and P_{jb-2}.V
     cp_async_commit();
 
     // S = (mask + pair) / scale + Q . K^T
@@ -288,15 +272,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
                                                                          p.inv_scale, lane);
     Tensor sK = make_tensor(make_smem_ptr(k_smem(ks)), typename Cfg::LayoutK{});
     Tensor tSrK = thr_s.partition_fragment_B(sK);
-    const auto tSrQ = row % 2 ? tSrQ1 : tSrQ0;
     warpgroup_fence_operand(tSrS);
     warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
     warpgroup_commit_batch();
     if (jb > 0) {
-      issue_pv(t - 1);
-      warpgroup_wait<1>();  // S done; P_{t-1}.V_{t-1} may still run
+      issue_pv(jb - 1);
+      warpgroup_wait<1>();  // S done; P_{jb-1}.V_{jb-1} may still run
     } else {
       warpgroup_wait<0>();
     }
@@ -305,7 +288,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     float alpha[2];
     softmax_step<kNTiles>(s, row_max_s, alpha, p.scale_log2);
 
-    warpgroup_wait<0>();  // P_{t-1}.V_{t-1} done: O, the row sums and pa may change
+    warpgroup_wait<0>();  // P_{jb-1}.V_{jb-1} done: O, the row sums and pa may change
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tSumrSum);
 #pragma unroll
@@ -321,23 +304,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       pa[kc][2] = pack2<Element>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
       pa[kc][3] = pack2<Element>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
     }
-
-    if (++jb == n_blocks) {  // the row's last key block: finish P.V and write the row's outputs
-      issue_pv(t);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tSumrSum);
-      const int64_t n = n_first + row;
-      const float row_total[2] = {row_sum[0], row_sum[2]};
-      Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
-      float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
-      store_output_rows<Element, kDTiles>(o, row_total, row_max_s, out, p.o_strides.l, stats,
-                                          m0 + warp_row0 + lane / 4, p.Lq, p.D, lane);
-      reset_row();
-      jb = 0, ++row;
-    }
   }
+  issue_pv(n_blocks - 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tOrO);
+  warpgroup_fence_operand(tSumrSum);
   cp_async_wait<0>();  // no copy may be in flight when the CTA exits
+
+  const float row_total[2] = {row_sum[0], row_sum[2]};
+  Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
+  float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
+  store_output_rows<Element, kDTiles>(o, row_total, row_max_s, out, p.o_strides.l, stats,
+                                      m0 + warp_row0 + lane / 4, p.Lq, p.D, lane);
 #endif
 }
 
@@ -349,17 +327,8 @@ void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   auto kernel = sm90::forward_kernel<Cfg>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
     check_launch("evoformer forward sm90 (shared-memory attribute)");
-  // Rows n per CTA: as many as keep at least ~4 waves of CTAs (so the last wave stays well filled),
-  // at most 8; each extra row saves a CTA's prologue and pipeline start.
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    check_launch("evoformer forward sm90 (device query)");
-  const int q_tiles = (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const int64_t ctas_one_row = int64_t(p.B) * p.N * q_tiles * p.H;
-  const int rows_per_cta = int(std::clamp<int64_t>(ctas_one_row / (4 * int64_t(sms) * Cfg::kMinBlocksPerSM), 1, 8));
-  const RowTileGrid grid(p.B, (p.N + rows_per_cta - 1) / rows_per_cta, q_tiles);
-  kernel<<<grid.dims(p.H), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid, rows_per_cta);
+  const RowTileGrid grid(p.B, p.N, (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM);
+  kernel<<<grid.dims(p.H), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
   check_launch("evoformer forward sm90");
 }
 
