@@ -87,6 +87,7 @@ struct ForwardConfig {
       kAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
   // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
   static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
+  static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
 // Copies [kRows, kCols] tiles of 16-bit values (rows `row_stride` apart in global memory) into a
