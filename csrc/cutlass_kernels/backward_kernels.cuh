@@ -599,19 +599,10 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
   launch_backward_delta<Element>(p, stream);
 
-  auto dkdv = backward_dkdv_kernel<Cfg>;
-  if (cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDkdvSmemBytes) != cudaSuccess)
-    check_launch("evoformer backward dK/dV (shared-memory attribute)");
-  const RowTileGrid grid_kv(p.B, p.N, (p.Lk + Cfg::kBlockKV - 1) / Cfg::kBlockKV);
-  dkdv<<<grid_kv.dims(p.H), Cfg::kThreads, Cfg::kDkdvSmemBytes, stream>>>(p, grid_kv);
-  check_launch("evoformer backward dK/dV");
-
-  auto dq = backward_dq_kernel<Cfg>;
-  if (cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kDqSmemBytes) != cudaSuccess)
-    check_launch("evoformer backward dQ (shared-memory attribute)");
-  const RowTileGrid grid_q(p.B, p.N, (p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2);
-  dq<<<grid_q.dims(p.H), Cfg::kThreads, Cfg::kDqSmemBytes, stream>>>(p, grid_q);
-  check_launch("evoformer backward dQ");
+  launch_on_row_tiles(backward_dkdv_kernel<Cfg>, p, p.Lk, Cfg::kBlockKV, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream,
+                      "evoformer backward dK/dV");
+  launch_on_row_tiles(backward_dq_kernel<Cfg>, p, p.Lq, Cfg::kBlockQ2, Cfg::kThreads, Cfg::kDqSmemBytes, stream,
+                      "evoformer backward dQ");
 
   if constexpr (kPair != kNoPair) {
     if (p.dpair != nullptr) {

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
   float* sMask = reinterpret_cast<float*>(smem + Cfg::kQBytes + 4 * Cfg::kKVBytes + 2 * Cfg::kPairBytes);  // [2][kBlockN]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;  // unsigned: no sign fix-ups
-  const int g = lane / 4, t = lane % 4;
+  const int g = lane / 4;
   const RowTile rt = grid.decode();
   const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int m0 = rt.tile * kBlockM;
@@ -200,12 +200,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = ForwardConfig<Element, kHeadDim, kPair>;
-  auto kernel = forward_kernel<Cfg>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
-    check_launch("evoformer forward (shared-memory attribute)");
-  const RowTileGrid grid(p.B, p.N, (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM);
-  kernel<<<grid.dims(p.H), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
-  check_launch("evoformer forward");
+  launch_on_row_tiles(forward_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
+                      "evoformer forward");
 }
 
 }  // namespace evoformer

@@ -299,12 +299,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       for (int dt = 0; dt < kDTiles; ++dt) o[dt][2 * r] *= alpha[r], o[dt][2 * r + 1] *= alpha[r];
     }
 #pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) {
-      pa[kc][0] = pack2<Element>(s[2 * kc][0], s[2 * kc][1]);
-      pa[kc][1] = pack2<Element>(s[2 * kc][2], s[2 * kc][3]);
-      pa[kc][2] = pack2<Element>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-      pa[kc][3] = pack2<Element>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-    }
+    for (int kc = 0; kc < kBlockN / 16; ++kc) c_to_a_frag<Element>(pa[kc], s, kc);
   }
   issue_pv(n_blocks - 1);
   warpgroup_wait<0>();
@@ -325,12 +320,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm90::ForwardConfig<Element, kHeadDim, kPair>;
-  auto kernel = sm90::forward_kernel<Cfg>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess)
-    check_launch("evoformer forward sm90 (shared-memory attribute)");
-  const RowTileGrid grid(p.B, p.N, (p.Lq + Cfg::kBlockM - 1) / Cfg::kBlockM);
-  kernel<<<grid.dims(p.H), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p, grid);
-  check_launch("evoformer forward sm90");
+  launch_on_row_tiles(sm90::forward_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
+                      "evoformer forward sm90");
 }
 
 }  // namespace evoformer

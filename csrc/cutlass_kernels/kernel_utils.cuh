@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -266,6 +267,18 @@ struct RowTileGrid {
     return RowTile{b, n, tile};
   }
 };
+
+// Launches kernel(p, grid) with one CTA of `threads` threads per tile of `tile_rows` of `length`
+// rows of each (b, n), and each head, after raising its dynamic shared-memory limit to smem_bytes;
+// both steps are checked and a failure names `name`.
+inline void launch_on_row_tiles(void (*kernel)(AttentionParams, RowTileGrid), const AttentionParams& p, int length,
+                                int tile_rows, int threads, int smem_bytes, cudaStream_t stream, const char* name) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    check_launch((std::string(name) + " (shared-memory attribute)").c_str());
+  const RowTileGrid grid(p.B, p.N, (length + tile_rows - 1) / tile_rows);
+  kernel<<<grid.dims(p.H), threads, smem_bytes, stream>>>(p, grid);
+  check_launch(name);
+}
 
 // One m16n8k16 A operand held in registers.
 struct AFrag {
