@@ -164,9 +164,9 @@ void set_qkv(AttentionParams& p, const at::Tensor& q, const at::Tensor& k, const
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// mask_bias [B|1, N|1, 1, 1, Lk] -> float32 [B|1, N|1, Lk_pad] divided by scale (a small copy).
-at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mask_bias, const at::Tensor& q,
-                        double scale) {
+// mask_bias [B|1, N|1, 1, 1, Lk] -> float32 [B|1, N|1, Lk_pad] divided by scale (one small launch).
+// Needs p.Lk and p.inv_scale set.
+at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mask_bias, const at::Tensor& q) {
   p.mask_scaled = nullptr;
   p.mask_stride_b = p.mask_stride_n = 0;
   if (!mask_bias.has_value()) return at::Tensor();
@@ -178,9 +178,20 @@ at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mas
               "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
               describe("q", q));
   const int64_t bm = m.size(0), nm = m.size(1), lk_pad = round_up(p.Lk, 4);
-  at::Tensor prepared = at::zeros({bm, nm, lk_pad}, m.options().dtype(at::kFloat));
-  prepared.narrow(2, 0, p.Lk).copy_(m.reshape({bm, nm, p.Lk}));
-  prepared.mul_(1.0 / scale);
+  at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));
+  const MaskLayout layout{kstride(m, 0), kstride(m, 1), m.stride(4), int(bm), int(nm), p.Lk, int(lk_pad)};
+  auto launch = [&](auto element) {
+    launch_prepare_mask<decltype(element)>(m.data_ptr(), layout, p.inv_scale, prepared.data_ptr<float>(),
+                                           c10::cuda::getCurrentCUDAStream());
+  };
+  switch (m.scalar_type()) {
+    case at::kHalf: launch(cutlass::half_t{}); break;
+    case at::kBFloat16: launch(cutlass::bfloat16_t{}); break;
+    case at::kFloat: launch(float{}); break;
+    default:
+      TORCH_CHECK(false, "evoformer attention: `mask_bias` must be float16, bfloat16 or float32; ",
+                  describe("mask_bias", m));
+  }
   p.mask_scaled = prepared.data_ptr<float>();
   p.mask_stride_b = bm == 1 ? 0 : nm * lk_pad;
   p.mask_stride_n = nm == 1 ? 0 : lk_pad;
@@ -247,7 +258,7 @@ Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
   r.q = kernel_layout(q_in), r.k = kernel_layout(k_in), r.v = kernel_layout(v_in);
   set_qkv(r.p, r.q, r.k, r.v);
   r.p.scale = float(scale), r.p.inv_scale = float(1.0 / scale), r.p.scale_log2 = float(scale * M_LOG2E);
-  r.mask = prepare_mask(r.p, mask_bias, r.q, scale);
+  r.mask = prepare_mask(r.p, mask_bias, r.q);
   r.pair = prepare_pair(r.p, r.pair_kind, pair_bias, r.q);
   return r;
 }

@@ -1,4 +1,5 @@
-// Code shared by every instantiation: the launch check and the backward's delta pass.
+// Code shared by every instantiation: the launch check, the mask-bias preparation and the
+// backward's delta pass.
 #include <stdexcept>
 #include <string>
 
@@ -11,6 +12,34 @@ void check_launch(const char* kernel_name) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string(kernel_name) + ": CUDA error: " + cudaGetErrorString(err));
 }
+
+// mask_bias [Bm, Nm, 1, 1, Lk] (any strides) -> float32 [Bm, Nm, Lk_pad] divided by the scale,
+// zero past Lk: one launch where zeros + copy + multiply took three.
+template <typename T>
+__global__ void prepare_mask_kernel(const T* mask, MaskLayout layout, float inv_scale, float* out, int64_t total) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / layout.lk_pad;  // (b, n) flattened
+    const int key = int(i - row * layout.lk_pad);
+    const int64_t b = row / layout.Nm, n = row - b * layout.Nm;
+    out[i] = key < layout.Lk ? float(mask[b * layout.stride_b + n * layout.stride_n + key * layout.stride_k]) * inv_scale
+                             : 0.f;
+  }
+}
+
+template <typename T>
+void launch_prepare_mask(const void* mask, const MaskLayout& layout, float inv_scale, float* out, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t total = int64_t(layout.Bm) * layout.Nm * layout.lk_pad;
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  const unsigned grid = unsigned(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));  // grid-stride beyond
+  if (total == 0) return;
+  prepare_mask_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(mask), layout, inv_scale, out, total);
+  check_launch("evoformer mask-bias preparation");
+}
+
+template void launch_prepare_mask<cutlass::half_t>(const void*, const MaskLayout&, float, float*, cudaStream_t);
+template void launch_prepare_mask<cutlass::bfloat16_t>(const void*, const MaskLayout&, float, float*, cudaStream_t);
+template void launch_prepare_mask<float>(const void*, const MaskLayout&, float, float*, cudaStream_t);
 
 template <typename Element>
 void launch_backward_delta(const AttentionParams& p, cudaStream_t stream) {

@@ -98,6 +98,18 @@ int backward_pair_grad_blocks_per_sm();
 template <typename Element>
 void launch_backward_delta(const AttentionParams& params, cudaStream_t stream);
 
+// A mask bias [Bm, Nm, 1, 1, Lk] as launch_prepare_mask reads it (strides in elements) and the
+// padded length Lk_pad of the prepared tensor.
+struct MaskLayout {
+  int64_t stride_b, stride_n, stride_k;
+  int Bm, Nm, Lk, lk_pad;
+};
+
+// mask_scaled (see AttentionParams) from the caller's mask bias in one launch: float32
+// [Bm, Nm, Lk_pad], mask * inv_scale, zero past Lk. T is cutlass::half_t, cutlass::bfloat16_t or float.
+template <typename T>
+void launch_prepare_mask(const void* mask, const MaskLayout& layout, float inv_scale, float* out, cudaStream_t stream);
+
 // Head-dim buckets with an instantiation; D is padded with zeros up to its bucket.
 constexpr int kHeadDimBuckets[] = {32, 64, 128};
 
