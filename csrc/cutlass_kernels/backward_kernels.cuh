@@ -255,6 +255,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   }
 }
 
+// dS = P * (dP - delta) in place of `dp` (which holds dP - delta) for rows g and g + 8 of a 16-row
+// accumulator tile, with P = exp2((S - m) * scale_log2 - l) recomputed from the scores S and the
+// rows' forward statistics (m, l).
+template <int kNTiles>
+__device__ __forceinline__ void scores_to_ds(float (&dp)[kNTiles][4], const float (&sc)[kNTiles][4],
+                                             const float2 (&stats_row)[2], float scale_log2) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dp[nt][e] *= fast_exp2(fmaf(sc[nt][e] - stats_row[e / 2].x, scale_log2, -stats_row[e / 2].y));
+}
+
 // S = (mask + pair) / scale + Q.K^T and dP = dO.V^T for one warp's 16 query rows and a kBlockK key
 // tile, then dS = P * (dP - delta) with P = exp2((S - m) * scale_log2 - l); dS is left in `dp`.
 // The A fragments of Q and dO come from qf / dof when kFragsInRegs, else from sQ / sdO.
@@ -284,11 +297,7 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
       sc, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(qf[0], sQ, warp_row0, kk, lane); }, sK, lane);
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
       dp, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(dof[0], sdO, warp_row0, kk, lane); }, sV, lane);
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      dp[nt][e] *= fast_exp2(fmaf(sc[nt][e] - stats_row[e / 2].x, p.scale_log2, -stats_row[e / 2].y));
+  scores_to_ds<kNTiles>(dp, sc, stats_row, p.scale_log2);
 }
 
 // This thread's two query rows (row0 and row0 + 8) of an accumulator tile.
@@ -407,19 +416,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
 
   const int64_t row_stride = int64_t(p.H) * p.D;
   Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = m0 + warp_row0 + g + 8 * r;
-    if (row < p.Lq) {
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const int d = dt * 8 + 2 * t;
-        if (d < p.D)
-          *reinterpret_cast<uint32_t*>(dq_out + row * row_stride + d) =
-              pack2<Element>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
-      }
-    }
-  }
+  store_scaled_rows<Element, kDTiles>(dq, dq_out, row_stride, m0 + warp_row0 + g, p.Lq, p.D, p.scale, lane);
 }
 
 template <typename Cfg>
@@ -601,8 +598,11 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
 
   launch_on_row_tiles(backward_dkdv_kernel<Cfg>, p, p.Lk, Cfg::kBlockKV, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream,
                       "evoformer backward dK/dV");
-  launch_on_row_tiles(backward_dq_kernel<Cfg>, p, p.Lq, Cfg::kBlockQ2, Cfg::kThreads, Cfg::kDqSmemBytes, stream,
-                      "evoformer backward dQ");
+  if (p.sm90)
+    launch_backward_dq_sm90<Element, kHeadDim, kPair>(p, stream);
+  else
+    launch_on_row_tiles(backward_dq_kernel<Cfg>, p, p.Lq, Cfg::kBlockQ2, Cfg::kThreads, Cfg::kDqSmemBytes, stream,
+                        "evoformer backward dQ");
 
   if constexpr (kPair != kNoPair) {
     if (p.dpair != nullptr) {

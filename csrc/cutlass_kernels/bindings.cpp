@@ -3,7 +3,8 @@
 // of the bias-gradient partials to the biases' broadcast shapes.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
-//   forward_kernels(device) -> "sm90" | "sm80": the forward kernel family that runs on that device
+//   forward_kernels(device) -> "sm90" | "sm80": the kernel family that runs on that device (sm90: the
+//       Hopper forward and dQ kernels, the sm80 ones for the rest of the backward)
 //   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32)
 //   backward(dout, q, k, v, mask_bias?, pair_bias?, out, stats, scale, need_dmask, need_dpair)
 //       -> (dq, dk, dv, dmask_bias, dpair_bias); a bias gradient not asked for is an empty tensor.
@@ -72,7 +73,7 @@ Launcher launcher_for(Direction direction, at::ScalarType dtype, int head_dim, i
   });
 }
 
-// Whether the forward runs the Hopper kernel: the build holds sm_90a code (EVOFORMER_SM90A, set by
+// Whether the Hopper kernels run (the forward and the backward's dQ pass): the build holds sm_90a code (EVOFORMER_SM90A, set by
 // the JIT build when it compiles for 9.0a), the device has compute capability 9.0, and
 // EVOFORMER_BLOCKS_KERNELS is unset or "auto" ("sm80" keeps the portable kernels; read on every call
 // so that one process can time both).
@@ -284,7 +285,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   p.out = out.data_ptr();
   p.o_strides = row_strides(out);
   p.stats = stats.data_ptr<float>();
-  const Direction direction = use_sm90(q.get_device()) ? Direction::kForwardSm90 : Direction::kForward;
+  p.sm90 = use_sm90(q.get_device());
+  const Direction direction = p.sm90 ? Direction::kForwardSm90 : Direction::kForward;
   launcher_for(direction, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
   return {out, stats};
 }
@@ -361,6 +363,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
   p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
+  p.sm90 = use_sm90(q.get_device());
   launcher_for(Direction::kBackward, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
 
   // Reduce the partials to the biases' own (broadcast) shapes; fixed-order torch sums.
@@ -382,7 +385,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dmask, dpair};
 }
 
-// Which forward kernels run on `device` now: "sm90" (Hopper wgmma) or "sm80" (see use_sm90).
+// Which kernels run on `device` now: "sm90" (Hopper wgmma forward and dQ) or "sm80" (see use_sm90).
 std::string forward_kernels(int64_t device) { return use_sm90(int(device)) ? "sm90" : "sm80"; }
 
 }  // namespace

@@ -18,11 +18,7 @@
 // each chunk stays contiguous.
 #pragma once
 
-#include <cute/tensor.hpp>
-#include <cute/atom/mma_traits_sm90_gmma.hpp>
-#include <cutlass/arch/barrier.h>
-
-#include "kernel_utils.cuh"
+#include "sm90_common.cuh"
 
 // Warpgroups per CTA (64 query rows each); an A/B knob like the sm80 kernel's tiling macros. One
 // warpgroup per CTA at 4 CTAs per SM measured faster than two at 2 per SM on 5 of the 6 suite shapes
@@ -48,14 +44,9 @@ struct ForwardConfig {
   static constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of a warp's 16 rows of O
   static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);  // +16 B: conflict-free reads
 
-  // 64-byte rows (D = 32) use the 64-byte swizzle; wider rows the 128-byte one.
-  using AtomK = std::conditional_t<kHeadDim == 32, cute::GMMA::Layout_K_SW64_Atom<Element>,
-                                   cute::GMMA::Layout_K_SW128_Atom<Element>>;
-  using AtomMN = std::conditional_t<kHeadDim == 32, cute::GMMA::Layout_MN_SW64_Atom<Element>,
-                                    cute::GMMA::Layout_MN_SW128_Atom<Element>>;
-  using LayoutQ = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using LayoutK = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  using LayoutVt = decltype(cute::tile_to_shape(AtomMN{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}));
+  using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;
+  using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;
+  using LayoutVt = typename RowTileLayouts<Element, kBlockN, kHeadDim>::Transposed;
 
   // One warpgroup's products: S [64, kBlockN] = Q [64, D] . K^T; O [64, D] += P [64, kBlockN] . V.
   using MmaS = decltype(cute::make_tiled_mma(
@@ -89,48 +80,6 @@ struct ForwardConfig {
   static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
-
-// Copies [kRows, kCols] tiles of 16-bit values (rows `row_stride` apart in global memory) into a
-// CuTe shared-memory layout, 16 bytes per cp.async. A thread always copies the same column chunk of
-// rows row0, row0 + kRowStep, ...; their swizzled shared-memory offsets are computed once, at
-// construction. Rows >= valid_rows and chunks at or past valid_cols are zero-filled.
-template <int kRows, int kCols, int kThreads>
-struct SwizzledTileCopy {
-  static constexpr int kChunks = kCols / 8;
-  static_assert(kThreads % kChunks == 0, "each thread must keep one column chunk");
-  static constexpr int kRowStep = kThreads / kChunks;
-  static constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
-  int row0, col;
-  int offset[kIters];  // elements from the tile's start
-
-  // offset_of(row, col): the element's offset in the shared-memory layout.
-  template <typename OffsetOf>
-  __device__ __forceinline__ SwizzledTileCopy(int tid, OffsetOf&& offset_of)
-      : row0(int(unsigned(tid) / kChunks)), col(int(unsigned(tid) % kChunks) * 8) {
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) offset[it] = offset_of(row0 + it * kRowStep, col);
-  }
-
-  template <typename T>
-  __device__ __forceinline__ void operator()(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
-                                             int valid_cols) const {
-    const bool col_ok = col < valid_cols;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int r = row0 + it * kRowStep;
-      if (kRows % kRowStep == 0 || r < kRows)
-        cp_async_16(smem + offset[it], gmem + r * row_stride + col, col_ok && r < valid_rows);
-    }
-  }
-};
-
-// Offset in elements of element (r, c) in a swizzled shared-memory layout whose base is aligned to
-// the swizzle's period (the swizzle acts on address bits, so it is evaluated on a null base).
-template <typename Layout, typename Element>
-__device__ __forceinline__ int swizzled_offset(int r, int c) {
-  auto tile = cute::make_tensor(cute::make_smem_ptr(static_cast<Element*>(nullptr)), Layout{});
-  return int(&tile(r, c) - static_cast<Element*>(nullptr));
-}
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)

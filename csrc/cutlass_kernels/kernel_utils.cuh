@@ -488,6 +488,26 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
   }
 }
 
+// Stores rows g and g + 8 of a warp's 16-row accumulator tile, times `scale`, into out[row][0..D)
+// (`row` is the tile's row g; rows `row_stride` apart, written when < `rows`).
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_scaled_rows(const float (&acc)[kDTiles][4], Element* out, int64_t row_stride,
+                                                  int row, int rows, int D, float scale, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r, row += 8) {
+    if (row < rows) {
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int d = dt * 8 + 2 * t;
+        if (d < D)
+          *reinterpret_cast<uint32_t*>(out + row * row_stride + d) =
+              pack2<Element>(acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
+      }
+    }
+  }
+}
+
 template <int kPair, typename Element>
 struct PairType {
   using type = std::conditional_t<kPair == kPairFloat, float, Element>;

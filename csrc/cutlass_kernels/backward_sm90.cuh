@@ -1,0 +1,243 @@
+// Hopper (sm_90a) dQ kernel: the same function and output as backward_dq_kernel (backward_kernels.cuh),
+// with the three products on wgmma: S = Q.K^T and dP = dO.V^T read both operands from shared memory,
+// dQ += dS.K takes dS from registers and reads K, stored once, through its transposed view.
+//
+// CTA = one warpgroup (128 threads) x 64 query rows of one (b, n, h), on the sm80 dQ kernel's
+// RowTileGrid. Key step j: wait for block j's tiles (one barrier), start copying block j + 1
+// (cp.async), start S at the biases (init_scores) and dP at -delta, issue S and dP, then
+// dQ += dS_{j-1}.K_{j-1}; wait for S and dP only and form dS_j = P_j * (dP_j - delta) (P from the
+// forward statistics, as in the sm80 kernel) while the tensor cores still work on dQ; then wait
+// for that and keep dS_j in registers for the next step. K is therefore read one step after V:
+// V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
+#pragma once
+
+#include "backward_kernels.cuh"
+#include "sm90_common.cuh"
+
+namespace evoformer {
+namespace sm90 {
+
+template <typename Element_, int kHeadDim_, int kPair_>
+struct DqConfig {
+  using Element = Element_;
+  using PairT = typename PairType<kPair_, Element_>::type;
+  static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
+  static constexpr int kPair = kPair_;
+  static constexpr int kThreads = 128;
+  static constexpr int kBlockM = 64;           // queries per CTA
+  static constexpr int kBlockN = 64;           // keys per step
+  static constexpr int kNTiles = kBlockN / 8;  // n8 column tiles of a warp's 16 rows of S
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);  // +16 B: conflict-free reads
+
+  using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;  // Q and dO
+  using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;  // K and V
+  using LayoutKt = typename RowTileLayouts<Element, kBlockN, kHeadDim>::Transposed;  // K as (d, key)
+
+  // S [64, kBlockN] = Q [64, D] . K^T, and dP the same with dO and V.
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  // dQ [64, D] += dS [64, kBlockN] . K [kBlockN, D]
+  using MmaDq = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  // Shared memory (each wgmma tile 1024-byte aligned): Q, dO, three stages of K, then two stages of
+  // {V, pair tile, mask tile}.
+  static constexpr int kAlign = 1024;
+  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
+  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
+  static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);
+  static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
+  static constexpr int kMaskBytes = kBlockN * 4;
+  static constexpr int kVStageBytes = align(kKVBytes + kPairBytes + kMaskBytes);
+  static constexpr int kKStages = 3, kVStages = 2;
+  static constexpr int kSmemBytes = kAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes;
+  static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
+  static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
+};
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
+    backward_dq_kernel(const AttentionParams p, const RowTileGrid grid) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads;
+
+  extern __shared__ __align__(16) char smem_raw[];
+  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  Element* q_smem = reinterpret_cast<Element*>(smem);
+  Element* do_smem = reinterpret_cast<Element*>(smem + Cfg::kQBytes);
+  char* k_ring = smem + 2 * Cfg::kQBytes;                    // per stage: K
+  char* v_ring = k_ring + Cfg::kKStages * Cfg::kKVBytes;    // per stage: V, pair tile, mask tile
+  auto k_smem = [&](int st) { return reinterpret_cast<Element*>(k_ring + st * Cfg::kKVBytes); };
+  auto v_smem = [&](int st) { return reinterpret_cast<Element*>(v_ring + st * Cfg::kVStageBytes); };
+  auto pair_smem = [&](int st) {  // [kBlockM][kPairPitch]
+    return reinterpret_cast<PairT*>(v_ring + st * Cfg::kVStageBytes + Cfg::kKVBytes);
+  };
+  auto mask_smem = [&](int st) {  // [kBlockN]
+    return reinterpret_cast<float*>(v_ring + st * Cfg::kVStageBytes + Cfg::kKVBytes + Cfg::kPairBytes);
+  };
+
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u;
+  const int warp_row0 = (threadIdx.x / 32u) * 16;  // first of this warp's 16 rows in the CTA tile
+  const RowTile rt = grid.decode();
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
+  const int64_t bnh = (b * p.N + n) * p.H + h;
+  const int m0 = rt.tile * kBlockM;
+  const int rows_q = min(kBlockM, p.Lq - m0);
+
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from m0
+  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, m0, h);
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);
+  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h) from query m0, advanced per step
+  if constexpr (Cfg::kPair != kNoPair)
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
+  const bool has_mask = p.mask_scaled != nullptr;
+  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
+
+  const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
+  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
+  const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_kv(
+      tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutK, Element>(r, c); });
+  auto load_block = [&](int jb) {  // the tiles of key block jb into their ring stages
+    const int rows_k = min(kBlockN, p.Lk - jb * kBlockN), vs = jb % Cfg::kVStages;
+    copy_kv(k_smem(jb % Cfg::kKStages), k, p.k_strides.l, rows_k, p.D);
+    copy_kv(v_smem(vs), v, p.v_strides.l, rows_k, p.D);
+    if constexpr (Cfg::kPair != kNoPair) {
+      copy_pair(pair_smem(vs), pair, p.pair_stride_q, rows_q, p.Lk - jb * kBlockN);
+      pair += kBlockN;
+    }
+    if (has_mask) {
+      copy_mask(mask_smem(vs), mask, 0, 1, p.Lk - jb * kBlockN);
+      mask += kBlockN;
+    }
+    k += int64_t(kBlockN) * p.k_strides.l;
+    v += int64_t(kBlockN) * p.v_strides.l;
+  };
+
+  const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
+  {
+    const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
+        tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
+    copy_q(q_smem, q, p.q_strides.l, rows_q, p.D);
+    copy_q(do_smem, dout, p.do_strides.l, rows_q, p.D);
+  }
+  load_block(0);
+  cp_async_commit();
+
+  float2 stats_row[2];
+  float delta_row[2];
+  load_row_stats(stats_row, delta_row, p, bnh, m0 + warp_row0 + lane / 4);
+
+  typename Cfg::MmaS mma_s;
+  typename Cfg::MmaDq mma_dq;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{}));
+  Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(do_smem), typename Cfg::LayoutQ{}));
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});   // S, fp32
+  Tensor tSrdP = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});  // dP - delta, then dS
+  Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<_64, Int<kHeadDim>>{});
+  // dS as the A operand of dS.K (registers): the same (row, key) values as S, two 16-bit per register
+  Tensor tQrdS = thr_dq.partition_fragment_A(
+      make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), Shape<_64, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{}));
+  static_assert(size(tSrS) == kNTiles * 4 && size(tQrdQ) == kDTiles * 4 && size(tQrdS) == kBlockN / 2,
+                "wgmma fragments must match the m16n8 accumulator layout used by the softmax helpers");
+  float(&s)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrS.data()));
+  float(&dp)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrdP.data()));
+  float(&dq)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tQrdQ.data()));
+  uint32_t(&dsa)[kBlockN / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockN / 16][4]>(raw_pointer_cast(tQrdS.data()));
+
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+
+  // dQ += dS_{jb}.K_{jb} with dS in registers (dsa), issued without waiting.
+  auto issue_dq = [&](int jb) {
+    Tensor tQrK = thr_dq.partition_fragment_B(
+        make_tensor(make_smem_ptr(k_smem(jb % Cfg::kKStages)), typename Cfg::LayoutKt{}));
+    warpgroup_fence_operand(tQrdQ);
+    warpgroup_fence_operand(tQrdS);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tQrdS); ++kk) gemm(mma_dq, tQrdS(_, _, kk), tQrK(_, _, kk), tQrdQ);
+    warpgroup_commit_batch();
+  };
+
+  for (int jb = 0; jb < n_blocks; ++jb) {
+    const int vs = jb % Cfg::kVStages;
+    const int n0 = jb * kBlockN;
+    cp_async_wait<0>();                        // this thread's copies of key block jb have landed
+    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
+    __syncthreads();  // everyone's copies landed; S_{jb-1}, dP_{jb-1} and dS_{jb-2}.K are done
+    if (jb + 1 < n_blocks) load_block(jb + 1);  // into the stages of dP_{jb-1} and dS_{jb-2}.K
+    cp_async_commit();
+
+    // S = (mask + pair) / scale + Q . K^T;  dP - delta = -delta + dO . V^T
+    const PairT* sPair = pair_smem(vs);
+    const float* sMask = has_mask ? mask_smem(vs) : nullptr;
+    if (n0 + kBlockN > p.Lk)
+      init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                        p.inv_scale, lane);
+    else
+      init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                         p.inv_scale, lane);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];
+    Tensor tSrK = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(k_smem(jb % Cfg::kKStages)), typename Cfg::LayoutK{}));
+    Tensor tSrV = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(v_smem(vs)), typename Cfg::LayoutK{}));
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrdO); ++kk) gemm(mma_s, tSrdO(_, _, kk), tSrV(_, _, kk), tSrdP);
+    warpgroup_commit_batch();
+    if (jb > 0) {
+      issue_dq(jb - 1);
+      warpgroup_wait<1>();  // S and dP done; dS_{jb-1}.K_{jb-1} may still run
+    } else {
+      warpgroup_wait<0>();
+    }
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+
+    scores_to_ds<kNTiles>(dp, s, stats_row, p.scale_log2);
+
+    warpgroup_wait<0>();  // dS_{jb-1}.K_{jb-1} done: dsa may change
+    warpgroup_fence_operand(tQrdQ);
+#pragma unroll
+    for (int kc = 0; kc < kBlockN / 16; ++kc) c_to_a_frag<Element>(dsa[kc], dp, kc);
+  }
+  issue_dq(n_blocks - 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tQrdQ);
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
+
+  const int64_t row_stride = int64_t(p.H) * p.D;
+  Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
+  store_scaled_rows<Element, kDTiles>(dq, dq_out, row_stride, m0 + warp_row0 + lane / 4, p.Lq, p.D, p.scale, lane);
+#endif
+}
+
+}  // namespace sm90
+
+template <typename Element, int kHeadDim, int kPair>
+void launch_backward_dq_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Cfg = sm90::DqConfig<Element, kHeadDim, kPair>;
+  launch_on_row_tiles(sm90::backward_dq_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
+                      "evoformer backward dQ sm90");
+}
+
+}  // namespace evoformer
