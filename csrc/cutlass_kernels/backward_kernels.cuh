@@ -76,6 +76,26 @@ __device__ __forceinline__ RowStat row_stat(const AttentionParams& p, int64_t bn
   return RowStat{reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row], p.delta[bnh * p.Lq + row]};
 }
 
+// dK/dV epilogue of a warp's 16 keys (rows g and g + 8 of its accumulator tiles; `key` is row g's
+// index): dK * scale and dV into their [B, N, Lk, H, D] tensors, and the per-key mask-bias
+// gradient of (b, n, h) (the quad-summed dmask_acc) when it is wanted; keys past Lk are skipped.
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_dkdv_rows(const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4],
+                                                const float (&dmask_acc)[2], const AttentionParams& p, int64_t b,
+                                                int64_t n, int64_t h, int key, int lane) {
+  const int64_t row_stride = int64_t(p.H) * p.D;
+  Element* dk_out = static_cast<Element*>(p.dk) + (b * p.N + n) * p.Lk * row_stride + h * p.D;  // [Lk, D]
+  Element* dv_out = static_cast<Element*>(p.dv) + (b * p.N + n) * p.Lk * row_stride + h * p.D;
+  store_scaled_rows<Element, kDTiles>(dk, dk_out, row_stride, key, p.Lk, p.D, p.scale, lane);
+  store_scaled_rows<Element, kDTiles>(dv, dv_out, row_stride, key, p.Lk, p.D, 1.f, lane);
+  const int64_t bnh = (b * p.N + n) * p.H + h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r, key += 8) {
+    const float dm = quad_sum(dmask_acc[r]);
+    if (key < p.Lk && p.dmask != nullptr && lane % 4 == 0) p.dmask[bnh * p.Lk + key] = dm;
+  }
+}
+
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dkdv_kernel(const AttentionParams p, const RowTileGrid grid) {
   using Element = typename Cfg::Element;
@@ -232,27 +252,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
-  // Epilogue: dK * scale, dV, and the per-key mask-bias gradient of (b, n, h).
-  const int64_t row_stride = int64_t(p.H) * p.D;
-  Element* dk_out = static_cast<Element*>(p.dk) + (b * p.N + n) * p.Lk * row_stride + h * p.D;  // [Lk, D]
-  Element* dv_out = static_cast<Element*>(p.dv) + (b * p.N + n) * p.Lk * row_stride + h * p.D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float dm = quad_sum(dmask_acc[r]);
-    const int key = j0 + warp * 16 + g + 8 * r;
-    if (key < p.Lk) {
-      if (p.dmask != nullptr && t == 0) p.dmask[bnh * p.Lk + key] = dm;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const int d = dt * 8 + 2 * t;
-        if (d < p.D) {
-          *reinterpret_cast<uint32_t*>(dk_out + key * row_stride + d) =
-              pack2<Element>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(dv_out + key * row_stride + d) = pack2<Element>(dv[dt][2 * r], dv[dt][2 * r + 1]);
-        }
-      }
-    }
-  }
+  store_dkdv_rows<Element, kDTiles>(dk, dv, dmask_acc, p, b, n, h, j0 + warp * 16 + g, lane);
 }
 
 // dS = P * (dP - delta) in place of `dp` (which holds dP - delta) for rows g and g + 8 of a 16-row
@@ -596,13 +596,14 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
   launch_backward_delta<Element>(p, stream);
 
-  launch_on_row_tiles(backward_dkdv_kernel<Cfg>, p, p.Lk, Cfg::kBlockKV, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream,
-                      "evoformer backward dK/dV");
-  if (p.sm90)
-    launch_backward_dq_sm90<Element, kHeadDim, kPair>(p, stream);
-  else
+  if (p.sm90) {
+    launch_backward_sm90<Element, kHeadDim, kPair>(p, stream);
+  } else {
+    launch_on_row_tiles(backward_dkdv_kernel<Cfg>, p, p.Lk, Cfg::kBlockKV, Cfg::kThreads, Cfg::kDkdvSmemBytes, stream,
+                        "evoformer backward dK/dV");
     launch_on_row_tiles(backward_dq_kernel<Cfg>, p, p.Lq, Cfg::kBlockQ2, Cfg::kThreads, Cfg::kDqSmemBytes, stream,
                         "evoformer backward dQ");
+  }
 
   if constexpr (kPair != kNoPair) {
     if (p.dpair != nullptr) {

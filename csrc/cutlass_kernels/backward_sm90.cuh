@@ -1,14 +1,21 @@
-// Hopper (sm_90a) dQ kernel: the same function and output as backward_dq_kernel (backward_kernels.cuh),
-// with the three products on wgmma: S = Q.K^T and dP = dO.V^T read both operands from shared memory,
-// dQ += dS.K takes dS from registers and reads K, stored once, through its transposed view.
+// Hopper (sm_90a) backward kernels: the same functions and outputs as backward_dkdv_kernel and
+// backward_dq_kernel (backward_kernels.cuh), with every product on wgmma. Tiles stored once serve
+// both as the K-major operand of one product and, through their transposed GMMA view, as the
+// MN-major operand of another (RowTileLayouts).
 //
-// CTA = one warpgroup (128 threads) x 64 query rows of one (b, n, h), on the sm80 dQ kernel's
-// RowTileGrid. Key step j: wait for block j's tiles (one barrier), start copying block j + 1
-// (cp.async), start S at the biases (init_scores) and dP at -delta, issue S and dP, then
-// dQ += dS_{j-1}.K_{j-1}; wait for S and dP only and form dS_j = P_j * (dP_j - delta) (P from the
-// forward statistics, as in the sm80 kernel) while the tensor cores still work on dQ; then wait
-// for that and keep dS_j in registers for the next step. K is therefore read one step after V:
-// V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
+// dK/dV: CTA = one warpgroup (128 threads) x 64 keys of one (b, n, h), on the sm80 kernel's
+// RowTileGrid; query step i: wait for block i's tiles (one barrier), start copying block i + 1,
+// start S^T at the biases and dP^T at -delta, issue S^T = K.Q^T and dP^T = V.dO^T, form
+// P^T = exp2((S^T - m) * scale_log2 - l) and dS^T = P^T * (dP^T - delta) in registers (the row sums
+// of dS^T are the mask-bias gradient), then issue dV += P^T.dO and dK += dS^T.Q and wait for them.
+// Q, dO, the pair tile and the statistics live in a 2-stage ring.
+//
+// dQ: CTA = one warpgroup x 64 query rows of one (b, n, h), on the sm80 dQ kernel's RowTileGrid.
+// Key step j: wait for block j's tiles (one barrier), start copying block j + 1 (cp.async), start
+// S at the biases (init_scores) and dP at -delta, issue S and dP, then dQ += dS_{j-1}.K_{j-1}; wait
+// for S and dP only and form dS_j = P_j * (dP_j - delta) while the tensor cores still work on dQ;
+// then wait for that and keep dS_j in registers for the next step. K is therefore read one step
+// after V: V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
 #pragma once
 
 #include "backward_kernels.cuh"
@@ -16,6 +23,240 @@
 
 namespace evoformer {
 namespace sm90 {
+
+template <typename Element_, int kHeadDim_, int kPair_>
+struct DkdvConfig {
+  using Element = Element_;
+  using PairT = typename PairType<kPair_, Element_>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kPair = kPair_;
+  static constexpr int kThreads = 128;
+  static constexpr int kBlockN = 64;           // keys per CTA
+  static constexpr int kBlockM = kHeadDim <= 64 ? 64 : 32;  // queries per step
+  static constexpr int kQTiles = kBlockM / 8;                // n8 column tiles of a warp's 16 rows of S^T
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kPairPitch = kBlockN + 8;  // pair tile [kBlockM queries][kBlockN keys]
+
+  using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;     // K and V
+  using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;     // Q and dO
+  using LayoutQt = typename RowTileLayouts<Element, kBlockM, kHeadDim>::Transposed;  // Q, dO as (d, query)
+
+  // S^T [64 keys, kBlockM] = K [64, D] . Q^T, and dP^T the same with V and dO.
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>()));
+  // dV [64, D] += P^T [64, kBlockM] . dO [kBlockM, D], and dK the same with dS^T and Q.
+  using MmaG = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  // Shared memory: K, V, then two stages of {Q, dO, pair tile, stats (float2), delta}.
+  static constexpr int kAlign = 1024;
+  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
+  static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);
+  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
+  static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
+  static constexpr int kStageBytes = align(2 * kQBytes + kPairBytes + kBlockM * 12);
+  static constexpr int kStages = 2;
+  static constexpr int kSmemBytes = kAlign + 2 * kKVBytes + kStages * kStageBytes;
+  // S^T, dP^T, their A-operand copies and dK, dV stay in registers (about 100 + D per thread): the
+  // register cap of 4 CTAs per SM (128) spills, 3 (168) fits D = 32, 2 (255) the wider heads.
+  static constexpr int kMinBlocksPerSM =
+      std::max(1, std::min(kHeadDim <= 32 ? 3 : 2, 228 * 1024 / (kSmemBytes + 1024)));
+  static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
+};
+
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
+    backward_dkdv_kernel(const AttentionParams p, const RowTileGrid grid) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kQTiles = Cfg::kQTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads;
+
+  extern __shared__ __align__(16) char smem_raw[];
+  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  Element* k_smem = reinterpret_cast<Element*>(smem);
+  Element* v_smem = reinterpret_cast<Element*>(smem + Cfg::kKVBytes);
+  char* ring = smem + 2 * Cfg::kKVBytes;
+  auto q_smem = [&](int st) { return reinterpret_cast<Element*>(ring + st * Cfg::kStageBytes); };
+  auto do_smem = [&](int st) { return reinterpret_cast<Element*>(ring + st * Cfg::kStageBytes + Cfg::kQBytes); };
+  auto pair_smem = [&](int st) {  // [kBlockM][kPairPitch]
+    return reinterpret_cast<PairT*>(ring + st * Cfg::kStageBytes + 2 * Cfg::kQBytes);
+  };
+  auto stats_smem = [&](int st) {  // [kBlockM] (m, l), then delta [kBlockM]
+    return reinterpret_cast<float2*>(ring + st * Cfg::kStageBytes + 2 * Cfg::kQBytes + Cfg::kPairBytes);
+  };
+  auto delta_smem = [&](int st) { return reinterpret_cast<float*>(stats_smem(st) + kBlockM); };
+
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u;
+  const int warp_row0 = (threadIdx.x / 32u) * 16;  // first of this warp's 16 keys in the CTA tile
+  const int t = lane % 4;
+  const RowTile rt = grid.decode();
+  const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
+  const int64_t bnh = (b * p.N + n) * p.H + h;
+  const int j0 = rt.tile * kBlockN;
+  const int rows_k = min(kBlockN, p.Lk - j0);
+
+  // q, dO [Lq, D] and pair [Lq, Lk_pad] (from key j0) advance one query block per step
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, 0, h);
+  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, 0, h);
+  const PairT* pair = nullptr;
+  if constexpr (Cfg::kPair != kNoPair)
+    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + j0;
+
+  // Mask bias / scale of this thread's two keys; keys past Lk are -inf.
+  float mask_key[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = j0 + warp_row0 + lane / 4 + 8 * r;
+    mask_key[r] =
+        key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
+  }
+
+  // The statistics of the next query block are loaded into registers with its tiles and stored to
+  // shared memory after the current block's math, so their global-load latency is hidden.
+  static_assert(kBlockM <= kThreads, "one thread per query row of a block");
+  RowStat pending;
+  auto store_pending = [&](int st) {
+    if (tid < kBlockM) stats_smem(st)[tid] = pending.stats, delta_smem(st)[tid] = pending.delta;
+  };
+  const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
+      tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
+  const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
+  auto load_block = [&](int ib) {
+    const int i0 = ib * kBlockM, rows = min(kBlockM, p.Lq - i0), st = ib % Cfg::kStages;
+    copy_q(q_smem(st), q, p.q_strides.l, rows, p.D);
+    copy_q(do_smem(st), dout, p.do_strides.l, rows, p.D);
+    if constexpr (Cfg::kPair != kNoPair) {
+      copy_pair(pair_smem(st), pair, p.pair_stride_q, rows, p.Lk - j0);
+      pair += int64_t(kBlockM) * p.pair_stride_q;
+    }
+    if (tid < kBlockM) pending = row_stat(p, bnh, i0 + tid);  // stored by store_pending (latency hidden)
+    q += int64_t(kBlockM) * p.q_strides.l;
+    dout += int64_t(kBlockM) * p.do_strides.l;
+  };
+
+  {
+    const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_k(
+        tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutK, Element>(r, c); });
+    copy_k(k_smem, static_cast<const Element*>(p.k) + p.k_strides.at(b, n, j0, h), p.k_strides.l, rows_k, p.D);
+    copy_k(v_smem, static_cast<const Element*>(p.v) + p.v_strides.at(b, n, j0, h), p.v_strides.l, rows_k, p.D);
+  }
+  load_block(0);
+  store_pending(0);
+  cp_async_commit();
+
+  typename Cfg::MmaS mma_s;
+  typename Cfg::MmaG mma_g;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_g = mma_g.get_thread_slice(tid);
+  Tensor tSrK = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(k_smem), typename Cfg::LayoutK{}));
+  Tensor tSrV = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(v_smem), typename Cfg::LayoutK{}));
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockM>>{});   // S^T, then P^T
+  Tensor tSrdP = partition_fragment_C(mma_s, Shape<_64, Int<kBlockM>>{});  // dP^T - delta, then dS^T
+  Tensor tGrdV = partition_fragment_C(mma_g, Shape<_64, Int<kHeadDim>>{});
+  Tensor tGrdK = partition_fragment_C(mma_g, Shape<_64, Int<kHeadDim>>{});
+  // P^T and dS^T as A operands (registers), two 16-bit values per register
+  auto a_layout = make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), Shape<_64, Int<kBlockM>>{},
+                              Stride<Int<kBlockM>, _1>{});
+  Tensor tGrP = thr_g.partition_fragment_A(a_layout);
+  Tensor tGrdS = thr_g.partition_fragment_A(a_layout);
+  static_assert(size(tSrS) == kQTiles * 4 && size(tGrdV) == kDTiles * 4 && size(tGrP) == kBlockM / 2,
+                "wgmma fragments must match the m16n8 accumulator layout used by the helpers");
+  float(&st_)[kQTiles][4] = *reinterpret_cast<float(*)[kQTiles][4]>(raw_pointer_cast(tSrS.data()));
+  float(&dpt)[kQTiles][4] = *reinterpret_cast<float(*)[kQTiles][4]>(raw_pointer_cast(tSrdP.data()));
+  float(&dv)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tGrdV.data()));
+  float(&dk)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tGrdK.data()));
+  uint32_t(&pa)[kBlockM / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockM / 16][4]>(raw_pointer_cast(tGrP.data()));
+  uint32_t(&dsa)[kBlockM / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockM / 16][4]>(raw_pointer_cast(tGrdS.data()));
+
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = 0.f, dv[dt][e] = 0.f;
+  float dmask_acc[2] = {0.f, 0.f};
+
+  const int n_blocks = (p.Lq + kBlockM - 1) / kBlockM;
+  for (int ib = 0; ib < n_blocks; ++ib) {
+    const int st = ib % Cfg::kStages;
+    cp_async_wait<0>();                        // this thread's copies of query block ib have landed
+    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
+    __syncthreads();  // everyone's copies and statistics landed; block ib - 1's products are done
+    if (ib + 1 < n_blocks) load_block(ib + 1);  // into the stage of block ib - 1
+    cp_async_commit();
+
+    // S^T = (mask + pair)^T / scale + K . Q^T;  dP^T - delta = -delta + V . dO^T
+    const float2* sStats = stats_smem(st);
+    const float* sDelta = delta_smem(st);
+    if constexpr (Cfg::kPair != kNoPair) load_bias_tile<kQTiles, Cfg::kPairPitch, true>(st_, pair_smem(st), warp_row0, lane);
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 dl = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        st_[qt][e] = Cfg::kPair != kNoPair ? fmaf(st_[qt][e], p.inv_scale, mask_key[e / 2]) : mask_key[e / 2];
+        dpt[qt][e] = -(e % 2 ? dl.y : dl.x);
+      }
+    }
+    Tensor tSrQ = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(q_smem(st)), typename Cfg::LayoutQ{}));
+    Tensor tSrdO = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(do_smem(st)), typename Cfg::LayoutQ{}));
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrK); ++kk) gemm(mma_s, tSrK(_, _, kk), tSrQ(_, _, kk), tSrS);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrV); ++kk) gemm(mma_s, tSrV(_, _, kk), tSrdO(_, _, kk), tSrdP);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+
+    // P^T = exp2((S^T - m) * scale_log2 - l) with (m, l) of the query (column); dS^T = P^T * (dP^T - delta),
+    // whose row sums are the mask-bias gradient.
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 c[2] = {sStats[qt * 8 + 2 * t], sStats[qt * 8 + 2 * t + 1]};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        st_[qt][e] = fast_exp2(fmaf(st_[qt][e] - c[e % 2].x, p.scale_log2, -c[e % 2].y));
+        dpt[qt][e] *= st_[qt][e];
+        dmask_acc[e / 2] += dpt[qt][e];
+      }
+    }
+#pragma unroll
+    for (int kc = 0; kc < kBlockM / 16; ++kc) {
+      c_to_a_frag<Element>(pa[kc], st_, kc);
+      c_to_a_frag<Element>(dsa[kc], dpt, kc);
+    }
+
+    // dV += P^T . dO;  dK += dS^T . Q
+    Tensor tGrdO = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(do_smem(st)), typename Cfg::LayoutQt{}));
+    Tensor tGrQ = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(q_smem(st)), typename Cfg::LayoutQt{}));
+    warpgroup_fence_operand(tGrdV);
+    warpgroup_fence_operand(tGrdK);
+    warpgroup_fence_operand(tGrP);
+    warpgroup_fence_operand(tGrdS);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tGrP); ++kk) gemm(mma_g, tGrP(_, _, kk), tGrdO(_, _, kk), tGrdV);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tGrdS); ++kk) gemm(mma_g, tGrdS(_, _, kk), tGrQ(_, _, kk), tGrdK);
+    warpgroup_commit_batch();
+    if (ib + 1 < n_blocks) store_pending(st ^ 1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tGrdV);
+    warpgroup_fence_operand(tGrdK);
+  }
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
+
+  store_dkdv_rows<Element, kDTiles>(dk, dv, dmask_acc, p, b, n, h, j0 + warp_row0 + lane / 4, lane);
+#endif
+}
 
 template <typename Element_, int kHeadDim_, int kPair_>
 struct DqConfig {
@@ -234,9 +475,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 }  // namespace sm90
 
 template <typename Element, int kHeadDim, int kPair>
-void launch_backward_dq_sm90(const AttentionParams& p, cudaStream_t stream) {
-  using Cfg = sm90::DqConfig<Element, kHeadDim, kPair>;
-  launch_on_row_tiles(sm90::backward_dq_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
+void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  using Dkdv = sm90::DkdvConfig<Element, kHeadDim, kPair>;
+  using Dq = sm90::DqConfig<Element, kHeadDim, kPair>;
+  launch_on_row_tiles(sm90::backward_dkdv_kernel<Dkdv>, p, p.Lk, Dkdv::kBlockN, Dkdv::kThreads, Dkdv::kSmemBytes,
+                      stream, "evoformer backward dK/dV sm90");
+  launch_on_row_tiles(sm90::backward_dq_kernel<Dq>, p, p.Lq, Dq::kBlockM, Dq::kThreads, Dq::kSmemBytes, stream,
                       "evoformer backward dQ sm90");
 }
 

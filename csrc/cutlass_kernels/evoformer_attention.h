@@ -68,7 +68,7 @@ struct AttentionParams {
   int n_chunks;      // ceil(N / n_chunk_size)
 
   // ---- kernel family -------------------------------------------------------------------------
-  bool sm90;  // the backward runs its Hopper kernels (dQ) where one exists; set by the bindings
+  bool sm90;  // the backward runs its Hopper kernels (dK/dV, dQ); set by the bindings
 
   // ---- sizes ---------------------------------------------------------------------------------
   int B, N, Lq, Lk, H, D;
@@ -90,14 +90,14 @@ template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 
 // The backward: delta, dK/dV, dQ and (when params.dpair is set) the pair-bias gradient. With
-// params.sm90 the dQ pass runs launch_backward_dq_sm90.
+// params.sm90 the dK/dV and dQ passes run launch_backward_sm90.
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward(const AttentionParams& params, cudaStream_t stream);
 
-// The Hopper dQ pass (backward_sm90.cuh): the same output as the sm80 dQ kernel, with wgmma. Holds
-// code only in builds for sm_90a, like launch_forward_sm90.
+// The Hopper dK/dV and dQ passes (backward_sm90.cuh): the same outputs as the sm80 kernels, with
+// wgmma. Hold code only in builds for sm_90a, like launch_forward_sm90.
 template <typename Element, int kHeadDim, int kPair>
-void launch_backward_dq_sm90(const AttentionParams& params, cudaStream_t stream);
+void launch_backward_sm90(const AttentionParams& params, cudaStream_t stream);
 
 // CTAs of the pair-bias-gradient kernel of a backward instantiation that fit on one SM at once
 // (0 for instantiations without a pair bias); sizes that kernel's grid (see choose_n_chunk_size).

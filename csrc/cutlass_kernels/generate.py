@@ -1,6 +1,6 @@
 """Writes one translation unit per kernel instantiation into instantiations/.
 
-direction (forward, backward; forward_sm90 and backward_dq_sm90: the Hopper forward and dQ pass,
+direction (forward, backward; forward_sm90 and backward_sm90: the Hopper forward and dK/dV + dQ passes,
 compiled to code only for sm_90a) x element type (bf16, fp16) x head-dim bucket (32, 64, 128) x pair
 bias (none, in q's dtype, float32). One file each, so ninja compiles them in parallel and an edit to
 one direction's kernel rebuilds only that direction. Run `python generate.py` after changing the
@@ -21,7 +21,7 @@ DIRECTIONS = {
     "forward": "forward_kernel.cuh",
     "backward": "backward_kernels.cuh",
     "forward_sm90": "forward_sm90.cuh",
-    "backward_dq_sm90": "backward_sm90.cuh",
+    "backward_sm90": "backward_sm90.cuh",
 }
 ELEMENTS = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
 HEAD_DIM_BUCKETS = (32, 64, 128)  # must match kHeadDimBuckets in evoformer_attention.h
@@ -39,7 +39,7 @@ template void launch_{direction}<{element}, {head_dim}, {pair}>(const AttentionP
 EXTRA = {
     "forward": "",
     "forward_sm90": "",
-    "backward_dq_sm90": "",
+    "backward_sm90": "",
     "backward": "template int backward_pair_grad_blocks_per_sm<{element}, {head_dim}, {pair}>();\n",
 }
 

@@ -2,5 +2,5 @@
 #include "../backward_sm90.cuh"
 
 namespace evoformer {
-template void launch_backward_dq_sm90<cutlass::bfloat16_t, 64, kPairInput>(const AttentionParams&, cudaStream_t);
+template void launch_backward_sm90<cutlass::half_t, 64, kNoPair>(const AttentionParams&, cudaStream_t);
 }  // namespace evoformer
