@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   // The statistics of the next query block are loaded into registers with its tiles and stored to
   // shared memory after the current block's math, so their global-load latency is hidden.
   static_assert(kBlockQ <= kThreads, "one thread per query row of a block");
-  RowStat pending;
+  RowStat pending{};  // (initialised: nvcc cannot see that the threads that store it load it first)
   auto store_pending = [&](int s) {
     if (tid < kBlockQ) stage_stats(s)[tid] = pending.stats, stage_delta(s)[tid] = pending.delta;
   };
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   };
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u, warp = threadIdx.x / 32u;  // unsigned: no sign fix-ups
-  const int g = lane / 4, t = lane % 4;
+  const int g = lane / 4;
   const RowTile rt = grid.decode();
   const int64_t b = rt.b, n = rt.n, h = blockIdx.y;
   const int64_t bnh = (b * p.N + n) * p.H + h;
@@ -419,6 +419,78 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   store_scaled_rows<Element, kDTiles>(dq, dq_out, row_stride, m0 + warp_row0 + g, p.Lq, p.D, p.scale, lane);
 }
 
+// The tile of a pair-bias-gradient CTA: blockIdx.x = ((b * n_chunks + chunk) * n_query_blocks +
+// query block) * n_key_blocks + key block, h = blockIdx.y; the CTA sums dS over rows n in
+// [n_begin, n_end) for queries m0.. and keys n0.. (32-bit unsigned decode: the grid's x extent is
+// below 2^31).
+struct PairGradTile {
+  int64_t b, h, chunk;
+  int m0, n0, rows_q, rows_k, n_begin, n_end;
+
+  __device__ __forceinline__ PairGradTile(const AttentionParams& p, int block_q, int block_k) {
+    const int n_kb = (p.Lk + block_k - 1) / block_k, n_qb = (p.Lq + block_q - 1) / block_q;
+    const unsigned x = blockIdx.x, x_qb = x / unsigned(n_kb), x_chunk = x_qb / unsigned(n_qb);
+    const int kb = int(x - x_qb * unsigned(n_kb)), qb = int(x_qb - x_chunk * unsigned(n_qb));
+    chunk = x_chunk % unsigned(p.n_chunks), b = x_chunk / unsigned(p.n_chunks), h = blockIdx.y;
+    m0 = qb * block_q, n0 = kb * block_k;
+    rows_q = min(block_q, p.Lq - m0), rows_k = min(block_k, p.Lk - n0);
+    n_begin = int(chunk) * p.n_chunk_size, n_end = min(p.N, n_begin + p.n_chunk_size);
+  }
+};
+
+// A warp's 16-row tile (rows g and g + 8 from `row`, keys from col0) of the chunk's partial pair-bias
+// gradient: [Lq, Lk] fp32 of (chunk, b, h), each element written once.
+template <int kNTiles>
+__device__ __forceinline__ void store_pair_partial(const float (&acc)[kNTiles][4], const AttentionParams& p,
+                                                   const PairGradTile& tile, int row, int col0, int lane) {
+  float* out = p.dpair + ((tile.chunk * p.B + tile.b) * p.H + tile.h) * int64_t(p.Lq) * p.Lk;
+  const bool lk_even = (p.Lk % 2) == 0;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = row + 8 * r, j = col0 + nt * 8 + 2 * (lane % 4);
+      if (i >= p.Lq || j >= p.Lk) continue;
+      float* ptr = out + int64_t(i) * p.Lk + j;
+      if (lk_even) {
+        *reinterpret_cast<float2*>(ptr) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
+      } else {
+        ptr[0] = acc[nt][2 * r];
+        if (j + 1 < p.Lk) ptr[1] = acc[nt][2 * r + 1];
+      }
+    }
+}
+
+// CTAs of `kernel` (`threads` threads, `smem_bytes` of dynamic shared memory) resident per SM on the
+// current device; queried once per device and kernel. Failures name `name`.
+template <auto kKernel>
+int resident_ctas_per_sm(int threads, int smem_bytes, const char* name) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cached[kCachedDevices];  // blocks + 1, 0 = not yet asked
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
+  if (device < kCachedDevices) {
+    if (const int c = cached[device].load(std::memory_order_relaxed)) return c - 1;
+  }
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
+    check_launch(name);
+  if (device < kCachedDevices) cached[device].store(blocks + 1, std::memory_order_relaxed);
+  return blocks;
+}
+
+// Launches a pair-bias-gradient kernel on its grid (PairGradTile) after raising its dynamic
+// shared-memory limit; both steps are checked.
+inline void launch_pair_grad(void (*kernel)(AttentionParams), const AttentionParams& p, int block_q, int block_k,
+                             int threads, int smem_bytes, cudaStream_t stream, const char* name) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    check_launch((std::string(name) + " (shared-memory attribute)").c_str());
+  const int64_t tiles = int64_t((p.Lq + block_q - 1) / block_q) * ((p.Lk + block_k - 1) / block_k);
+  kernel<<<dim3(unsigned(int64_t(p.B) * p.n_chunks * tiles), unsigned(p.H)), threads, smem_bytes, stream>>>(p);
+  check_launch(name);
+}
+
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dpair_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
@@ -439,17 +511,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   auto stage_delta = [&](int s) { return reinterpret_cast<float*>(stage_stats(s) + kBlockQ); };
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;  // (signed: the unsigned form spills here)
-  const int g = lane / 4, t = lane % 4;
-  // blockIdx.x = ((b * n_chunks + chunk) * n_query_blocks + query block) * n_key_blocks + key block
-  const int n_kb = (p.Lk + kBlockK - 1) / kBlockK, n_qb = (p.Lq + kBlockQ - 1) / kBlockQ;
-  // (32-bit unsigned arithmetic: the grid's x extent is below 2^31)
-  const unsigned x = blockIdx.x, x_qb = x / unsigned(n_kb), x_chunk = x_qb / unsigned(n_qb);
-  const int64_t kb = x - x_qb * unsigned(n_kb), qb = x_qb - x_chunk * unsigned(n_qb);
-  const int64_t chunk = x_chunk % unsigned(p.n_chunks), b = x_chunk / unsigned(p.n_chunks);
-  const int64_t h = blockIdx.y;
-  const int m0 = int(qb) * kBlockQ, n0 = int(kb) * kBlockK;
-  const int rows_q = min(kBlockQ, p.Lq - m0), rows_k = min(kBlockK, p.Lk - n0);
-  const int n_begin = int(chunk) * p.n_chunk_size, n_end = min(p.N, n_begin + p.n_chunk_size);
+  const int g = lane / 4;
+  const PairGradTile tile(p, kBlockQ, kBlockK);
+  const int64_t b = tile.b, h = tile.h;
+  const int m0 = tile.m0, n0 = tile.n0, rows_q = tile.rows_q, rows_k = tile.rows_k;
+  const int n_begin = tile.n_begin, n_end = tile.n_end;
   const int warp_row0 = warp * 16;
 
   if constexpr (Cfg::kPair != kNoPair) {
@@ -521,24 +587,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
-  // This CTA's tile of the chunk's partial: [Lq, Lk] fp32 of (chunk, b, h), written once.
-  float* out = p.dpair + ((chunk * p.B + b) * p.H + h) * int64_t(p.Lq) * p.Lk;
-  const bool lk_even = (p.Lk % 2) == 0;
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = m0 + warp_row0 + g + 8 * r;
-      const int col = n0 + nt * 8 + 2 * t;
-      if (row >= p.Lq || col >= p.Lk) continue;
-      float* ptr = out + int64_t(row) * p.Lk + col;
-      if (lk_even) {
-        *reinterpret_cast<float2*>(ptr) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
-      } else {
-        ptr[0] = acc[nt][2 * r];
-        if (col + 1 < p.Lk) ptr[1] = acc[nt][2 * r + 1];
-      }
-    }
+  store_pair_partial<kNTiles>(acc, p, tile, m0 + warp_row0 + g, n0, lane);
 }
 
 template <typename Element>
@@ -568,26 +617,14 @@ __global__ void backward_delta_kernel(const AttentionParams p) {
 }
 
 template <typename Element, int kHeadDim, int kPair>
-int backward_pair_grad_blocks_per_sm() {
+int backward_pair_grad_blocks_per_sm(bool sm90) {
   if constexpr (kPair == kNoPair) {
     return 0;
   } else {
+    if (sm90) return backward_pair_grad_blocks_per_sm90<Element, kHeadDim, kPair>();
     using Cfg = BackwardConfig<Element, kHeadDim, kPair>;
-    // Queried once per device (the answer depends only on the GPU): blocks + 1, 0 = not yet.
-    constexpr int kCachedDevices = 64;
-    static std::atomic<int> cached[kCachedDevices];
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) check_launch("evoformer backward pair bias (current device)");
-    if (device < kCachedDevices) {
-      if (const int c = cached[device].load(std::memory_order_relaxed)) return c - 1;
-    }
-    auto kernel = backward_dpair_kernel<Cfg>;
-    int blocks = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kBiasSmemBytes) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, Cfg::kBiasSmemBytes) != cudaSuccess)
-      check_launch("evoformer backward pair bias (occupancy query)");
-    if (device < kCachedDevices) cached[device].store(blocks + 1, std::memory_order_relaxed);
-    return blocks;
+    return resident_ctas_per_sm<backward_dpair_kernel<Cfg>>(Cfg::kThreads, Cfg::kBiasSmemBytes,
+                                                            "evoformer backward pair bias (occupancy query)");
   }
 }
 
@@ -606,15 +643,9 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   }
 
   if constexpr (kPair != kNoPair) {
-    if (p.dpair != nullptr) {
-      auto dpair = backward_dpair_kernel<Cfg>;
-      if (cudaFuncSetAttribute(dpair, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kBiasSmemBytes) != cudaSuccess)
-        check_launch("evoformer backward pair bias (shared-memory attribute)");
-      const int64_t tiles = int64_t((p.Lq + Cfg::kBlockQ2 - 1) / Cfg::kBlockQ2) * ((p.Lk + Cfg::kBlockK - 1) / Cfg::kBlockK);
-      const dim3 grid_b(unsigned(int64_t(p.B) * p.n_chunks * tiles), unsigned(p.H));
-      dpair<<<grid_b, Cfg::kThreads, Cfg::kBiasSmemBytes, stream>>>(p);
-      check_launch("evoformer backward pair bias");
-    }
+    if (p.dpair != nullptr && !p.sm90)
+      launch_pair_grad(backward_dpair_kernel<Cfg>, p, Cfg::kBlockQ2, Cfg::kBlockK, Cfg::kThreads, Cfg::kBiasSmemBytes,
+                       stream, "evoformer backward pair bias");
   }
 }
 

@@ -1,5 +1,5 @@
-// Hopper (sm_90a) backward kernels: the same functions and outputs as backward_dkdv_kernel and
-// backward_dq_kernel (backward_kernels.cuh), with every product on wgmma. Tiles stored once serve
+// Hopper (sm_90a) backward kernels: the same functions and outputs as backward_dkdv_kernel,
+// backward_dq_kernel and backward_dpair_kernel (backward_kernels.cuh), with every product on wgmma. Tiles stored once serve
 // both as the K-major operand of one product and, through their transposed GMMA view, as the
 // MN-major operand of another (RowTileLayouts).
 //
@@ -16,6 +16,8 @@
 // for S and dP only and form dS_j = P_j * (dP_j - delta) while the tensor cores still work on dQ;
 // then wait for that and keep dS_j in registers for the next step. K is therefore read one step
 // after V: V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
+//
+// Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma.
 #pragma once
 
 #include "backward_kernels.cuh"
@@ -120,7 +122,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   // The statistics of the next query block are loaded into registers with its tiles and stored to
   // shared memory after the current block's math, so their global-load latency is hidden.
   static_assert(kBlockM <= kThreads, "one thread per query row of a block");
-  RowStat pending;
+  RowStat pending{};  // (initialised: nvcc cannot see that the threads that store it load it first)
   auto store_pending = [&](int st) {
     if (tid < kBlockM) stats_smem(st)[tid] = pending.stats, delta_smem(st)[tid] = pending.delta;
   };
@@ -472,6 +474,176 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #endif
 }
 
+template <typename Element_, int kHeadDim_, int kPair_>
+struct DpairConfig {
+  using Element = Element_;
+  using PairT = typename PairType<kPair_, Element_>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kPair = kPair_;
+  static constexpr int kThreads = 128;
+  static constexpr int kBlockM = 64;  // queries of the tile
+  static constexpr int kBlockN = 64;  // keys of the tile
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);
+
+  using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;  // Q and dO
+  using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;  // K and V
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+
+  // Shared memory: the pair tile, then two stages (one per row n) of {Q, dO, K, V, mask tile,
+  // stats (float2), delta}.
+  static constexpr int kAlign = 1024;
+  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
+  static constexpr int kTileBytes = align(64 * kHeadDim * 2);  // Q, dO, K or V
+  static constexpr int kPairBytes = align(kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0);
+  static constexpr int kStageBytes = align(4 * kTileBytes + kBlockN * 4 + kBlockM * 12);
+  static constexpr int kStages = 2;
+  static constexpr int kSmemBytes = kAlign + kPairBytes + kStages * kStageBytes;
+  // S, dP and the dS sum in registers (about 100 per thread): 3 CTAs per SM (168 registers) at
+  // D = 32, 2 above, where shared memory allows.
+  static constexpr int kMinBlocksPerSM =
+      std::max(1, std::min(kHeadDim <= 32 ? 3 : 2, 228 * 1024 / (kSmemBytes + 1024)));
+  static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
+};
+
+// Pair-bias gradient: CTA = a [64 queries, 64 keys] tile of (b, h) and a chunk of rows n
+// (PairGradTile); per row n: S = Q.K^T and dP = dO.V^T on wgmma, dS = P * (dP - delta), summed in
+// registers over the chunk and written once. Row n + 1's tiles are copied during row n's math.
+template <typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dpair_kernel(const AttentionParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Element = typename Cfg::Element;
+  using PairT = typename Cfg::PairT;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kNTiles = Cfg::kNTiles, kThreads = Cfg::kThreads;
+
+  extern __shared__ __align__(16) char smem_raw[];
+  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockM][kPairPitch]
+  char* ring = smem + Cfg::kPairBytes;
+  auto tile_smem = [&](int st, int i) {  // i: 0 Q, 1 dO, 2 K, 3 V
+    return reinterpret_cast<Element*>(ring + st * Cfg::kStageBytes + i * Cfg::kTileBytes);
+  };
+  auto mask_smem = [&](int st) { return reinterpret_cast<float*>(ring + st * Cfg::kStageBytes + 4 * Cfg::kTileBytes); };
+  auto stats_smem = [&](int st) { return reinterpret_cast<float2*>(mask_smem(st) + kBlockN); };
+  auto delta_smem = [&](int st) { return reinterpret_cast<float*>(stats_smem(st) + kBlockM); };
+
+  const int tid = threadIdx.x, lane = threadIdx.x % 32u;
+  const int warp_row0 = (threadIdx.x / 32u) * 16;
+  const PairGradTile tile(p, kBlockM, kBlockN);
+  const int64_t b = tile.b, h = tile.h;
+
+  if constexpr (Cfg::kPair != kNoPair) {
+    const PairT* pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h +
+                        int64_t(tile.m0) * p.pair_stride_q + tile.n0;  // [Lq, Lk_pad] tile of (b, h)
+    load_tile_async<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads>(sPair, pair, p.pair_stride_q, tile.rows_q,
+                                                                        p.Lk - tile.n0, tid);
+  }
+  // q / dO / K / V / mask start at row n_begin and advance one row n per step; the statistics of
+  // the next row are loaded into registers with its tiles and stored to shared memory after the
+  // current row's math.
+  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, tile.n_begin, tile.m0, h);
+  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, tile.n_begin, tile.m0, h);
+  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, tile.n_begin, tile.n0, h);
+  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, tile.n_begin, tile.n0, h);
+  const float* mask =
+      p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + tile.n_begin * p.mask_stride_n + tile.n0 : nullptr;
+  const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_tile(
+      tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
+  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
+  static_assert(std::is_same_v<typename Cfg::LayoutQ, typename Cfg::LayoutK>, "one copy plan serves all four tiles");
+  static_assert(kBlockM <= kThreads, "one thread per query row of the tile");
+  RowStat pending{};  // (initialised: nvcc cannot see that the threads that store it load it first)
+  auto load_row = [&](int st, int64_t n) {
+    copy_tile(tile_smem(st, 0), q, p.q_strides.l, tile.rows_q, p.D);
+    copy_tile(tile_smem(st, 1), dout, p.do_strides.l, tile.rows_q, p.D);
+    copy_tile(tile_smem(st, 2), k, p.k_strides.l, tile.rows_k, p.D);
+    copy_tile(tile_smem(st, 3), v, p.v_strides.l, tile.rows_k, p.D);
+    if (mask) {
+      copy_mask(mask_smem(st), mask, 0, 1, p.Lk - tile.n0);
+      mask += p.mask_stride_n;
+    }
+    if (tid < kBlockM) pending = row_stat(p, (b * p.N + n) * p.H + h, tile.m0 + tid);
+    q += p.q_strides.n, dout += p.do_strides.n, k += p.k_strides.n, v += p.v_strides.n;
+  };
+  auto store_pending = [&](int st) {
+    if (tid < kBlockM) stats_smem(st)[tid] = pending.stats, delta_smem(st)[tid] = pending.delta;
+  };
+  load_row(0, tile.n_begin);
+  store_pending(0);
+  cp_async_commit();
+
+  typename Cfg::MmaS mma_s;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
+  Tensor tSrdP = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
+  static_assert(size(tSrS) == kNTiles * 4, "wgmma fragments must match the m16n8 accumulator layout");
+  float(&s)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrS.data()));
+  float(&dp)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrdP.data()));
+  float acc[kNTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+
+  for (int n = tile.n_begin; n < tile.n_end; ++n) {
+    const int st = (n - tile.n_begin) % Cfg::kStages;
+    cp_async_wait<0>();                        // this thread's copies of row n have landed
+    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
+    __syncthreads();  // everyone's copies and statistics landed; row n - 1's products are done
+    if (n + 1 < tile.n_end) load_row(st ^ 1, n + 1);  // into the stage of row n - 1
+    cp_async_commit();
+
+    float2 stats_row[2];
+    float delta_row[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      stats_row[r] = stats_smem(st)[warp_row0 + lane / 4 + 8 * r];
+      delta_row[r] = delta_smem(st)[warp_row0 + lane / 4 + 8 * r];
+    }
+    const float* sMask = mask ? mask_smem(st) : nullptr;
+    if (tile.rows_k < kBlockN)
+      init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, tile.rows_k,
+                                                                        p.inv_scale, lane);
+    else
+      init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, tile.rows_k,
+                                                                         p.inv_scale, lane);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];
+    Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 0)), typename Cfg::LayoutQ{}));
+    Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 1)), typename Cfg::LayoutQ{}));
+    Tensor tSrK = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(tile_smem(st, 2)), typename Cfg::LayoutK{}));
+    Tensor tSrV = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(tile_smem(st, 3)), typename Cfg::LayoutK{}));
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrdO); ++kk) gemm(mma_s, tSrdO(_, _, kk), tSrV(_, _, kk), tSrdP);
+    warpgroup_commit_batch();
+    if (n + 1 < tile.n_end) store_pending(st ^ 1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+
+    scores_to_ds<kNTiles>(dp, s, stats_row, p.scale_log2);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] += dp[nt][e];
+  }
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
+
+  store_pair_partial<kNTiles>(acc, p, tile, tile.m0 + warp_row0 + lane / 4, tile.n0, lane);
+#endif
+}
+
 }  // namespace sm90
 
 template <typename Element, int kHeadDim, int kPair>
@@ -482,6 +654,23 @@ void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
                       stream, "evoformer backward dK/dV sm90");
   launch_on_row_tiles(sm90::backward_dq_kernel<Dq>, p, p.Lq, Dq::kBlockM, Dq::kThreads, Dq::kSmemBytes, stream,
                       "evoformer backward dQ sm90");
+  if constexpr (kPair != kNoPair) {
+    using Dpair = sm90::DpairConfig<Element, kHeadDim, kPair>;
+    if (p.dpair != nullptr)
+      launch_pair_grad(sm90::backward_dpair_kernel<Dpair>, p, Dpair::kBlockM, Dpair::kBlockN, Dpair::kThreads,
+                       Dpair::kSmemBytes, stream, "evoformer backward pair bias sm90");
+  }
+}
+
+template <typename Element, int kHeadDim, int kPair>
+int backward_pair_grad_blocks_per_sm90() {
+  if constexpr (kPair == kNoPair) {
+    return 0;
+  } else {
+    using Cfg = sm90::DpairConfig<Element, kHeadDim, kPair>;
+    return resident_ctas_per_sm<sm90::backward_dpair_kernel<Cfg>>(Cfg::kThreads, Cfg::kSmemBytes,
+                                                                  "evoformer backward pair bias sm90 (occupancy query)");
+  }
 }
 
 }  // namespace evoformer

@@ -4,7 +4,7 @@
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
 //   forward_kernels(device) -> "sm90" | "sm80": the kernel family that runs on that device (sm90: the
-//       Hopper forward and dQ kernels, the sm80 ones for the rest of the backward)
+//       Hopper forward and backward kernels)
 //   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32)
 //   backward(dout, q, k, v, mask_bias?, pair_bias?, out, stats, scale, need_dmask, need_dpair)
 //       -> (dq, dk, dv, dmask_bias, dpair_bias); a bias gradient not asked for is an empty tensor.
@@ -29,7 +29,7 @@ namespace evoformer {
 namespace {
 
 using Launcher = void (*)(const AttentionParams&, cudaStream_t);
-using BlocksQuery = int (*)();
+using BlocksQuery = int (*)(bool);
 
 int head_dim_bucket(int head_dim) {
   int bucket = 0;
@@ -73,7 +73,7 @@ Launcher launcher_for(Direction direction, at::ScalarType dtype, int head_dim, i
   });
 }
 
-// Whether the Hopper kernels run (the forward and the backward's dQ pass): the build holds sm_90a code (EVOFORMER_SM90A, set by
+// Whether the Hopper kernels run (forward and backward): the build holds sm_90a code (EVOFORMER_SM90A, set by
 // the JIT build when it compiles for 9.0a), the device has compute capability 9.0, and
 // EVOFORMER_BLOCKS_KERNELS is unset or "auto" ("sm80" keeps the portable kernels; read on every call
 // so that one process can time both).
@@ -99,11 +99,12 @@ bool use_sm90(int device) {
 #endif
 }
 
-// CTAs of the pair-bias-gradient kernel resident per SM for this dtype / head dim / pair kind.
-int pair_grad_blocks_per_sm(at::ScalarType dtype, int head_dim, int pair) {
+// CTAs of the pair-bias-gradient kernel (its Hopper one with sm90) resident per SM for this dtype /
+// head dim / pair kind.
+int pair_grad_blocks_per_sm(at::ScalarType dtype, int head_dim, int pair, bool sm90) {
   return for_instantiation(dtype, head_dim, pair, [](auto element, auto dim, auto kind) -> BlocksQuery {
     return &backward_pair_grad_blocks_per_sm<decltype(element), decltype(dim)::value, decltype(kind)::value>;
-  })();
+  })(sm90);
 }
 
 std::string describe(const char* name, const at::Tensor& t) {
@@ -353,8 +354,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();
+  p.sm90 = use_sm90(q.get_device());
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64, /*block_k=*/64,
-                                                    pair_grad_blocks_per_sm(q.scalar_type(), p.D, prep.pair_kind))
+                                                    pair_grad_blocks_per_sm(q.scalar_type(), p.D, prep.pair_kind, p.sm90))
                               : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
   at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();
@@ -363,7 +365,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
   p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
-  p.sm90 = use_sm90(q.get_device());
   launcher_for(Direction::kBackward, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
 
   // Reduce the partials to the biases' own (broadcast) shapes; fixed-order torch sums.
@@ -385,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dmask, dpair};
 }
 
-// Which kernels run on `device` now: "sm90" (Hopper wgmma forward and dQ) or "sm80" (see use_sm90).
+// Which kernels run on `device` now: "sm90" (Hopper wgmma) or "sm80" (see use_sm90).
 std::string forward_kernels(int64_t device) { return use_sm90(int(device)) ? "sm90" : "sm80"; }
 
 }  // namespace

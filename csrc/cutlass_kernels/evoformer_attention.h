@@ -67,9 +67,6 @@ struct AttentionParams {
   int n_chunk_size;  // rows n summed by one CTA of the pair-bias gradient kernel
   int n_chunks;      // ceil(N / n_chunk_size)
 
-  // ---- kernel family -------------------------------------------------------------------------
-  bool sm90;  // the backward runs its Hopper kernels (dK/dV, dQ); set by the bindings
-
   // ---- sizes ---------------------------------------------------------------------------------
   int B, N, Lq, Lk, H, D;
   float scale;       // multiplies q.k
@@ -77,6 +74,8 @@ struct AttentionParams {
   float scale_log2;  // scale * log2(e)
   // The kernels start each score accumulator at (mask + pair) / scale, add q.k with the tensor
   // cores, and form x = log2(e) * logit with one multiply by scale_log2; keys past Lk start at -inf.
+
+  bool sm90;  // the backward runs its Hopper kernels (dK/dV, dQ, pair bias); set by the bindings
 };
 
 // One instantiation per (direction, element type, head-dim bucket, pair kind); the element type
@@ -90,19 +89,22 @@ template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 
 // The backward: delta, dK/dV, dQ and (when params.dpair is set) the pair-bias gradient. With
-// params.sm90 the dK/dV and dQ passes run launch_backward_sm90.
+// params.sm90 the dK/dV, dQ and pair-bias passes run launch_backward_sm90.
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward(const AttentionParams& params, cudaStream_t stream);
 
-// The Hopper dK/dV and dQ passes (backward_sm90.cuh): the same outputs as the sm80 kernels, with
+// The Hopper dK/dV, dQ and pair-bias passes (backward_sm90.cuh): the same outputs as the sm80 kernels, with
 // wgmma. Hold code only in builds for sm_90a, like launch_forward_sm90.
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward_sm90(const AttentionParams& params, cudaStream_t stream);
 
-// CTAs of the pair-bias-gradient kernel of a backward instantiation that fit on one SM at once
-// (0 for instantiations without a pair bias); sizes that kernel's grid (see choose_n_chunk_size).
+// CTAs of the pair-bias-gradient kernel of a backward instantiation (its Hopper one with sm90)
+// that fit on one SM at once (0 for instantiations without a pair bias); sizes that kernel's grid
+// (see choose_n_chunk_size).
 template <typename Element, int kHeadDim, int kPair>
-int backward_pair_grad_blocks_per_sm();
+int backward_pair_grad_blocks_per_sm(bool sm90);
+template <typename Element, int kHeadDim, int kPair>
+int backward_pair_grad_blocks_per_sm90();
 
 // delta = rowsum(dout * out) in float32 (shared by every backward instantiation).
 template <typename Element>

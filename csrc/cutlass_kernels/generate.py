@@ -1,6 +1,6 @@
 """Writes one translation unit per kernel instantiation into instantiations/.
 
-direction (forward, backward; forward_sm90 and backward_sm90: the Hopper forward and dK/dV + dQ passes,
+direction (forward, backward; forward_sm90 and backward_sm90: the Hopper forward and backward passes,
 compiled to code only for sm_90a) x element type (bf16, fp16) x head-dim bucket (32, 64, 128) x pair
 bias (none, in q's dtype, float32). One file each, so ninja compiles them in parallel and an edit to
 one direction's kernel rebuilds only that direction. Run `python generate.py` after changing the
@@ -39,8 +39,8 @@ template void launch_{direction}<{element}, {head_dim}, {pair}>(const AttentionP
 EXTRA = {
     "forward": "",
     "forward_sm90": "",
-    "backward_sm90": "",
-    "backward": "template int backward_pair_grad_blocks_per_sm<{element}, {head_dim}, {pair}>();\n",
+    "backward_sm90": "template int backward_pair_grad_blocks_per_sm90<{element}, {head_dim}, {pair}>();\n",
+    "backward": "template int backward_pair_grad_blocks_per_sm<{element}, {head_dim}, {pair}>(bool);\n",
 }
 
 

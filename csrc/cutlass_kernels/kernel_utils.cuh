@@ -495,13 +495,14 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[kDTiles][4]
                                                   int row, int rows, int D, float scale, int lane) {
   const int t = lane % 4;
 #pragma unroll
-  for (int r = 0; r < 2; ++r, row += 8) {
-    if (row < rows) {
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + 8 * r;
+    if (i < rows) {
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int d = dt * 8 + 2 * t;
         if (d < D)
-          *reinterpret_cast<uint32_t*>(out + row * row_stride + d) =
+          *reinterpret_cast<uint32_t*>(out + i * row_stride + d) =
               pack2<Element>(acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
       }
     }

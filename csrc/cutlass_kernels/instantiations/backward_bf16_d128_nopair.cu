@@ -3,5 +3,5 @@
 
 namespace evoformer {
 template void launch_backward<cutlass::bfloat16_t, 128, kNoPair>(const AttentionParams&, cudaStream_t);
-template int backward_pair_grad_blocks_per_sm<cutlass::bfloat16_t, 128, kNoPair>();
+template int backward_pair_grad_blocks_per_sm<cutlass::bfloat16_t, 128, kNoPair>(bool);
 }  // namespace evoformer

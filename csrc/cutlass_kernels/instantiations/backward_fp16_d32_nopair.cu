@@ -3,5 +3,5 @@
 
 namespace evoformer {
 template void launch_backward<cutlass::half_t, 32, kNoPair>(const AttentionParams&, cudaStream_t);
-template int backward_pair_grad_blocks_per_sm<cutlass::half_t, 32, kNoPair>();
+template int backward_pair_grad_blocks_per_sm<cutlass::half_t, 32, kNoPair>(bool);
 }  // namespace evoformer

@@ -3,5 +3,5 @@
 
 namespace evoformer {
 template void launch_backward<cutlass::half_t, 64, kPairFloat>(const AttentionParams&, cudaStream_t);
-template int backward_pair_grad_blocks_per_sm<cutlass::half_t, 64, kPairFloat>();
+template int backward_pair_grad_blocks_per_sm<cutlass::half_t, 64, kPairFloat>(bool);
 }  // namespace evoformer

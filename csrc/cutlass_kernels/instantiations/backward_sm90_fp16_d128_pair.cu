@@ -3,4 +3,5 @@
 
 namespace evoformer {
 template void launch_backward_sm90<cutlass::half_t, 128, kPairInput>(const AttentionParams&, cudaStream_t);
+template int backward_pair_grad_blocks_per_sm90<cutlass::half_t, 128, kPairInput>();
 }  // namespace evoformer
