@@ -1,6 +1,6 @@
 """Times evoformer_attention against its peers on the suite of ../shared/ANCHORS.md, in one process.
 
-For each shape: the cutlass backend (on a Hopper GPU also with its portable sm80 forward kernel,
+For each shape: the cutlass backend (on a Hopper GPU also with its portable sm80 kernels,
 "cutlass-sm80"), FlexAttention (torch.compile'd, a score_mod that adds both
 biases), SDPA (mask + pair bias materialized as one [B*N, H, L, L] attn_mask) and the eager backend.
 Forward and forward+backward (gradients of q, k, v and the pair bias) are timed with
@@ -14,6 +14,7 @@ error against an fp32 reference is printed too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -80,16 +81,27 @@ def run_cutlass(q, k, v, m, p):
 
 
 def run_cutlass_sm80(q, k, v, m, p):
-    """The cutlass backend with its portable (sm80) forward kernel, also on a Hopper GPU."""
-    previous = os.environ.get("EVOFORMER_BLOCKS_KERNELS")
-    os.environ["EVOFORMER_BLOCKS_KERNELS"] = "sm80"
+    """The cutlass backend with its portable (sm80) kernels, also on a Hopper GPU: make_step runs
+    forward and backward with ``run_cutlass_sm80.env`` set."""
+    return run_cutlass(q, k, v, m, p)
+
+
+run_cutlass_sm80.env = {"EVOFORMER_BLOCKS_KERNELS": "sm80"}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    """Sets environment variables for the duration of a block."""
+    previous = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
-        return run_cutlass(q, k, v, m, p)
+        yield
     finally:
-        if previous is None:
-            del os.environ["EVOFORMER_BLOCKS_KERNELS"]
-        else:
-            os.environ["EVOFORMER_BLOCKS_KERNELS"] = previous
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def run_eager(q, k, v, m, p):
@@ -170,10 +182,13 @@ def make_step(fn, inputs, backward: bool, pair_grad: bool = True):
         t.requires_grad_(backward)
     dout = torch.randn_like(q) if backward else None
 
+    env = getattr(fn, "env", {})
+
     def step():
-        out = fn(q, k, v, m, p)
-        if backward:
-            torch.autograd.grad(out, leaves, dout)
+        with environment(env):
+            out = fn(q, k, v, m, p)
+            if backward:
+                torch.autograd.grad(out, leaves, dout)
         return out
 
     return step, leaves

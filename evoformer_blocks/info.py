@@ -30,9 +30,9 @@ def main() -> None:
         error = _build.load_error()
         print(f"build      {'ok' if error is None else error}")
         if error is None and torch.cuda.is_available():
-            from .ops.cutlass import forward_kernels
+            from .ops.cutlass import kernel_family
 
-            print(f"kernels    forward {forward_kernels()} (EVOFORMER_BLOCKS_KERNELS=sm80 forces the portable ones)")
+            print(f"kernels    {kernel_family()} (EVOFORMER_BLOCKS_KERNELS=sm80 forces the portable ones)")
     status = _build.status()
     for key, value in status.items():
         print(f"{key:<10} {value}")

@@ -23,8 +23,8 @@ from gpu import requires_sm80  # noqa: E402
 
 pytestmark = requires_sm80
 
-# On a Hopper GPU every test runs twice: with the Hopper forward kernel (auto) and with the portable
-# sm80 kernels (EVOFORMER_BLOCKS_KERNELS=sm80), which must keep passing there too.
+# On a Hopper GPU every test runs twice: with the Hopper kernels (auto) and with the portable sm80
+# kernels (EVOFORMER_BLOCKS_KERNELS=sm80, forward and backward), which must keep passing there too.
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
@@ -35,10 +35,10 @@ def kernel_family(request, monkeypatch):
 
 
 def test_kernel_family_selection(kernel_family):
-    from evoformer_blocks.ops.cutlass import forward_kernels
+    from evoformer_blocks.ops import cutlass
 
     expected = "sm90" if HOPPER and kernel_family == "auto" else "sm80"
-    assert forward_kernels() == expected
+    assert cutlass.kernel_family() == expected
 
 # Pass rule: error(fused) <= RATIO * error(eager, same dtype) + FLOOR[dtype, direction], errors as
 # ||x - ref|| / ||ref|| against the fp32 reference. Where the exact value is zero (at L = 1 softmax is

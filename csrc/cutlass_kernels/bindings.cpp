@@ -3,7 +3,7 @@
 // of the bias-gradient partials to the biases' broadcast shapes.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
-//   forward_kernels(device) -> "sm90" | "sm80": the kernel family that runs on that device (sm90: the
+//   kernel_family(device) -> "sm90" | "sm80": the kernel family that runs on that device (sm90: the
 //       Hopper forward and backward kernels)
 //   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32)
 //   backward(dout, q, k, v, mask_bias?, pair_bias?, out, stats, scale, need_dmask, need_dpair)
@@ -387,13 +387,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
 }
 
 // Which kernels run on `device` now: "sm90" (Hopper wgmma) or "sm80" (see use_sm90).
-std::string forward_kernels(int64_t device) { return use_sm90(int(device)) ? "sm90" : "sm80"; }
+std::string kernel_family(int64_t device) { return use_sm90(int(device)) ? "sm90" : "sm80"; }
 
 }  // namespace
 }  // namespace evoformer
 
 TORCH_LIBRARY(evoformer_blocks_cuda, m) {
-  m.def("forward_kernels(int device) -> str", &evoformer::forward_kernels);
+  m.def("kernel_family(int device) -> str", &evoformer::kernel_family);
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, Tensor out, "

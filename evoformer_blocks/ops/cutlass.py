@@ -129,13 +129,14 @@ def _extension_error() -> str:
     return _build.load_error() or ""
 
 
-def forward_kernels(device: Optional[torch.device] = None) -> str:
-    """The forward kernels the cutlass backend runs on ``device`` (default: the current CUDA device):
-    ``"sm90"`` (the Hopper wgmma kernel: a 9.0 GPU and ``EVOFORMER_BLOCKS_KERNELS`` unset or ``auto``)
-    or ``"sm80"`` (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80`` forces them). Builds the
-    kernels on first use. The backward runs the portable kernels everywhere."""
+def kernel_family(device: Optional[torch.device] = None) -> str:
+    """The kernels the cutlass backend runs on ``device`` (default: the current CUDA device), forward
+    and backward alike: ``"sm90"`` (the Hopper wgmma kernels: a 9.0 GPU and ``EVOFORMER_BLOCKS_KERNELS``
+    unset or ``auto``) or ``"sm80"`` (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80`` forces
+    them). The variable is read on every forward and every backward call. Builds the kernels on first
+    use."""
     index = torch.device(device if device is not None else "cuda").index
-    return _kernels().forward_kernels(torch.cuda.current_device() if index is None else index)
+    return _kernels().kernel_family(torch.cuda.current_device() if index is None else index)
 
 
 class CutlassBackend(Backend):
