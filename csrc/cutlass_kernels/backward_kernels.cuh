@@ -491,6 +491,10 @@ inline void launch_pair_grad(void (*kernel)(AttentionParams), const AttentionPar
   check_launch(name);
 }
 
+// The portable pair-bias-gradient kernel decodes its PairGradTile grid and writes its partial inline:
+// the same code through PairGradTile and store_pair_partial compiled to a different register
+// allocation here and ran 10 % slower on an H100 (MSA row 0.357 vs 0.323 ms, triangle N768 2.30 vs
+// 2.10 ms; benchmarks/RESULTS.md), so the Hopper kernel alone uses those helpers.
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dpair_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
@@ -511,11 +515,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   auto stage_delta = [&](int s) { return reinterpret_cast<float*>(stage_stats(s) + kBlockQ); };
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;  // (signed: the unsigned form spills here)
-  const int g = lane / 4;
-  const PairGradTile tile(p, kBlockQ, kBlockK);
-  const int64_t b = tile.b, h = tile.h;
-  const int m0 = tile.m0, n0 = tile.n0, rows_q = tile.rows_q, rows_k = tile.rows_k;
-  const int n_begin = tile.n_begin, n_end = tile.n_end;
+  const int g = lane / 4, t = lane % 4;
+  // blockIdx.x = ((b * n_chunks + chunk) * n_query_blocks + query block) * n_key_blocks + key block
+  const int n_kb = (p.Lk + kBlockK - 1) / kBlockK, n_qb = (p.Lq + kBlockQ - 1) / kBlockQ;
+  // (32-bit unsigned arithmetic: the grid's x extent is below 2^31)
+  const unsigned x = blockIdx.x, x_qb = x / unsigned(n_kb), x_chunk = x_qb / unsigned(n_qb);
+  const int64_t kb = x - x_qb * unsigned(n_kb), qb = x_qb - x_chunk * unsigned(n_qb);
+  const int64_t chunk = x_chunk % unsigned(p.n_chunks), b = x_chunk / unsigned(p.n_chunks);
+  const int64_t h = blockIdx.y;
+  const int m0 = int(qb) * kBlockQ, n0 = int(kb) * kBlockK;
+  const int rows_q = min(kBlockQ, p.Lq - m0), rows_k = min(kBlockK, p.Lk - n0);
+  const int n_begin = int(chunk) * p.n_chunk_size, n_end = min(p.N, n_begin + p.n_chunk_size);
   const int warp_row0 = warp * 16;
 
   if constexpr (Cfg::kPair != kNoPair) {
@@ -587,7 +597,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
-  store_pair_partial<kNTiles>(acc, p, tile, m0 + warp_row0 + g, n0, lane);
+  // This CTA's tile of the chunk's partial: [Lq, Lk] fp32 of (chunk, b, h), written once.
+  float* out = p.dpair + ((chunk * p.B + b) * p.H + h) * int64_t(p.Lq) * p.Lk;
+  const bool lk_even = (p.Lk % 2) == 0;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = m0 + warp_row0 + g + 8 * r;
+      const int col = n0 + nt * 8 + 2 * t;
+      if (row >= p.Lq || col >= p.Lk) continue;
+      float* ptr = out + int64_t(row) * p.Lk + col;
+      if (lk_even) {
+        *reinterpret_cast<float2*>(ptr) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
+      } else {
+        ptr[0] = acc[nt][2 * r];
+        if (col + 1 < p.Lk) ptr[1] = acc[nt][2 * r + 1];
+      }
+    }
 }
 
 template <typename Element>
