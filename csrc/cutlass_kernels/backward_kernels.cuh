@@ -140,8 +140,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = j0 + warp * 16 + g + 8 * r;
-    mask_key[r] =
-        key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
+    mask_key[r] = key_mask_scaled(p, b, n, key);
   }
 
   // The statistics of the next query block are loaded into registers with its tiles and stored to

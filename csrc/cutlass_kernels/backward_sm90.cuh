@@ -54,18 +54,15 @@ struct DkdvConfig {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
   // Shared memory: K, V, then two stages of {Q, dO, pair tile, stats (float2), delta}.
-  static constexpr int kAlign = 1024;
-  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
-  static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);
-  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
+  static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);
+  static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
-  static constexpr int kStageBytes = align(2 * kQBytes + kPairBytes + kBlockM * 12);
+  static constexpr int kStageBytes = smem_align(2 * kQBytes + kPairBytes + kBlockM * 12);
   static constexpr int kStages = 2;
-  static constexpr int kSmemBytes = kAlign + 2 * kKVBytes + kStages * kStageBytes;
+  static constexpr int kSmemBytes = kSmemAlign + 2 * kKVBytes + kStages * kStageBytes;
   // S^T, dP^T, their A-operand copies and dK, dV stay in registers (about 100 + D per thread): the
   // register cap of 4 CTAs per SM (128) spills, 3 (168) fits D = 32, 2 (255) the wider heads.
-  static constexpr int kMinBlocksPerSM =
-      std::max(1, std::min(kHeadDim <= 32 ? 3 : 2, 228 * 1024 / (kSmemBytes + 1024)));
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 3 : 2);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
@@ -80,7 +77,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   constexpr int kQTiles = Cfg::kQTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads;
 
   extern __shared__ __align__(16) char smem_raw[];
-  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  char* smem = aligned_smem(smem_raw);
   Element* k_smem = reinterpret_cast<Element*>(smem);
   Element* v_smem = reinterpret_cast<Element*>(smem + Cfg::kKVBytes);
   char* ring = smem + 2 * Cfg::kKVBytes;
@@ -115,8 +112,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = j0 + warp_row0 + lane / 4 + 8 * r;
-    mask_key[r] =
-        key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
+    mask_key[r] = key_mask_scaled(p, b, n, key);
   }
 
   // The statistics of the next query block are loaded into registers with its tiles and stored to
@@ -289,16 +285,14 @@ struct DqConfig {
 
   // Shared memory (each wgmma tile 1024-byte aligned): Q, dO, three stages of K, then two stages of
   // {V, pair tile, mask tile}.
-  static constexpr int kAlign = 1024;
-  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
-  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
-  static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);
+  static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
+  static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
   static constexpr int kMaskBytes = kBlockN * 4;
-  static constexpr int kVStageBytes = align(kKVBytes + kPairBytes + kMaskBytes);
+  static constexpr int kVStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = 3, kVStages = 2;
-  static constexpr int kSmemBytes = kAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes;
-  static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
+  static constexpr int kSmemBytes = kSmemAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes;
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
@@ -313,7 +307,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads;
 
   extern __shared__ __align__(16) char smem_raw[];
-  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  char* smem = aligned_smem(smem_raw);
   Element* q_smem = reinterpret_cast<Element*>(smem);
   Element* do_smem = reinterpret_cast<Element*>(smem + Cfg::kQBytes);
   char* k_ring = smem + 2 * Cfg::kQBytes;                    // per stage: K
@@ -494,17 +488,14 @@ struct DpairConfig {
 
   // Shared memory: the pair tile, then two stages (one per row n) of {Q, dO, K, V, mask tile,
   // stats (float2), delta}.
-  static constexpr int kAlign = 1024;
-  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
-  static constexpr int kTileBytes = align(64 * kHeadDim * 2);  // Q, dO, K or V
-  static constexpr int kPairBytes = align(kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0);
-  static constexpr int kStageBytes = align(4 * kTileBytes + kBlockN * 4 + kBlockM * 12);
+  static constexpr int kTileBytes = smem_align(64 * kHeadDim * 2);  // Q, dO, K or V
+  static constexpr int kPairBytes = smem_align(kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0);
+  static constexpr int kStageBytes = smem_align(4 * kTileBytes + kBlockN * 4 + kBlockM * 12);
   static constexpr int kStages = 2;
-  static constexpr int kSmemBytes = kAlign + kPairBytes + kStages * kStageBytes;
+  static constexpr int kSmemBytes = kSmemAlign + kPairBytes + kStages * kStageBytes;
   // S, dP and the dS sum in registers (about 100 per thread): 3 CTAs per SM (168 registers) at
   // D = 32, 2 above, where shared memory allows.
-  static constexpr int kMinBlocksPerSM =
-      std::max(1, std::min(kHeadDim <= 32 ? 3 : 2, 228 * 1024 / (kSmemBytes + 1024)));
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 3 : 2);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
@@ -521,7 +512,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   constexpr int kNTiles = Cfg::kNTiles, kThreads = Cfg::kThreads;
 
   extern __shared__ __align__(16) char smem_raw[];
-  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  char* smem = aligned_smem(smem_raw);
   PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockM][kPairPitch]
   char* ring = smem + Cfg::kPairBytes;
   auto tile_smem = [&](int st, int i) {  // i: 0 Q, 1 dO, 2 K, 3 V

@@ -65,19 +65,17 @@ struct ForwardConfig {
 
   // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require): Q, then
   // two stages of {K, pair tile, mask tile}, then three of V.
-  static constexpr int kAlign = 1024;
-  static constexpr int align(int x) { return (x + kAlign - 1) / kAlign * kAlign; }
-  static constexpr int kQBytes = align(kBlockM * kHeadDim * 2);
-  static constexpr int kKVBytes = align(kBlockN * kHeadDim * 2);  // K or V, one stage
+  static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
+  static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);  // K or V, one stage
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
   static constexpr int kMaskBytes = kBlockN * 4;
-  static constexpr int kKStageBytes = align(kKVBytes + kPairBytes + kMaskBytes);
+  static constexpr int kKStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = 2, kVStages = 3;
-  static constexpr int kOnesBytes = align(8 * kBlockN * 2);
+  static constexpr int kOnesBytes = smem_align(8 * kBlockN * 2);
   static constexpr int kSmemBytes =
-      kAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
+      kSmemAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
   // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
-  static constexpr int kMinBlocksPerSM = std::max(1, std::min(512 / kThreads, 228 * 1024 / (kSmemBytes + 1024)));
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
@@ -92,9 +90,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   constexpr int kNTiles = Cfg::kNTiles, kDTiles = Cfg::kDTiles, kThreads = Cfg::kThreads;
 
   extern __shared__ __align__(16) char smem_raw[];
-  // Aligned by an offset from smem_raw (not through an integer cast), so the compiler still knows
-  // every pointer below is shared memory and emits LDS rather than generic loads.
-  char* smem = smem_raw + (Cfg::kAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % Cfg::kAlign) % Cfg::kAlign;
+  char* smem = aligned_smem(smem_raw);
   Element* q_smem = reinterpret_cast<Element*>(smem);
   char* k_ring = smem + Cfg::kQBytes;                                    // per stage: K, pair tile, mask tile
   char* v_ring = k_ring + Cfg::kKStages * Cfg::kKStageBytes;             // per stage: V

@@ -509,6 +509,12 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[kDTiles][4]
   }
 }
 
+// The mask bias over the scale of key `key` of row (b, n), as the score accumulators start; keys
+// at or past Lk are -inf.
+__device__ __forceinline__ float key_mask_scaled(const AttentionParams& p, int64_t b, int64_t n, int key) {
+  return key < p.Lk ? (p.mask_scaled ? p.mask_scaled[b * p.mask_stride_b + n * p.mask_stride_n + key] : 0.f) : -kInf;
+}
+
 template <int kPair, typename Element>
 struct PairType {
   using type = std::conditional_t<kPair == kPairFloat, float, Element>;

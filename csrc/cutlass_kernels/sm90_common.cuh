@@ -11,6 +11,24 @@
 namespace evoformer {
 namespace sm90 {
 
+// Shared-memory base for wgmma tiles: the swizzled layouts need kSmemAlign-byte alignment. Aligned
+// by an offset from the raw pointer (not through an integer cast), so the compiler still knows every
+// pointer derived from it is shared memory and emits LDS rather than generic loads. Kernels reserve
+// kSmemAlign extra bytes for it.
+constexpr int kSmemAlign = 1024;
+constexpr int smem_align(int bytes) { return (bytes + kSmemAlign - 1) / kSmemAlign * kSmemAlign; }
+__device__ __forceinline__ char* aligned_smem(char* smem_raw) {
+  return smem_raw + (kSmemAlign - unsigned(__cvta_generic_to_shared(smem_raw)) % kSmemAlign) % kSmemAlign;
+}
+
+// CTAs per SM a Hopper kernel is compiled for (__launch_bounds__' minimum, which caps registers per
+// thread): at most `reg_cap_ctas`, and no more than fit the SM's shared memory (228 KB, 1 KB of it
+// reserved per CTA).
+constexpr int ctas_per_sm(int smem_bytes, int reg_cap_ctas) {
+  const int by_smem = 228 * 1024 / (smem_bytes + 1024);
+  return by_smem < 1 ? 1 : (by_smem < reg_cap_ctas ? by_smem : reg_cap_ctas);
+}
+
 // GMMA layouts of a [kRows, kHeadDim] tile of 16-bit values stored row by row (e.g. K[key][d]):
 // RowMajor views it as (row, d), the K-major operand of a product over d (S = Q.K^T);
 // Transposed views the same bytes as (d, row), the MN-major operand of a product over rows
