@@ -76,6 +76,19 @@ __device__ __forceinline__ RowStat row_stat(const AttentionParams& p, int64_t bn
   return RowStat{reinterpret_cast<const float2*>(p.stats)[bnh * p.Lq + row], p.delta[bnh * p.Lq + row]};
 }
 
+// Statistics (m, l) and delta of a block of query rows, one thread per row (tid < rows): load()
+// fetches them into registers together with the block's tiles and store() writes them to the
+// block's shared-memory stage after the current block's math, so their global-load latency is hidden.
+struct PendingRowStats {
+  RowStat value{};  // (initialised: nvcc cannot see that the threads that store it load it first)
+  __device__ __forceinline__ void load(const AttentionParams& p, int64_t bnh, int row0, int tid, int rows) {
+    if (tid < rows) value = row_stat(p, bnh, row0 + tid);
+  }
+  __device__ __forceinline__ void store(float2* stats, float* delta, int tid, int rows) const {
+    if (tid < rows) stats[tid] = value.stats, delta[tid] = value.delta;
+  }
+};
+
 // dK/dV epilogue of a warp's 16 keys (rows g and g + 8 of its accumulator tiles; `key` is row g's
 // index): dK * scale and dV into their [B, N, Lk, H, D] tensors, and the per-key mask-bias
 // gradient of (b, n, h) (the quad-summed dmask_acc) when it is wanted; keys past Lk are skipped.
@@ -143,13 +156,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     mask_key[r] = key_mask_scaled(p, b, n, key);
   }
 
-  // The statistics of the next query block are loaded into registers with its tiles and stored to
-  // shared memory after the current block's math, so their global-load latency is hidden.
   static_assert(kBlockQ <= kThreads, "one thread per query row of a block");
-  RowStat pending{};  // (initialised: nvcc cannot see that the threads that store it load it first)
-  auto store_pending = [&](int s) {
-    if (tid < kBlockQ) stage_stats(s)[tid] = pending.stats, stage_delta(s)[tid] = pending.delta;
-  };
+  PendingRowStats pending;  // the next query block's statistics
+  auto store_pending = [&](int s) { pending.store(stage_stats(s), stage_delta(s), tid, kBlockQ); };
   // Per-thread copy plans; the q / dO / pair pointers advance one query block per step.
   const TileCopy<Element, kBlockQ, Cfg::kHeadDim, kPitch, kThreads> copy_q(tid), copy_do(tid);
   const TileCopy<PairT, kBlockQ, kBlockKV, kPairPitch, kThreads> copy_pair(tid);
@@ -158,7 +167,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
     copy_q(stage_q(s), q, p.q_strides.l, rows, p.D);
     copy_do(stage_do(s), dout, p.do_strides.l, rows, p.D);
     if constexpr (Cfg::kPair != kNoPair) copy_pair(stage_pair(s), pair, p.pair_stride_q, rows, p.Lk - j0);
-    if (tid < kBlockQ) pending = row_stat(p, bnh, i0 + tid);  // stored by store_pending (latency hidden)
+    pending.load(p, bnh, i0, tid, kBlockQ);
     q += int64_t(kBlockQ) * p.q_strides.l;
     dout += int64_t(kBlockQ) * p.do_strides.l;
     if constexpr (Cfg::kPair != kNoPair) pair += int64_t(kBlockQ) * p.pair_stride_q;
@@ -267,6 +276,16 @@ __device__ __forceinline__ void scores_to_ds(float (&dp)[kNTiles][4], const floa
       dp[nt][e] *= fast_exp2(fmaf(sc[nt][e] - stats_row[e / 2].x, scale_log2, -stats_row[e / 2].y));
 }
 
+// Starts a 16-row accumulator tile at -delta of its rows g and g + 8, so that adding dO.V^T to it
+// gives dP - delta.
+template <int kNTiles>
+__device__ __forceinline__ void start_at_minus_delta(float (&dp)[kNTiles][4], const float (&delta_row)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];
+}
+
 // S = (mask + pair) / scale + Q.K^T and dP = dO.V^T for one warp's 16 query rows and a kBlockK key
 // tile, then dS = P * (dP - delta) with P = exp2((S - m) * scale_log2 - l); dS is left in `dp`.
 // The A fragments of Q and dO come from qf / dof when kFragsInRegs, else from sQ / sdO.
@@ -282,16 +301,9 @@ __device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], co
   using Element = typename Cfg::Element;
   constexpr int kNTiles = Cfg::kNTiles, kKSteps = Cfg::kKSteps, kPitch = Cfg::kPitch;
   float sc[kNTiles][4];
-  if (valid_keys < Cfg::kBlockK)
-    init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
-                                                                       warp_row0, valid_keys, p.inv_scale, lane);
-  else
-    init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair,
-                                                                        warp_row0, valid_keys, p.inv_scale, lane);
-#pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];  // the product below gives dP - delta
+  init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair, warp_row0,
+                                                                     valid_keys, p.inv_scale, lane);
+  start_at_minus_delta<kNTiles>(dp, delta_row);
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
       sc, [&](int kk) { return a_frag_of<kKSteps, kPitch, kFragsInRegs>(qf[0], sQ, warp_row0, kk, lane); }, sK, lane);
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(

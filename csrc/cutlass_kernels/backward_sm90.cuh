@@ -44,14 +44,9 @@ struct DkdvConfig {
   using LayoutQt = typename RowTileLayouts<Element, kBlockM, kHeadDim>::Transposed;  // Q, dO as (d, query)
 
   // S^T [64 keys, kBlockM] = K [64, D] . Q^T, and dP^T the same with V and dO.
-  using MmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>()));
+  using MmaS = SsMma<Element, kBlockM, kHeadDim>;
   // dV [64, D] += P^T [64, kBlockM] . dO [kBlockM, D], and dK the same with dS^T and Q.
-  using MmaG = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  using MmaG = RsMmaMN<Element, kHeadDim, kBlockM>;
 
   // Shared memory: K, V, then two stages of {Q, dO, pair tile, stats (float2), delta}.
   static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);
@@ -115,13 +110,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     mask_key[r] = key_mask_scaled(p, b, n, key);
   }
 
-  // The statistics of the next query block are loaded into registers with its tiles and stored to
-  // shared memory after the current block's math, so their global-load latency is hidden.
   static_assert(kBlockM <= kThreads, "one thread per query row of a block");
-  RowStat pending{};  // (initialised: nvcc cannot see that the threads that store it load it first)
-  auto store_pending = [&](int st) {
-    if (tid < kBlockM) stats_smem(st)[tid] = pending.stats, delta_smem(st)[tid] = pending.delta;
-  };
+  PendingRowStats pending;  // the next query block's statistics
+  auto store_pending = [&](int st) { pending.store(stats_smem(st), delta_smem(st), tid, kBlockM); };
   const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
       tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
   const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
@@ -133,7 +124,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       copy_pair(pair_smem(st), pair, p.pair_stride_q, rows, p.Lk - j0);
       pair += int64_t(kBlockM) * p.pair_stride_q;
     }
-    if (tid < kBlockM) pending = row_stat(p, bnh, i0 + tid);  // stored by store_pending (latency hidden)
+    pending.load(p, bnh, i0, tid, kBlockM);
     q += int64_t(kBlockM) * p.q_strides.l;
     dout += int64_t(kBlockM) * p.do_strides.l;
   };
@@ -274,14 +265,9 @@ struct DqConfig {
   using LayoutKt = typename RowTileLayouts<Element, kBlockN, kHeadDim>::Transposed;  // K as (d, key)
 
   // S [64, kBlockN] = Q [64, D] . K^T, and dP the same with dO and V.
-  using MmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  using MmaS = SsMma<Element, kBlockN, kHeadDim>;
   // dQ [64, D] += dS [64, kBlockN] . K [kBlockN, D]
-  using MmaDq = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  using MmaDq = RsMmaMN<Element, kHeadDim, kBlockN>;
 
   // Shared memory (each wgmma tile 1024-byte aligned): Q, dO, three stages of K, then two stages of
   // {V, pair tile, mask tile}.
@@ -421,16 +407,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     // S = (mask + pair) / scale + Q . K^T;  dP - delta = -delta + dO . V^T
     const PairT* sPair = pair_smem(vs);
     const float* sMask = has_mask ? mask_smem(vs) : nullptr;
-    if (n0 + kBlockN > p.Lk)
-      init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
-                                                                        p.inv_scale, lane);
-    else
-      init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
-                                                                         p.inv_scale, lane);
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];
+    init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                       p.inv_scale, lane);
+    start_at_minus_delta<kNTiles>(dp, delta_row);
     Tensor tSrK = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(k_smem(jb % Cfg::kKStages)), typename Cfg::LayoutK{}));
     Tensor tSrV = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(v_smem(vs)), typename Cfg::LayoutK{}));
     warpgroup_fence_operand(tSrS);
@@ -482,9 +461,7 @@ struct DpairConfig {
 
   using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;  // Q and dO
   using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;  // K and V
-  using MmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  using MmaS = SsMma<Element, kBlockN, kHeadDim>;  // S = Q.K^T and dP = dO.V^T
 
   // Shared memory: the pair tile, then two stages (one per row n) of {Q, dO, K, V, mask tile,
   // stats (float2), delta}.
@@ -547,7 +524,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
   const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
   static_assert(std::is_same_v<typename Cfg::LayoutQ, typename Cfg::LayoutK>, "one copy plan serves all four tiles");
   static_assert(kBlockM <= kThreads, "one thread per query row of the tile");
-  RowStat pending{};  // (initialised: nvcc cannot see that the threads that store it load it first)
+  PendingRowStats pending;  // the next row's statistics
   auto load_row = [&](int st, int64_t n) {
     copy_tile(tile_smem(st, 0), q, p.q_strides.l, tile.rows_q, p.D);
     copy_tile(tile_smem(st, 1), dout, p.do_strides.l, tile.rows_q, p.D);
@@ -557,12 +534,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
       copy_mask(mask_smem(st), mask, 0, 1, p.Lk - tile.n0);
       mask += p.mask_stride_n;
     }
-    if (tid < kBlockM) pending = row_stat(p, (b * p.N + n) * p.H + h, tile.m0 + tid);
+    pending.load(p, (b * p.N + n) * p.H + h, tile.m0, tid, kBlockM);
     q += p.q_strides.n, dout += p.do_strides.n, k += p.k_strides.n, v += p.v_strides.n;
   };
-  auto store_pending = [&](int st) {
-    if (tid < kBlockM) stats_smem(st)[tid] = pending.stats, delta_smem(st)[tid] = pending.delta;
-  };
+  auto store_pending = [&](int st) { pending.store(stats_smem(st), delta_smem(st), tid, kBlockM); };
   load_row(0, tile.n_begin);
   store_pending(0);
   cp_async_commit();
@@ -596,16 +571,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
       delta_row[r] = delta_smem(st)[warp_row0 + lane / 4 + 8 * r];
     }
     const float* sMask = mask ? mask_smem(st) : nullptr;
-    if (tile.rows_k < kBlockN)
-      init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, tile.rows_k,
-                                                                        p.inv_scale, lane);
-    else
-      init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, tile.rows_k,
-                                                                         p.inv_scale, lane);
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = -delta_row[e / 2];
+    init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, tile.rows_k,
+                                                                       p.inv_scale, lane);
+    start_at_minus_delta<kNTiles>(dp, delta_row);
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 0)), typename Cfg::LayoutQ{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 1)), typename Cfg::LayoutQ{}));
     Tensor tSrK = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(tile_smem(st, 2)), typename Cfg::LayoutK{}));

@@ -13,6 +13,13 @@ void check_launch(const char* kernel_name) {
     throw std::runtime_error(std::string(kernel_name) + ": CUDA error: " + cudaGetErrorString(err));
 }
 
+// Blocks of `threads` for one thread per item of `total`, capped at 2^20: the kernels below loop with a
+// grid stride over what does not fit.
+static unsigned grid_stride_blocks(int64_t total, int threads) {
+  const int64_t blocks = (total + threads - 1) / threads;
+  return unsigned(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
+}
+
 // mask_bias [Bm, Nm, 1, 1, Lk] (any strides) -> float32 [Bm, Nm, Lk_pad] divided by the scale,
 // zero past Lk: one launch where zeros + copy + multiply took three.
 template <typename T>
@@ -30,10 +37,9 @@ template <typename T>
 void launch_prepare_mask(const void* mask, const MaskLayout& layout, float inv_scale, float* out, cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int64_t total = int64_t(layout.Bm) * layout.Nm * layout.lk_pad;
-  const int64_t blocks = (total + kThreads - 1) / kThreads;
-  const unsigned grid = unsigned(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));  // grid-stride beyond
   if (total == 0) return;
-  prepare_mask_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(mask), layout, inv_scale, out, total);
+  prepare_mask_kernel<T><<<grid_stride_blocks(total, kThreads), kThreads, 0, stream>>>(static_cast<const T*>(mask),
+                                                                                        layout, inv_scale, out, total);
   check_launch("evoformer mask-bias preparation");
 }
 
@@ -45,9 +51,7 @@ template <typename Element>
 void launch_backward_delta(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int64_t rows = int64_t(p.B) * p.N * p.Lq * p.H;
-  const int64_t blocks = (rows + kThreads - 1) / kThreads;
-  const unsigned grid = unsigned(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));  // grid-stride beyond
-  backward_delta_kernel<Element><<<grid, kThreads, 0, stream>>>(p);
+  backward_delta_kernel<Element><<<grid_stride_blocks(rows, kThreads), kThreads, 0, stream>>>(p);
   check_launch("evoformer backward delta");
 }
 

@@ -154,12 +154,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
     float s[kMTiles][kNTiles][4];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      if (n0 + kBlockN > p.Lk)
-        init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s[mt], sMasks, sPairs, warp_row0 + mt * 16,
-                                                                          p.Lk - n0, p.inv_scale, lane);
-      else
-        init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s[mt], sMasks, sPairs, warp_row0 + mt * 16,
-                                                                           p.Lk - n0, p.inv_scale, lane);
+      init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s[mt], sMasks, sPairs, warp_row0 + mt * 16,
+                                                                         p.Lk - n0, p.inv_scale, lane);
       mma_a_by_nmajor<Element, kNTiles, Cfg::kKSteps, kPitch>(
           s[mt],
           [&](int kk) { return a_frag_of<Cfg::kKSteps, kPitch, Cfg::kQInRegs>(qf[mt], sQ, warp_row0 + mt * 16, kk, lane); },

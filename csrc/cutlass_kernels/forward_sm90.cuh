@@ -49,19 +49,14 @@ struct ForwardConfig {
   using LayoutVt = typename RowTileLayouts<Element, kBlockN, kHeadDim>::Transposed;
 
   // One warpgroup's products: S [64, kBlockN] = Q [64, D] . K^T; O [64, D] += P [64, kBlockN] . V.
-  using MmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>()));
+  using MmaS = SsMma<Element, kBlockN, kHeadDim>;
   // Row sums of P on the tensor cores: [64, 8] += P . ones[kBlockN, 8] (every column is the row sum
   // of the rounded P, which is what P.V used).
   using MmaSum = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_8, cute::Int<kBlockN>>>()));
   using LayoutOnes = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_INTER_Atom<Element>{},
                                                   cute::Shape<cute::_8, cute::Int<kBlockN>>{}));
-  using MmaO = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  using MmaO = RsMmaMN<Element, kHeadDim, kBlockN>;
 
   // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require): Q, then
   // two stages of {K, pair tile, mask tile}, then three of V.
@@ -210,12 +205,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     // S = (mask + pair) / scale + Q . K^T
     const PairT* sPair = pair_smem(ks);
     const float* sMask = has_mask ? mask_smem(ks) : nullptr;
-    if (n0 + kBlockN > p.Lk)
-      init_scores<Cfg::kPair != kNoPair, true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
-                                                                        p.inv_scale, lane);
-    else
-      init_scores<Cfg::kPair != kNoPair, false, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
-                                                                         p.inv_scale, lane);
+    init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                       p.inv_scale, lane);
     Tensor sK = make_tensor(make_smem_ptr(k_smem(ks)), typename Cfg::LayoutK{});
     Tensor tSrK = thr_s.partition_fragment_B(sK);
     warpgroup_fence_operand(tSrS);

@@ -433,6 +433,18 @@ __device__ __forceinline__ void init_scores(float (&s)[kNTiles][4], const float*
   }
 }
 
+// init_scores for a key block of kNTiles * 8 keys of which `valid_keys` exist: the variant that
+// checks keys only for a block that runs past Lk.
+template <bool kHasPair, int kNTiles, int kPairPitch, typename PairT>
+__device__ __forceinline__ void init_block_scores(float (&s)[kNTiles][4], const float* mask_tile,
+                                                  const PairT* pair_tile, int row0, int valid_keys, float inv_scale,
+                                                  int lane) {
+  if (valid_keys < kNTiles * 8)
+    init_scores<kHasPair, true, kNTiles, kPairPitch>(s, mask_tile, pair_tile, row0, valid_keys, inv_scale, lane);
+  else
+    init_scores<kHasPair, false, kNTiles, kPairPitch>(s, mask_tile, pair_tile, row0, valid_keys, inv_scale, lane);
+}
+
 // One online-softmax step for rows g and g + 8 (r = 0, 1) of a 16-row score tile in accumulator
 // layout: updates the running maxima (raw score units), turns the scores into probabilities
 // exp2((S - max) * scale_log2) in place and returns in alpha the factor by which what was

@@ -46,6 +46,18 @@ struct RowTileLayouts {
                                                   cute::Step<cute::_2, cute::_1>{}));
 };
 
+// One warpgroup's wgmma [64, kN] += A [64, kK] . B with fp32 accumulation:
+// SsMma: A and B in shared memory, both K-major (B stored [kN][kK], e.g. S = Q.K^T);
+// RsMmaMN: A in registers, B in shared memory MN-major (B [kK, kN] stored with kN contiguous, e.g.
+// O += P.V with V through RowTileLayouts::Transposed).
+template <typename Element, int kN, int kK>
+using SsMma = decltype(cute::make_tiled_mma(
+    cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kN>, cute::Int<kK>>>()));
+template <typename Element, int kN, int kK>
+using RsMmaMN = decltype(cute::make_tiled_mma(
+    cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kN>, cute::Int<kK>>,
+                               cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
 // Copies [kRows, kCols] tiles of 16-bit values (rows `row_stride` apart in global memory) into a
 // CuTe shared-memory layout, 16 bytes per cp.async. A thread always copies the same column chunk of
 // rows row0, row0 + kRowStep, ...; their swizzled shared-memory offsets are computed once, at
