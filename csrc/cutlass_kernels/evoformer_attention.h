@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include <cuda.h>  // CUtensorMap (types only: the driver entry point is looked up at run time)
 #include <cuda_runtime.h>
 
 namespace evoformer {
@@ -127,5 +128,18 @@ constexpr int kHeadDimBuckets[] = {32, 64, 128};
 
 // Throws std::runtime_error naming the kernel when the last launch failed.
 void check_launch(const char* kernel_name);
+
+// One dimension of a TMA tensor map: extent, stride in elements and box size (elements per copy).
+// A dimension with stride 0 (size 1 or broadcast) is described as extent 1: the kernel then uses
+// coordinate 0 for it (tma_coord).
+struct TileMapDim {
+  int64_t extent, stride;
+  int box;
+};
+// Encodes `map` for TMA copies of boxes of a tensor of `rank` (<= 5) dimensions, innermost (dims[0],
+// contiguous) first, of `element_bytes`-byte values (2: float16 / bfloat16 as `type`, 4: float32).
+// Throws std::runtime_error naming `what` when the driver rejects it.
+void encode_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes, const void* base,
+                     const TileMapDim* dims, int rank, CUtensorMapSwizzle swizzle, const char* what);
 
 }  // namespace evoformer

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) forward_k
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     const float row_sum[2] = {row_sum_acc[mt][0], row_sum_acc[mt][2]};
-    store_output_rows<Element, kDTiles>(o[mt], row_sum, row_max_s[mt], out, p.o_strides.l, stats,
+    store_output_rows<Element, kDTiles>(o[mt], row_sum, row_max_s[mt], p.scale_log2, out, p.o_strides.l, stats,
                                         m0 + warp_row0 + mt * 16 + g, p.Lq, p.D, lane);
   }
 }

@@ -5,17 +5,21 @@
 // registers.
 //
 // CTA = EVOFORMER_SM90_WARPGROUPS warpgroups (default 1: 128 threads, 4 CTAs per SM) x 64 query
-// rows each, of one (b, n, h), on the same RowTileGrid as the sm80 kernel. Key step j: wait for block j's tiles (one barrier), start
-// copying block j + 1 (cp.async), start S at the biases (init_scores, the pair tile read with
-// ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run
-// block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for that, rescale
-// O and keep P_j in registers for the next step. V is therefore read one step after K: K, the pair
-// and mask tiles live in a 2-stage ring, V in a 3-stage one.
+// rows each, of one (b, n, h), on the same RowTileGrid as the sm80 kernel. The tiles of each key
+// block (K, V, the pair and mask tiles) arrive by TMA: one thread issues the copies and they
+// complete on the block's transaction barrier, so the copies cost the other threads nothing. Key
+// step j: wait for block j's barrier, one CTA barrier (every warp is done with the stages block j + 1
+// will overwrite), thread 0 starts block j + 1's copies, start S at the biases (init_scores, the pair
+// tile read with ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only,
+// and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
+// that, rescale O and keep P_j in registers for the next step. V is therefore read one step after
+// K: K, the pair and mask tiles live in a 2-stage ring, V in a 3-stage one. Q is copied once, with
+// cp.async.
 //
 // Shared-memory tiles that wgmma reads use CuTe's GMMA swizzled layouts: Q [128, D] and K [keys, D]
-// K-major; V [keys, D] is the B operand of P.V as (D, keys), i.e. MN-major. cp.async writes them
-// 16 bytes (8 consecutive d of one row) at a time; the swizzle permutes whole 16-byte chunks, so
-// each chunk stays contiguous.
+// K-major; V [keys, D] is the B operand of P.V as (D, keys), i.e. MN-major. TMA writes them with the
+// matching swizzle (64-byte rows at D = 32, 128-byte column slabs above); the pair tile is the dense
+// 128-byte-swizzled tile of bias_tile_offset.
 #pragma once
 
 #include "sm90_common.cuh"
@@ -42,7 +46,15 @@ struct ForwardConfig {
   static constexpr int kBlockN = 64;                 // keys per step
   static constexpr int kNTiles = kBlockN / 8;        // n8 column tiles of a warp's 16 rows of S
   static constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of a warp's 16 rows of O
-  static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);  // +16 B: conflict-free reads
+  static constexpr int kPairPitch = swizzled128(kBlockM);  // the TMA-written tile (bias_tile_offset)
+  // TMA boxes: K / V rows in column slabs of at most 128 bytes (64 values; two slabs at D = 128),
+  // the pair tile in slabs of 128 bytes (two for a float32 pair bias).
+  static constexpr int kKVBox = kHeadDim < 64 ? kHeadDim : 64;
+  static constexpr int kKVBoxes = kHeadDim / kKVBox;
+  static constexpr CUtensorMapSwizzle kKVSwizzle =
+      kHeadDim == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;  // = RowTileLayouts' atoms
+  static constexpr int kPairBox = 128 / int(sizeof(PairT));
+  static constexpr int kPairBoxes = kBlockN / kPairBox;
 
   using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;
   using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;
@@ -58,25 +70,36 @@ struct ForwardConfig {
                                                   cute::Shape<cute::_8, cute::Int<kBlockN>>{}));
   using MmaO = RsMmaMN<Element, kHeadDim, kBlockN>;
 
-  // Shared memory (each wgmma tile 1024-byte aligned, as the swizzled layouts require): Q, then
-  // two stages of {K, pair tile, mask tile}, then three of V.
+  // Shared memory (each wgmma or swizzled TMA tile 1024-byte aligned, as the swizzles require): Q,
+  // then two stages of {K, pair tile, mask tile}, then three of V, the ones tile and the two stages'
+  // transaction barriers.
   static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);  // K or V, one stage
-  static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
+  static constexpr int kPairBytes = kPair ? kBlockM * kBlockN * int(sizeof(PairT)) : 0;
   static constexpr int kMaskBytes = kBlockN * 4;
   static constexpr int kKStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = 2, kVStages = 3;
   static constexpr int kOnesBytes = smem_align(8 * kBlockN * 2);
-  static constexpr int kSmemBytes =
-      kSmemAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes + kOnesBytes;  // + base alignment
+  static constexpr int kSmemBytes = kSmemAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes +
+                                    kOnesBytes + kKStages * 8;  // + base alignment
+  // Bytes one key block's copies deliver (TMA counts whole boxes, zero-filled parts included).
+  static constexpr int kBlockTxBytes = 2 * kBlockN * kHeadDim * 2 + kPairBytes;
   // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
+  static_assert(kKVBytes % kSmemAlign == 0 && kPairBytes % kSmemAlign == 0, "swizzled TMA tiles stay 1024-aligned");
+};
+
+// The TMA descriptors of one forward launch (launch_forward_sm90 encodes them): K and V as
+// [B, N, Lk, H, D], the pair bias as [B|1, H|1, Lq, Lk], the prepared mask as [B|1, N|1, Lk_pad]
+// (each listed outermost first; a map is left unset when its tensor is absent).
+struct ForwardMaps {
+  CUtensorMap k, v, pair, mask;
 };
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    forward_kernel(const AttentionParams p, const RowTileGrid grid) {
+    forward_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ ForwardMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -98,6 +121,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
   auto v_smem = [&](int st) { return reinterpret_cast<Element*>(v_ring + st * Cfg::kKVBytes); };
   Element* ones_smem = reinterpret_cast<Element*>(v_ring + Cfg::kVStages * Cfg::kKVBytes);  // [8, kBlockN] of 1
+  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kKVBytes + Cfg::kOnesBytes);  // [kKStages]
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{});  // [kBlockM, kHeadDim]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
@@ -110,40 +134,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   const int rows_q = min(kBlockM, p.Lq - m0);
 
   const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from m0
-  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
-  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
-  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h) from query m0, advanced per step
-  if constexpr (Cfg::kPair != kNoPair)
-    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
   const bool has_mask = p.mask_scaled != nullptr;
-  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
 
-  const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
-  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
-  const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_k(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutK, Element>(r, c); });
-  const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_v(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutVt, Element>(c, r); });
-  auto load_block = [&](int jb) {  // the tiles of key block jb into their ring stages
-    const int rows_k = min(kBlockN, p.Lk - jb * kBlockN), ks = jb % Cfg::kKStages;
-    copy_k(k_smem(ks), k, p.k_strides.l, rows_k, p.D);
-    copy_v(v_smem(jb % Cfg::kVStages), v, p.v_strides.l, rows_k, p.D);
+  // Key block jb's tiles into their ring stages, issued by one thread; they complete on
+  // block_full[jb % kKStages]. Coordinates are innermost first (see ForwardMaps).
+  auto issue_block = [&](int jb) {
+    using namespace cutlass::arch;
+    const int ks = jb % Cfg::kKStages, n0 = jb * kBlockN;
+    uint64_t* bar = &block_full[ks];
+    ClusterTransactionBarrier::arrive_and_expect_tx(bar, Cfg::kBlockTxBytes + (has_mask ? Cfg::kMaskBytes : 0));
+    const auto hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+    Element* k_stage = k_smem(ks);
+    Element* v_stage = v_smem(jb % Cfg::kVStages);
+#pragma unroll
+    for (int c = 0; c < Cfg::kKVBoxes; ++c) {
+      SM90_TMA_LOAD_5D::copy(&maps.k, bar, hint, k_stage + c * kBlockN * Cfg::kKVBox, c * Cfg::kKVBox, n0,
+                             tma_coord(p.k_strides.h, h), tma_coord(p.k_strides.n, n), tma_coord(p.k_strides.b, b));
+      SM90_TMA_LOAD_5D::copy(&maps.v, bar, hint, v_stage + c * kBlockN * Cfg::kKVBox, c * Cfg::kKVBox, n0,
+                             tma_coord(p.v_strides.h, h), tma_coord(p.v_strides.n, n), tma_coord(p.v_strides.b, b));
+    }
     if constexpr (Cfg::kPair != kNoPair) {
-      copy_pair(pair_smem(ks), pair, p.pair_stride_q, rows_q, p.Lk - jb * kBlockN);
-      pair += kBlockN;
+#pragma unroll
+      for (int c = 0; c < Cfg::kPairBoxes; ++c)
+        SM90_TMA_LOAD_4D::copy(&maps.pair, bar, hint, pair_smem(ks) + c * kBlockM * Cfg::kPairBox,
+                               n0 + c * Cfg::kPairBox, m0, tma_coord(p.pair_stride_h, h),
+                               tma_coord(p.pair_stride_b, b));
     }
-    if (has_mask) {
-      copy_mask(mask_smem(ks), mask, 0, 1, p.Lk - jb * kBlockN);
-      mask += kBlockN;
-    }
-    k += int64_t(kBlockN) * p.k_strides.l;
-    v += int64_t(kBlockN) * p.v_strides.l;
+    if (has_mask)
+      SM90_TMA_LOAD_3D::copy(&maps.mask, bar, hint, mask_smem(ks), n0, tma_coord(p.mask_stride_n, n),
+                             tma_coord(p.mask_stride_b, b));
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);  // visible after the first barrier
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < Cfg::kKStages; ++st) cutlass::arch::ClusterTransactionBarrier::init(&block_full[st], 1);
+    cutlass::arch::fence_barrier_init();
+    issue_block(0);
+  }
+  for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);
   SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
       q_smem, q, p.q_strides.l, rows_q, p.D);
-  load_block(0);
   cp_async_commit();
+  cp_async_wait<0>();                        // this thread's part of Q has landed
+  cutlass::arch::fence_view_async_shared();  // ... and, with the ones tile, is visible to the tensor cores
+  __syncthreads();                           // everyone's; the barriers are initialised
 
   // This warpgroup's operands: Q rows [64 wg, 64 wg + 64), K / V of each stage.
   typename Cfg::MmaS mma_s;
@@ -196,11 +231,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   for (int jb = 0; jb < n_blocks; ++jb) {
     const int ks = jb % Cfg::kKStages;
     const int n0 = jb * kBlockN;
-    cp_async_wait<0>();                        // this thread's copies of key block jb have landed
-    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
-    __syncthreads();  // everyone's copies landed; every warpgroup has finished S_{jb-1} and P_{jb-2}.V
-    if (jb + 1 < n_blocks) load_block(jb + 1);  // into the stages of S_{jb-1} and P_{jb-2}.V
-    cp_async_commit();
+    cutlass::arch::ClusterTransactionBarrier::wait(&block_full[ks], (jb / Cfg::kKStages) % 2);  // block jb landed
+    if (jb + 1 < n_blocks) {
+      __syncthreads();  // every warpgroup has finished S_{jb-1} and P_{jb-2}.V, whose stages block jb + 1 takes
+      if (tid == 0) issue_block(jb + 1);
+    }
 
     // S = (mask + pair) / scale + Q . K^T
     const PairT* sPair = pair_smem(ks);
@@ -241,12 +276,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   warpgroup_wait<0>();
   warpgroup_fence_operand(tOrO);
   warpgroup_fence_operand(tSumrSum);
-  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
 
   const float row_total[2] = {row_sum[0], row_sum[2]};
   Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
   float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
-  store_output_rows<Element, kDTiles>(o, row_total, row_max_s, out, p.o_strides.l, stats,
+  store_output_rows<Element, kDTiles>(o, row_total, row_max_s, p.scale_log2, out, p.o_strides.l, stats,
                                       m0 + warp_row0 + lane / 4, p.Lq, p.D, lane);
 #endif
 }
@@ -256,8 +290,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm90::ForwardConfig<Element, kHeadDim, kPair>;
+  constexpr CUtensorMapDataType kType =
+      std::is_same_v<Element, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  sm90::ForwardMaps maps{};
+  // K / V [B, N, Lk, H, D]: boxes of (kKVBox values of d, kBlockN keys) of one (b, n, h)
+  auto kv_map = [&](CUtensorMap* map, const void* base, const RowStrides& st, const char* what) {
+    const TileMapDim dims[5] = {
+        {p.D, 1, Cfg::kKVBox}, {p.Lk, st.l, Cfg::kBlockN}, {p.H, st.h, 1}, {p.N, st.n, 1}, {p.B, st.b, 1}};
+    encode_tile_map(map, kType, 2, base, dims, 5, Cfg::kKVSwizzle, what);
+  };
+  kv_map(&maps.k, p.k, p.k_strides, "evoformer forward sm90 (k tensor map)");
+  kv_map(&maps.v, p.v, p.v_strides, "evoformer forward sm90 (v tensor map)");
+  if constexpr (kPair != kNoPair) {  // [B|1, H|1, Lq, Lk]: boxes of (kPairBox keys, kBlockM queries)
+    const TileMapDim dims[4] = {
+        {p.Lk, 1, Cfg::kPairBox}, {p.Lq, p.pair_stride_q, Cfg::kBlockM}, {p.H, p.pair_stride_h, 1}, {p.B, p.pair_stride_b, 1}};
+    encode_tile_map(&maps.pair, kPair == kPairFloat ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : kType,
+                    int(sizeof(typename Cfg::PairT)), p.pair, dims, 4, CU_TENSOR_MAP_SWIZZLE_128B,
+                    "evoformer forward sm90 (pair-bias tensor map)");
+  }
+  if (p.mask_scaled != nullptr) {  // [B|1, N|1, Lk_pad] float32: boxes of kBlockN keys
+    const TileMapDim dims[3] = {{p.Lk, 1, Cfg::kBlockN}, {p.N, p.mask_stride_n, 1}, {p.B, p.mask_stride_b, 1}};
+    encode_tile_map(&maps.mask, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.mask_scaled, dims, 3, CU_TENSOR_MAP_SWIZZLE_NONE,
+                    "evoformer forward sm90 (mask-bias tensor map)");
+  }
   launch_on_row_tiles(sm90::forward_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
-                      "evoformer forward sm90");
+                      "evoformer forward sm90", maps);
 }
 
 }  // namespace evoformer

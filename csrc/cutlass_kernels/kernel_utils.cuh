@@ -268,15 +268,17 @@ struct RowTileGrid {
   }
 };
 
-// Launches kernel(p, grid) with one CTA of `threads` threads per tile of `tile_rows` of `length`
-// rows of each (b, n), and each head, after raising its dynamic shared-memory limit to smem_bytes;
-// both steps are checked and a failure names `name`.
-inline void launch_on_row_tiles(void (*kernel)(AttentionParams, RowTileGrid), const AttentionParams& p, int length,
-                                int tile_rows, int threads, int smem_bytes, cudaStream_t stream, const char* name) {
+// Launches kernel(p, grid, extra...) with one CTA of `threads` threads per tile of `tile_rows` of
+// `length` rows of each (b, n), and each head, after raising its dynamic shared-memory limit to
+// smem_bytes; both steps are checked and a failure names `name`.
+template <typename... Extra>
+inline void launch_on_row_tiles(void (*kernel)(AttentionParams, RowTileGrid, Extra...), const AttentionParams& p,
+                                int length, int tile_rows, int threads, int smem_bytes, cudaStream_t stream,
+                                const char* name, const Extra&... extra) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
     check_launch((std::string(name) + " (shared-memory attribute)").c_str());
   const RowTileGrid grid(p.B, p.N, (length + tile_rows - 1) / tile_rows);
-  kernel<<<grid.dims(p.H), threads, smem_bytes, stream>>>(p, grid);
+  kernel<<<grid.dims(p.H), threads, smem_bytes, stream>>>(p, grid, extra...);
   check_launch(name);
 }
 
@@ -358,6 +360,23 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Shared-memory bias tiles [rows][cols] come in two layouts, told apart by their kPitch:
+// kPitch >= 0: row-major, rows kPitch values apart (cp.async copies, padded against bank conflicts);
+// kPitch = swizzled128(rows): the dense tile a TMA copy with CU_TENSOR_MAP_SWIZZLE_128B writes:
+// column slabs of 128 bytes ([slab][rows][128 B]; one slab for 64 16-bit keys, two for 64 fp32
+// ones), and within a slab the 16-byte chunk c of row r stored at chunk c ^ (r % 8).
+constexpr int swizzled128(int rows) { return -rows; }
+template <int kPitch, typename T>
+__device__ __forceinline__ int bias_tile_offset(int row, int col) {
+  if constexpr (kPitch >= 0) {
+    return row * kPitch + col;
+  } else {
+    constexpr int kRows = -kPitch, kSlab = 128 / int(sizeof(T)), kChunk = 16 / int(sizeof(T));
+    const int slab = col / kSlab, c = col % kSlab;
+    return (slab * kRows + row) * kSlab + ((c / kChunk) ^ (row % 8)) * kChunk + c % kChunk;
+  }
+}
+
 // Pair-bias values of a warp's 16-row score tile in accumulator layout: out[nt][e] is the bias of
 // score (row g + 8 * (e / 2), column nt * 8 + 2t + e % 2). The tile lives in shared memory, either
 // with score rows along its rows (kTransposed = false: tile[row0 + row][col]) or transposed
@@ -365,6 +384,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // blocks at a time; fp32 tiles element-wise.
 template <int kNTiles, int kPitch, bool kTransposed, typename T>
 __device__ __forceinline__ void load_bias_tile(float (&out)[kNTiles][4], const T* tile, int row0, int lane) {
+  static_assert(kPitch >= 0 || !kTransposed, "transposed bias tiles are row-major (cp.async)");
   const int g = lane / 4, t = lane % 4;
   if constexpr (sizeof(T) == 2) {
     static_assert(kNTiles % 2 == 0, "ldmatrix covers two n8 tiles");
@@ -374,7 +394,8 @@ __device__ __forceinline__ void load_bias_tile(float (&out)[kNTiles][4], const T
       uint32_t r[4];
       if constexpr (!kTransposed) {
         // matrices: (rows 0-7, cols nt), (rows 8-15, cols nt), (rows 0-7, cols nt+1), (rows 8-15, cols nt+1)
-        ldsm_x4(tile + (row0 + (mat % 2) * 8 + lane % 8) * kPitch + nt * 8 + (mat / 2) * 8, r[0], r[1], r[2], r[3]);
+        ldsm_x4(tile + bias_tile_offset<kPitch, T>(row0 + (mat % 2) * 8 + lane % 8, nt * 8 + (mat / 2) * 8), r[0], r[1],
+                r[2], r[3]);
       } else {
         // stored [col][row]; transposed 8x8 blocks in the same order as above
         ldsm_x4_trans(tile + (nt * 8 + (mat / 2) * 8 + lane % 8) * kPitch + row0 + (mat % 2) * 8, r[0], r[1], r[2],
@@ -395,7 +416,7 @@ __device__ __forceinline__ void load_bias_tile(float (&out)[kNTiles][4], const T
         const int row = row0 + g + 8 * r, col = nt * 8 + 2 * t;
         float2 v;
         if constexpr (!kTransposed) {
-          v = *reinterpret_cast<const float2*>(tile + row * kPitch + col);
+          v = *reinterpret_cast<const float2*>(tile + bias_tile_offset<kPitch, T>(row, col));
         } else {
           v = make_float2(tile[col * kPitch + row], tile[(col + 1) * kPitch + row]);
         }
@@ -445,25 +466,36 @@ __device__ __forceinline__ void init_block_scores(float (&s)[kNTiles][4], const 
     init_scores<kHasPair, false, kNTiles, kPairPitch>(s, mask_tile, pair_tile, row0, valid_keys, inv_scale, lane);
 }
 
+// The row maximum m (raw score units) in log2 units as the exps use it: M = m * scale_log2, rounded
+// once (never contracted into an FMA), so that every step and the epilogue see the same M for the
+// same m; m = -inf (no finite key yet) uses M = 0.
+__device__ __forceinline__ float log2_row_max(float m, float scale_log2) {
+  return m == -kInf ? 0.f : __fmul_rn(m, scale_log2);
+}
+
 // One online-softmax step for rows g and g + 8 (r = 0, 1) of a 16-row score tile in accumulator
-// layout: updates the running maxima (raw score units), turns the scores into probabilities
-// exp2((S - max) * scale_log2) in place and returns in alpha the factor by which what was
-// accumulated for each row must be rescaled. Subtracting before scaling makes equal scores give
-// exactly equal weights even when |S| is huge (fully masked rows); a row whose keys so far are all
-// -inf uses max 0, so exp2(-inf) = 0.
+// layout: updates the running maxima m (raw score units), turns the scores into probabilities
+// exp2(S * scale_log2 - M) in place (one FFMA and one MUFU op per score; M = log2_row_max(m)) and
+// returns in alpha the factor by which what was accumulated for each row must be rescaled.
+// Ties stay exact even when |S| is huge (fully masked rows, S ~ -1e9 / scale): the FFMA rounds
+// S * scale_log2 - M once, so every score equal to m gets the same weight 2^delta, with
+// delta = m * scale_log2 - M the rounding residual of M; store_output_rows takes delta out of the
+// statistics, where it matters, and it cancels in O = P.V / rowsum.
 template <int kNTiles>
 __device__ __forceinline__ void softmax_step(float (&s)[kNTiles][4], float (&row_max_s)[2], float (&alpha)[2],
                                              float scale_log2) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float mx = fmaxf(row_max_s[r], quad_max(row_max<kNTiles>(s, r)));
-    const float m_use = mx == -kInf ? 0.f : mx;
-    alpha[r] = fast_exp2((row_max_s[r] - m_use) * scale_log2);
+    const float m_log2 = log2_row_max(mx, scale_log2);
+    // what was accumulated carries 2^-M_old, M_old = log2_row_max(previous m); before any finite
+    // key it is all zeros and alpha = exp2(-inf) = 0
+    alpha[r] = fast_exp2(__fsub_rn(__fmul_rn(row_max_s[r], scale_log2), m_log2));
     row_max_s[r] = mx;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-      s[nt][2 * r] = fast_exp2((s[nt][2 * r] - m_use) * scale_log2);
-      s[nt][2 * r + 1] = fast_exp2((s[nt][2 * r + 1] - m_use) * scale_log2);
+      s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale_log2, -m_log2));
+      s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale_log2, -m_log2));
     }
   }
 }
@@ -474,13 +506,14 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNTiles][4], float (&row
 // all -inf get (0, +inf), so the backward's exp2(... - inf) gives P = 0 there.
 template <typename Element, int kDTiles>
 __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], const float (&row_sum)[2],
-                                                  const float (&row_max_s)[2], Element* out, int64_t o_stride,
-                                                  float2* stats, int row, int Lq, int D, int lane) {
+                                                  const float (&row_max_s)[2], float scale_log2, Element* out,
+                                                  int64_t o_stride, float2* stats, int row, int Lq, int D,
+                                                  int lane) {
   const int t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r, row += 8) {
     const float sum = row_sum[r];
-    const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 1: the row maximum contributes exp2(0)
+    const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 2^-64: the row maximum contributes 2^delta
     if (row < Lq) {
       Element* orow = out + int64_t(row) * o_stride;
       auto store = [&](auto check_d) {
@@ -495,7 +528,11 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
         store(std::false_type{});  // D fills its bucket: no per-column test
       else
         store(std::true_type{});
-      if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(sum)) : make_float2(0.f, kInf);
+      // (m, log2 of sum_i exp2((S_i - m) * scale_log2)), the form the backward recomputes P from:
+      // the probabilities summed here carry 2^delta (softmax_step), which log2(sum) - delta removes
+      const float m_log2 = log2_row_max(row_max_s[r], scale_log2);
+      const float delta = fmaf(row_max_s[r], scale_log2, -m_log2);
+      if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(sum) - delta) : make_float2(0.f, kInf);
     }
   }
 }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -91,6 +93,10 @@ struct SwizzledTileCopy {
     }
   }
 };
+
+// A TMA coordinate along a dimension of stride `stride`: encode_tile_map describes a dimension of
+// stride 0 (size 1 or broadcast) as extent 1, where only coordinate 0 exists.
+__device__ __forceinline__ int tma_coord(int64_t stride, int64_t index) { return stride != 0 ? int(index) : 0; }
 
 // Offset in elements of element (r, c) in a swizzled shared-memory layout whose base is aligned to
 // the swizzle's period (the swizzle acts on address bits, so it is evaluated on a null base).
