@@ -11,7 +11,8 @@
 // Q, dO, the pair tile and the statistics live in a 2-stage ring.
 //
 // dQ: CTA = one warpgroup x 64 query rows of one (b, n, h), on the sm80 dQ kernel's RowTileGrid.
-// Key step j: wait for block j's tiles (one barrier), start copying block j + 1 (cp.async), start
+// Key step j: wait for block j's tiles (its transaction barrier), one CTA barrier, thread 0 starts
+// block j + 1's TMA copies (KeyBlockTma, as the forward; Q and dO come once by cp.async), start
 // S at the biases (init_scores) and dP at -delta, issue S and dP, then dQ += dS_{j-1}.K_{j-1}; wait
 // for S and dP only and form dS_j = P_j * (dP_j - delta) while the tensor cores still work on dQ;
 // then wait for that and keep dS_j in registers for the next step. K is therefore read one step
@@ -258,7 +259,8 @@ struct DqConfig {
   static constexpr int kBlockN = 64;           // keys per step
   static constexpr int kNTiles = kBlockN / 8;  // n8 column tiles of a warp's 16 rows of S
   static constexpr int kDTiles = kHeadDim / 8;
-  static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);  // +16 B: conflict-free reads
+  using Tma = KeyBlockTma<Element, PairT, kHeadDim, kBlockM, kBlockN, kPair != kNoPair>;  // K, V, pair, mask tiles
+  static constexpr int kPairPitch = Tma::kPairPitch;
 
   using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;  // Q and dO
   using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;  // K and V
@@ -269,22 +271,23 @@ struct DqConfig {
   // dQ [64, D] += dS [64, kBlockN] . K [kBlockN, D]
   using MmaDq = RsMmaMN<Element, kHeadDim, kBlockN>;
 
-  // Shared memory (each wgmma tile 1024-byte aligned): Q, dO, three stages of K, then two stages of
-  // {V, pair tile, mask tile}.
+  // Shared memory (each wgmma or swizzled TMA tile 1024-byte aligned): Q, dO, three stages of K, two
+  // stages of {V, pair tile, mask tile}, then the two transaction barriers of the key blocks in flight.
   static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);
-  static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
-  static constexpr int kMaskBytes = kBlockN * 4;
+  static constexpr int kPairBytes = Tma::kPairBytes;
+  static constexpr int kMaskBytes = Tma::kMaskBytes;
   static constexpr int kVStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = 3, kVStages = 2;
-  static constexpr int kSmemBytes = kSmemAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes;
+  static constexpr int kSmemBytes =
+      kSmemAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes + 2 * 8;
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    backward_dq_kernel(const AttentionParams p, const RowTileGrid grid) {
+    backward_dq_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ KeyBlockMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -306,6 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   auto mask_smem = [&](int st) {  // [kBlockN]
     return reinterpret_cast<float*>(v_ring + st * Cfg::kVStageBytes + Cfg::kKVBytes + Cfg::kPairBytes);
   };
+  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kVStageBytes);  // [2]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
   const int warp_row0 = (threadIdx.x / 32u) * 16;  // first of this warp's 16 rows in the CTA tile
@@ -317,47 +321,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 
   const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from m0
   const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, m0, h);
-  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, n, 0, h);  // [Lk, D], advanced per step
-  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, n, 0, h);
-  const PairT* pair = nullptr;  // [Lq, Lk_pad] rows of this (b, h) from query m0, advanced per step
-  if constexpr (Cfg::kPair != kNoPair)
-    pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h + int64_t(m0) * p.pair_stride_q;
   const bool has_mask = p.mask_scaled != nullptr;
-  const float* mask = has_mask ? p.mask_scaled + b * p.mask_stride_b + n * p.mask_stride_n : nullptr;  // [Lk_pad]
 
-  const TileCopy<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads> copy_pair(tid);
-  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
-  const SwizzledTileCopy<kBlockN, kHeadDim, kThreads> copy_kv(
-      tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutK, Element>(r, c); });
-  auto load_block = [&](int jb) {  // the tiles of key block jb into their ring stages
-    const int rows_k = min(kBlockN, p.Lk - jb * kBlockN), vs = jb % Cfg::kVStages;
-    copy_kv(k_smem(jb % Cfg::kKStages), k, p.k_strides.l, rows_k, p.D);
-    copy_kv(v_smem(vs), v, p.v_strides.l, rows_k, p.D);
-    if constexpr (Cfg::kPair != kNoPair) {
-      copy_pair(pair_smem(vs), pair, p.pair_stride_q, rows_q, p.Lk - jb * kBlockN);
-      pair += kBlockN;
-    }
-    if (has_mask) {
-      copy_mask(mask_smem(vs), mask, 0, 1, p.Lk - jb * kBlockN);
-      mask += kBlockN;
-    }
-    k += int64_t(kBlockN) * p.k_strides.l;
-    v += int64_t(kBlockN) * p.v_strides.l;
+  // Key block jb's tiles into their ring stages, issued by one thread; they complete on
+  // block_full[jb % 2].
+  auto issue_block = [&](int jb) {
+    const int vs = jb % Cfg::kVStages;
+    Cfg::Tma::issue(maps, &block_full[jb % 2], p, b, n, h, m0, jb, k_smem(jb % Cfg::kKStages), v_smem(vs),
+                    pair_smem(vs), mask_smem(vs));
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
+  if (tid == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&block_full[0], 1);
+    cutlass::arch::ClusterTransactionBarrier::init(&block_full[1], 1);
+    cutlass::arch::fence_barrier_init();
+    issue_block(0);
+  }
   {
     const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
         tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
     copy_q(q_smem, q, p.q_strides.l, rows_q, p.D);
     copy_q(do_smem, dout, p.do_strides.l, rows_q, p.D);
   }
-  load_block(0);
   cp_async_commit();
 
   float2 stats_row[2];
   float delta_row[2];
   load_row_stats(stats_row, delta_row, p, bnh, m0 + warp_row0 + lane / 4);
+  cp_async_wait<0>();                        // this thread's part of Q and dO has landed
+  cutlass::arch::fence_view_async_shared();  // ... and is visible to the tensor cores
+  __syncthreads();                           // everyone's; the barriers are initialised
 
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaDq mma_dq;
@@ -398,11 +392,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   for (int jb = 0; jb < n_blocks; ++jb) {
     const int vs = jb % Cfg::kVStages;
     const int n0 = jb * kBlockN;
-    cp_async_wait<0>();                        // this thread's copies of key block jb have landed
-    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
-    __syncthreads();  // everyone's copies landed; S_{jb-1}, dP_{jb-1} and dS_{jb-2}.K are done
-    if (jb + 1 < n_blocks) load_block(jb + 1);  // into the stages of dP_{jb-1} and dS_{jb-2}.K
-    cp_async_commit();
+    cutlass::arch::ClusterTransactionBarrier::wait(&block_full[jb % 2], (jb / 2) % 2);  // block jb landed
+    if (jb + 1 < n_blocks) {
+      __syncthreads();  // S_{jb-1}, dP_{jb-1} and dS_{jb-2}.K are done: their stages take block jb + 1
+      if (tid == 0) issue_block(jb + 1);
+    }
 
     // S = (mask + pair) / scale + Q . K^T;  dP - delta = -delta + dO . V^T
     const PairT* sPair = pair_smem(vs);
@@ -439,7 +433,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   issue_dq(n_blocks - 1);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tQrdQ);
-  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
 
   const int64_t row_stride = int64_t(p.H) * p.D;
   Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
@@ -611,8 +604,10 @@ void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Dq = sm90::DqConfig<Element, kHeadDim, kPair>;
   launch_on_row_tiles(sm90::backward_dkdv_kernel<Dkdv>, p, p.Lk, Dkdv::kBlockN, Dkdv::kThreads, Dkdv::kSmemBytes,
                       stream, "evoformer backward dK/dV sm90");
+  sm90::KeyBlockMaps dq_maps{};
+  Dq::Tma::encode(dq_maps, p, "evoformer backward dQ sm90");
   launch_on_row_tiles(sm90::backward_dq_kernel<Dq>, p, p.Lq, Dq::kBlockM, Dq::kThreads, Dq::kSmemBytes, stream,
-                      "evoformer backward dQ sm90");
+                      "evoformer backward dQ sm90", dq_maps);
   if constexpr (kPair != kNoPair) {
     using Dpair = sm90::DpairConfig<Element, kHeadDim, kPair>;
     if (p.dpair != nullptr)

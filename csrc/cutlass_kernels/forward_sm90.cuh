@@ -46,15 +46,8 @@ struct ForwardConfig {
   static constexpr int kBlockN = 64;                 // keys per step
   static constexpr int kNTiles = kBlockN / 8;        // n8 column tiles of a warp's 16 rows of S
   static constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of a warp's 16 rows of O
-  static constexpr int kPairPitch = swizzled128(kBlockM);  // the TMA-written tile (bias_tile_offset)
-  // TMA boxes: K / V rows in column slabs of at most 128 bytes (64 values; two slabs at D = 128),
-  // the pair tile in slabs of 128 bytes (two for a float32 pair bias).
-  static constexpr int kKVBox = kHeadDim < 64 ? kHeadDim : 64;
-  static constexpr int kKVBoxes = kHeadDim / kKVBox;
-  static constexpr CUtensorMapSwizzle kKVSwizzle =
-      kHeadDim == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;  // = RowTileLayouts' atoms
-  static constexpr int kPairBox = 128 / int(sizeof(PairT));
-  static constexpr int kPairBoxes = kBlockN / kPairBox;
+  using Tma = KeyBlockTma<Element, PairT, kHeadDim, kBlockM, kBlockN, kPair != kNoPair>;  // K, V, pair, mask tiles
+  static constexpr int kPairPitch = Tma::kPairPitch;
 
   using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;
   using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;
@@ -75,31 +68,22 @@ struct ForwardConfig {
   // transaction barriers.
   static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);  // K or V, one stage
-  static constexpr int kPairBytes = kPair ? kBlockM * kBlockN * int(sizeof(PairT)) : 0;
-  static constexpr int kMaskBytes = kBlockN * 4;
+  static constexpr int kPairBytes = Tma::kPairBytes;
+  static constexpr int kMaskBytes = Tma::kMaskBytes;
   static constexpr int kKStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = 2, kVStages = 3;
   static constexpr int kOnesBytes = smem_align(8 * kBlockN * 2);
   static constexpr int kSmemBytes = kSmemAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes +
                                     kOnesBytes + kKStages * 8;  // + base alignment
-  // Bytes one key block's copies deliver (TMA counts whole boxes, zero-filled parts included).
-  static constexpr int kBlockTxBytes = 2 * kBlockN * kHeadDim * 2 + kPairBytes;
   // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
   static_assert(kKVBytes % kSmemAlign == 0 && kPairBytes % kSmemAlign == 0, "swizzled TMA tiles stay 1024-aligned");
 };
 
-// The TMA descriptors of one forward launch (launch_forward_sm90 encodes them): K and V as
-// [B, N, Lk, H, D], the pair bias as [B|1, H|1, Lq, Lk], the prepared mask as [B|1, N|1, Lk_pad]
-// (each listed outermost first; a map is left unset when its tensor is absent).
-struct ForwardMaps {
-  CUtensorMap k, v, pair, mask;
-};
-
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    forward_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ ForwardMaps maps) {
+    forward_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ KeyBlockMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -137,32 +121,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   const bool has_mask = p.mask_scaled != nullptr;
 
   // Key block jb's tiles into their ring stages, issued by one thread; they complete on
-  // block_full[jb % kKStages]. Coordinates are innermost first (see ForwardMaps).
+  // block_full[jb % kKStages].
   auto issue_block = [&](int jb) {
-    using namespace cutlass::arch;
-    const int ks = jb % Cfg::kKStages, n0 = jb * kBlockN;
-    uint64_t* bar = &block_full[ks];
-    ClusterTransactionBarrier::arrive_and_expect_tx(bar, Cfg::kBlockTxBytes + (has_mask ? Cfg::kMaskBytes : 0));
-    const auto hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-    Element* k_stage = k_smem(ks);
-    Element* v_stage = v_smem(jb % Cfg::kVStages);
-#pragma unroll
-    for (int c = 0; c < Cfg::kKVBoxes; ++c) {
-      SM90_TMA_LOAD_5D::copy(&maps.k, bar, hint, k_stage + c * kBlockN * Cfg::kKVBox, c * Cfg::kKVBox, n0,
-                             tma_coord(p.k_strides.h, h), tma_coord(p.k_strides.n, n), tma_coord(p.k_strides.b, b));
-      SM90_TMA_LOAD_5D::copy(&maps.v, bar, hint, v_stage + c * kBlockN * Cfg::kKVBox, c * Cfg::kKVBox, n0,
-                             tma_coord(p.v_strides.h, h), tma_coord(p.v_strides.n, n), tma_coord(p.v_strides.b, b));
-    }
-    if constexpr (Cfg::kPair != kNoPair) {
-#pragma unroll
-      for (int c = 0; c < Cfg::kPairBoxes; ++c)
-        SM90_TMA_LOAD_4D::copy(&maps.pair, bar, hint, pair_smem(ks) + c * kBlockM * Cfg::kPairBox,
-                               n0 + c * Cfg::kPairBox, m0, tma_coord(p.pair_stride_h, h),
-                               tma_coord(p.pair_stride_b, b));
-    }
-    if (has_mask)
-      SM90_TMA_LOAD_3D::copy(&maps.mask, bar, hint, mask_smem(ks), n0, tma_coord(p.mask_stride_n, n),
-                             tma_coord(p.mask_stride_b, b));
+    const int ks = jb % Cfg::kKStages;
+    Cfg::Tma::issue(maps, &block_full[ks], p, b, n, h, m0, jb, k_smem(ks), v_smem(jb % Cfg::kVStages), pair_smem(ks),
+                    mask_smem(ks));
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
@@ -290,29 +253,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm90::ForwardConfig<Element, kHeadDim, kPair>;
-  constexpr CUtensorMapDataType kType =
-      std::is_same_v<Element, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  sm90::ForwardMaps maps{};
-  // K / V [B, N, Lk, H, D]: boxes of (kKVBox values of d, kBlockN keys) of one (b, n, h)
-  auto kv_map = [&](CUtensorMap* map, const void* base, const RowStrides& st, const char* what) {
-    const TileMapDim dims[5] = {
-        {p.D, 1, Cfg::kKVBox}, {p.Lk, st.l, Cfg::kBlockN}, {p.H, st.h, 1}, {p.N, st.n, 1}, {p.B, st.b, 1}};
-    encode_tile_map(map, kType, 2, base, dims, 5, Cfg::kKVSwizzle, what);
-  };
-  kv_map(&maps.k, p.k, p.k_strides, "evoformer forward sm90 (k tensor map)");
-  kv_map(&maps.v, p.v, p.v_strides, "evoformer forward sm90 (v tensor map)");
-  if constexpr (kPair != kNoPair) {  // [B|1, H|1, Lq, Lk]: boxes of (kPairBox keys, kBlockM queries)
-    const TileMapDim dims[4] = {
-        {p.Lk, 1, Cfg::kPairBox}, {p.Lq, p.pair_stride_q, Cfg::kBlockM}, {p.H, p.pair_stride_h, 1}, {p.B, p.pair_stride_b, 1}};
-    encode_tile_map(&maps.pair, kPair == kPairFloat ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : kType,
-                    int(sizeof(typename Cfg::PairT)), p.pair, dims, 4, CU_TENSOR_MAP_SWIZZLE_128B,
-                    "evoformer forward sm90 (pair-bias tensor map)");
-  }
-  if (p.mask_scaled != nullptr) {  // [B|1, N|1, Lk_pad] float32: boxes of kBlockN keys
-    const TileMapDim dims[3] = {{p.Lk, 1, Cfg::kBlockN}, {p.N, p.mask_stride_n, 1}, {p.B, p.mask_stride_b, 1}};
-    encode_tile_map(&maps.mask, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.mask_scaled, dims, 3, CU_TENSOR_MAP_SWIZZLE_NONE,
-                    "evoformer forward sm90 (mask-bias tensor map)");
-  }
+  sm90::KeyBlockMaps maps{};
+  Cfg::Tma::encode(maps, p, "evoformer forward sm90");
   launch_on_row_tiles(sm90::forward_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
                       "evoformer forward sm90", maps);
 }
