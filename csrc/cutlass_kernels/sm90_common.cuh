@@ -101,49 +101,81 @@ struct SwizzledTileCopy {
 // stride 0 (size 1 or broadcast) as extent 1, where only coordinate 0 exists.
 __device__ __forceinline__ int tma_coord(int64_t stride, int64_t index) { return stride != 0 ? int(index) : 0; }
 
+// TMA copies of [kRows, D] row tiles of one (b, n, h) of a [B, N, L, H, D] tensor (Q, K, V, dO)
+// into the layout of RowTileLayouts<Element, kRows, kHeadDim>: 64-byte swizzle at D = 32; above,
+// column slabs of 64 values with the 128-byte swizzle (one box per slab).
+template <typename Element, int kHeadDim, int kRows>
+struct RowTileTma {
+  static constexpr int kBox = kHeadDim < 64 ? kHeadDim : 64;  // values of d per box (<= 128 bytes)
+  static constexpr int kBoxes = kHeadDim / kBox;
+  static constexpr int kBytes = kRows * kHeadDim * 2;  // delivered per tile (zero-filled parts included)
+  static constexpr CUtensorMapDataType kType = std::is_same_v<Element, cutlass::bfloat16_t>
+                                                   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                   : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+
+  static void encode(CUtensorMap* map, const void* base, const RowStrides& st, int length, const AttentionParams& p,
+                     const std::string& what) {
+    const TileMapDim dims[5] = {{p.D, 1, kBox}, {length, st.l, kRows}, {p.H, st.h, 1}, {p.N, st.n, 1}, {p.B, st.b, 1}};
+    encode_tile_map(map, kType, 2, base, dims, 5, kHeadDim == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
+                    what.c_str());
+  }
+  // Rows row0.. of (b, n, h) into dst, completing on bar (armed by the caller).
+  __device__ __forceinline__ static void copy(const CUtensorMap* map, uint64_t* bar, Element* dst, int row0,
+                                              const RowStrides& st, int64_t b, int64_t n, int64_t h) {
+#pragma unroll
+    for (int c = 0; c < kBoxes; ++c)
+      cute::SM90_TMA_LOAD_5D::copy(map, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), dst + c * kRows * kBox,
+                                   c * kBox, row0, tma_coord(st.h, h), tma_coord(st.n, n), tma_coord(st.b, b));
+  }
+};
+
+// TMA copies of [kRows queries, kCols keys] tiles of the pair bias [B|1, H|1, Lq, Lk] into
+// bias_tile_offset's swizzled128(kRows) layout (one box per 128-byte column slab).
+template <typename PairT, typename Element, int kRows, int kCols>
+struct PairTileTma {
+  static constexpr int kBox = 128 / int(sizeof(PairT));  // keys per box
+  static constexpr int kBoxes = kCols / kBox;
+  static constexpr int kBytes = kRows * kCols * int(sizeof(PairT));
+  static constexpr int kPitch = swizzled128(kRows);
+  static_assert(kCols % kBox == 0, "whole boxes");
+
+  static void encode(CUtensorMap* map, const AttentionParams& p, const std::string& what) {
+    const TileMapDim dims[4] = {
+        {p.Lk, 1, kBox}, {p.Lq, p.pair_stride_q, kRows}, {p.H, p.pair_stride_h, 1}, {p.B, p.pair_stride_b, 1}};
+    encode_tile_map(map, sizeof(PairT) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : RowTileTma<Element, 32, 1>::kType,
+                    int(sizeof(PairT)), p.pair, dims, 4, CU_TENSOR_MAP_SWIZZLE_128B, (what + " (pair-bias tensor map)").c_str());
+  }
+  __device__ __forceinline__ static void copy(const CUtensorMap* map, uint64_t* bar, PairT* dst, int query0, int key0,
+                                              const AttentionParams& p, int64_t b, int64_t h) {
+#pragma unroll
+    for (int c = 0; c < kBoxes; ++c)
+      cute::SM90_TMA_LOAD_4D::copy(map, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), dst + c * kRows * kBox,
+                                   key0 + c * kBox, query0, tma_coord(p.pair_stride_h, h), tma_coord(p.pair_stride_b, b));
+  }
+};
+
 // The tiles one key block brings to a kernel that streams key blocks past a fixed tile of kBlockM
-// queries of one (b, n, h) (the forward and dQ): K and V [kBlockN, D], the pair-bias tile
-// [kBlockM, kBlockN] and the mask tile [kBlockN], each copied by TMA. K and V land in the layout of
-// RowTileLayouts<Element, kBlockN, kHeadDim> (64-byte swizzle at D = 32; above, column slabs of 64
-// values with the 128-byte swizzle), the pair tile as bias_tile_offset's swizzled128(kBlockM) tile,
-// the mask tile as is. encode() (host) describes the tensors of one launch, issue() (one thread)
-// starts one block's copies.
+// queries of one (b, n, h) (the forward and dQ): K and V [kBlockN, D] (RowTileTma), the pair-bias
+// tile [kBlockM, kBlockN] (PairTileTma) and the mask tile [kBlockN] of the prepared mask
+// [B|1, N|1, Lk_pad]. encode() (host) describes the tensors of one launch, issue() (one thread) arms
+// a barrier and starts one block's copies.
 struct KeyBlockMaps {
   CUtensorMap k, v, pair, mask;  // a map is left unset when its tensor is absent
 };
 
 template <typename Element, typename PairT, int kHeadDim, int kBlockM, int kBlockN, bool kHasPair>
 struct KeyBlockTma {
-  static constexpr int kKVBox = kHeadDim < 64 ? kHeadDim : 64;  // values of d per box (<= 128 bytes)
-  static constexpr int kKVBoxes = kHeadDim / kKVBox;
-  static constexpr CUtensorMapSwizzle kKVSwizzle = kHeadDim == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
-  static constexpr int kPairBox = 128 / int(sizeof(PairT));  // keys per pair box (one 128-byte slab)
-  static constexpr int kPairBoxes = kBlockN / kPairBox;
-  static constexpr int kPairBytes = kHasPair ? kBlockM * kBlockN * int(sizeof(PairT)) : 0;
+  using Rows = RowTileTma<Element, kHeadDim, kBlockN>;
+  using Pair = PairTileTma<PairT, Element, kBlockM, kBlockN>;
+  static constexpr int kPairBytes = kHasPair ? Pair::kBytes : 0;
   static constexpr int kMaskBytes = kBlockN * 4;
-  static constexpr int kPairPitch = swizzled128(kBlockM);  // the pair tile's layout (bias_tile_offset)
-  static_assert(kHeadDim % kKVBox == 0 && kBlockN % kPairBox == 0, "whole boxes");
+  static constexpr int kPairPitch = Pair::kPitch;
 
-  // K, V as [B, N, Lk, H, D]; the pair bias as [B|1, H|1, Lq, Lk]; the prepared mask as
-  // [B|1, N|1, Lk_pad] (outermost first; encode_tile_map lists them innermost first).
   static void encode(KeyBlockMaps& maps, const AttentionParams& p, const char* name) {
-    constexpr CUtensorMapDataType kType = std::is_same_v<Element, cutlass::bfloat16_t>
-                                              ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     const std::string what(name);
-    auto kv_map = [&](CUtensorMap* map, const void* base, const RowStrides& st, const char* tensor) {
-      const TileMapDim dims[5] = {
-          {p.D, 1, kKVBox}, {p.Lk, st.l, kBlockN}, {p.H, st.h, 1}, {p.N, st.n, 1}, {p.B, st.b, 1}};
-      encode_tile_map(map, kType, 2, base, dims, 5, kKVSwizzle, (what + " (" + tensor + " tensor map)").c_str());
-    };
-    kv_map(&maps.k, p.k, p.k_strides, "k");
-    kv_map(&maps.v, p.v, p.v_strides, "v");
-    if constexpr (kHasPair) {
-      const TileMapDim dims[4] = {
-          {p.Lk, 1, kPairBox}, {p.Lq, p.pair_stride_q, kBlockM}, {p.H, p.pair_stride_h, 1}, {p.B, p.pair_stride_b, 1}};
-      encode_tile_map(&maps.pair, sizeof(PairT) == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : kType, int(sizeof(PairT)),
-                      p.pair, dims, 4, CU_TENSOR_MAP_SWIZZLE_128B, (what + " (pair-bias tensor map)").c_str());
-    }
+    Rows::encode(&maps.k, p.k, p.k_strides, p.Lk, p, what + " (k tensor map)");
+    Rows::encode(&maps.v, p.v, p.v_strides, p.Lk, p, what + " (v tensor map)");
+    if constexpr (kHasPair) Pair::encode(&maps.pair, p, what);
     if (p.mask_scaled != nullptr) {
       const TileMapDim dims[3] = {{p.Lk, 1, kBlockN}, {p.N, p.mask_stride_n, 1}, {p.B, p.mask_stride_b, 1}};
       encode_tile_map(&maps.mask, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.mask_scaled, dims, 3,
@@ -151,39 +183,21 @@ struct KeyBlockTma {
     }
   }
 
-  // Bytes that one block's copies deliver (TMA counts whole boxes, zero-filled parts included).
-  __device__ __forceinline__ static int tx_bytes(bool has_mask) {
-    return 2 * kBlockN * kHeadDim * 2 + kPairBytes + (has_mask ? kMaskBytes : 0);
-  }
-
   // Arms `bar` for key block jb of row (b, n), head h, queries from m0, and starts its copies into
   // the given tiles (pair / mask ignored when absent). Called by one thread.
   __device__ __forceinline__ static void issue(const KeyBlockMaps& maps, uint64_t* bar, const AttentionParams& p,
                                                int64_t b, int64_t n, int64_t h, int m0, int jb, Element* k_dst,
                                                Element* v_dst, PairT* pair_dst, float* mask_dst) {
-    using cutlass::arch::ClusterTransactionBarrier;
     const bool has_mask = p.mask_scaled != nullptr;
-    ClusterTransactionBarrier::arrive_and_expect_tx(bar, tx_bytes(has_mask));
-    const auto hint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+        bar, 2 * Rows::kBytes + kPairBytes + (has_mask ? kMaskBytes : 0));
     const int n0 = jb * kBlockN;
-#pragma unroll
-    for (int c = 0; c < kKVBoxes; ++c) {
-      cute::SM90_TMA_LOAD_5D::copy(&maps.k, bar, hint, k_dst + c * kBlockN * kKVBox, c * kKVBox, n0,
-                                   tma_coord(p.k_strides.h, h), tma_coord(p.k_strides.n, n),
-                                   tma_coord(p.k_strides.b, b));
-      cute::SM90_TMA_LOAD_5D::copy(&maps.v, bar, hint, v_dst + c * kBlockN * kKVBox, c * kKVBox, n0,
-                                   tma_coord(p.v_strides.h, h), tma_coord(p.v_strides.n, n),
-                                   tma_coord(p.v_strides.b, b));
-    }
-    if constexpr (kHasPair) {
-#pragma unroll
-      for (int c = 0; c < kPairBoxes; ++c)
-        cute::SM90_TMA_LOAD_4D::copy(&maps.pair, bar, hint, pair_dst + c * kBlockM * kPairBox, n0 + c * kPairBox, m0,
-                                     tma_coord(p.pair_stride_h, h), tma_coord(p.pair_stride_b, b));
-    }
+    Rows::copy(&maps.k, bar, k_dst, n0, p.k_strides, b, n, h);
+    Rows::copy(&maps.v, bar, v_dst, n0, p.v_strides, b, n, h);
+    if constexpr (kHasPair) Pair::copy(&maps.pair, bar, pair_dst, m0, n0, p, b, h);
     if (has_mask)
-      cute::SM90_TMA_LOAD_3D::copy(&maps.mask, bar, hint, mask_dst, n0, tma_coord(p.mask_stride_n, n),
-                                   tma_coord(p.mask_stride_b, b));
+      cute::SM90_TMA_LOAD_3D::copy(&maps.mask, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), mask_dst, n0,
+                                   tma_coord(p.mask_stride_n, n), tma_coord(p.mask_stride_b, b));
   }
 };
 
