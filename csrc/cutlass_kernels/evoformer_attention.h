@@ -74,7 +74,8 @@ struct AttentionParams {
   float inv_scale;   // 1 / scale
   float scale_log2;  // scale * log2(e)
   // The kernels start each score accumulator at (mask + pair) / scale, add q.k with the tensor
-  // cores, and form x = log2(e) * logit with one multiply by scale_log2; keys past Lk start at -inf.
+  // cores, and take logits in log2 units from S * scale_log2 (the forward folds the row maximum into
+  // that multiply, one FFMA per score); keys past Lk start at -inf.
 
   bool sm90;  // the backward runs its Hopper kernels (dK/dV, dQ, pair bias); set by the bindings
 };
