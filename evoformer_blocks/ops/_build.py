@@ -76,10 +76,11 @@ def cutlass_version(include_dir: Path) -> str:
 
 
 def sources() -> list[Path]:
-    """bindings.cpp, common.cu and one .cu per instantiation."""
+    """The bindings (attention and block ops), common.cu, block_ops.cu and one .cu per instantiation."""
     if not SOURCE_DIR.is_dir():
         raise FileNotFoundError(f"kernel sources not found at {SOURCE_DIR} (install the package from its source tree)")
-    return [SOURCE_DIR / "bindings.cpp", SOURCE_DIR / "common.cu"] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
+    fixed = ["bindings.cpp", "block_bindings.cpp", "common.cu", "block_ops.cu"]
+    return [SOURCE_DIR / name for name in fixed] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
 
 
 def arch_list() -> str:

@@ -1,0 +1,340 @@
+// TORCH_LIBRARY bindings of the block ops: the layer norm and the triangle multiplicative update,
+// forward and backward. The Python op (evoformer_blocks.ops) validates the arguments; the checks
+// here only guard the kernels' memory accesses for direct torch.ops calls.
+//
+// Ops (namespace evoformer_blocks_cuda), CUDA only:
+//   layer_norm_fwd(x [..., C], weight?, bias?, eps) -> (y [..., C], mean [M], rstd [M])
+//   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine) -> (dx, dweight [C] fp32, dbias [C] fp32)
+//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], w_ab [4 c, c_z], b_ab [4 c] fp32,
+//       w_g [c_z, c_z], b_g [c_z], w_z [c_z, c], b_z [c_z], eps, outgoing)
+//       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z])
+//   triangle_multiplication_bwd(dout, z, mask?, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat,
+//       rstd_out, g, y, eps, outgoing) -> (dz, dw_ab, db_ab fp32, dw_g, db_g fp32, dw_z, db_z fp32)
+// M = B * N * N positions; c = the hidden width of the a / b edges. The triangle op's projection
+// weights come with the layer norms' affine parameters folded in (see
+// evoformer_blocks/ops/triangle_multiplication.py), so its layer norms are plain normalisations.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include <cutlass/numeric_types.h>
+
+#include "block_ops.h"
+
+namespace evoformer {
+namespace block {
+namespace {
+
+// Calls fn(T{}) with T the kernel element type of `dtype`.
+template <typename Fn>
+void by_dtype(at::ScalarType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case at::kHalf: fn(cutlass::half_t{}); break;
+    case at::kBFloat16: fn(cutlass::bfloat16_t{}); break;
+    case at::kFloat: fn(float{}); break;
+    default: TORCH_CHECK(false, op, ": tensors must be float16, bfloat16 or float32, got ", dtype);
+  }
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// x as [M, C] rows with C contiguous and 16-byte aligned rows (a copy only when the layout is not).
+at::Tensor as_rows(const at::Tensor& x, int64_t C) {
+  at::Tensor rows = x.reshape({-1, C});
+  const int64_t vec = 16 / rows.element_size();
+  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) % vec != 0) || !aligned16(rows) || C % vec != 0)
+    rows = rows.contiguous();
+  return rows;
+}
+
+// Lanes per row of the row layer norm: a power of two covering the row's 16-byte chunks, at most 32.
+int row_threads_for(int64_t C, int64_t element_size) {
+  const int64_t chunks = C * element_size / 16;
+  int t = 1;
+  while (t < 32 && t < chunks) t *= 2;
+  return t;
+}
+
+int sm_count() {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// CTAs of a row-norm launch: one per group of rows, at most four per SM (the backward's affine
+// partials have one row per CTA).
+int row_norm_ctas(int64_t M, int row_threads) {
+  const int64_t groups = (M + kBlockOpThreads / row_threads - 1) / (kBlockOpThreads / row_threads);
+  return int(std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(4) * sm_count())));
+}
+
+void check_cuda(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.is_cuda(), op, ": `", name, "` must be a CUDA tensor, got ", t.device());
+}
+
+// ---- layer norm -------------------------------------------------------------------------------
+
+// y = layer_norm(rows of x); x must have C % (16 bytes / element) == 0 (the op routes others to eager).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const float* weight, const float* bias,
+                                                         double eps) {
+  const int64_t C = x.size(-1);
+  at::Tensor rows = as_rows(x, C);  // [M, C]
+  const int64_t M = rows.size(0);
+  at::Tensor y = at::empty({M, C}, rows.options());
+  const auto f32 = rows.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({M}, f32), rstd = at::empty({M}, f32);
+  RowNormParams p{rows.data_ptr(), y.data_ptr(), weight, bias, mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                  M, M > 1 ? rows.stride(0) : C, C, int(C), row_threads_for(C, rows.element_size()), float(eps)};
+  by_dtype(rows.scalar_type(), "layer norm", [&](auto element) {
+    launch_layer_norm_rows<decltype(element)>(p, row_norm_ctas(M, p.row_threads), c10::cuda::getCurrentCUDAStream());
+  });
+  return {y, mean, rstd};
+}
+
+// dx (and, when weight_grad, the float32 sums of dy * x_hat and dy over rows) of norm_rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                                  const float* weight, const at::Tensor& mean,
+                                                                  const at::Tensor& rstd, bool affine_grad) {
+  const int64_t C = x_in.size(-1);
+  at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
+  const int64_t M = x.size(0);
+  at::Tensor dx = at::empty({M, C}, x.options());
+  const auto f32 = x.options().dtype(at::kFloat);
+  const int row_threads = row_threads_for(C, x.element_size());
+  const int ctas = row_norm_ctas(M, row_threads);
+  at::Tensor dw_part, db_part;
+  if (affine_grad) dw_part = at::empty({ctas, C}, f32), db_part = at::empty({ctas, C}, f32);
+  RowNormBackwardParams p{x.data_ptr(), dy.data_ptr(), dx.data_ptr(), weight, mean.data_ptr<float>(),
+                          rstd.data_ptr<float>(), affine_grad ? dw_part.data_ptr<float>() : nullptr,
+                          affine_grad ? db_part.data_ptr<float>() : nullptr, M, M > 1 ? x.stride(0) : C,
+                          M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
+  by_dtype(x.scalar_type(), "layer norm backward", [&](auto element) {
+    launch_layer_norm_rows_backward<decltype(element)>(p, ctas, c10::cuda::getCurrentCUDAStream());
+  });
+  // the CTAs' partials summed in a fixed order
+  at::Tensor dw = affine_grad ? (M > 0 ? dw_part.sum(0) : at::zeros({C}, f32)) : at::empty({0}, f32);
+  at::Tensor db = affine_grad ? (M > 0 ? db_part.sum(0) : at::zeros({C}, f32)) : at::empty({0}, f32);
+  return {dx, dw, db};
+}
+
+const float* optional_f32(const std::optional<at::Tensor>& t, at::Tensor& holder) {
+  if (!t.has_value()) return nullptr;
+  holder = t->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const std::optional<at::Tensor>& bias, double eps) {
+  check_cuda(x, "x", "layer norm");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor w32, b32;
+  auto [y, mean, rstd] = norm_rows(x, optional_f32(weight, w32), optional_f32(bias, b32), eps);
+  return {y.view(x.sizes()), mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const at::Tensor& mean, const at::Tensor& rstd,
+                                                              bool need_affine) {
+  check_cuda(x, "x", "layer norm backward");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+              "layer norm backward: `dy` must match `x`, got ", dy.sizes(), " and ", x.sizes());
+  TORCH_CHECK(mean.numel() * x.size(-1) == x.numel() && rstd.numel() == mean.numel(),
+              "layer norm backward: `mean` and `rstd` must hold one value per row of x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor w32;
+  auto [dx, dw, db] = norm_rows_backward(dy, x, optional_f32(weight, w32), mean, rstd, need_affine);
+  return {dx.view(x.sizes()), dw, db};
+}
+
+// ---- triangle multiplicative update ------------------------------------------------------------
+
+struct TriangleShape {
+  int64_t B, N, M, cz, c;
+};
+
+TriangleShape triangle_shape(const at::Tensor& z, const at::Tensor& w_ab, const char* op) {
+  check_cuda(z, "z", op);
+  TORCH_CHECK(z.dim() == 4 && z.size(1) == z.size(2), op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
+  TORCH_CHECK(w_ab.dim() == 2 && w_ab.size(0) % 4 == 0 && w_ab.size(1) == z.size(3) &&
+                  w_ab.scalar_type() == z.scalar_type(),
+              op, ": `w_ab` must be [4 c, c_z] in z's dtype, got ", w_ab.sizes(), " ", w_ab.scalar_type());
+  const int64_t B = z.size(0), N = z.size(1);
+  return {B, N, B * N * N, z.size(3), w_ab.size(0) / 4};
+}
+
+bool vector_ok(const at::Tensor& t, int64_t row_stride) {
+  return aligned16(t) && row_stride * t.element_size() % 16 == 0;
+}
+
+// mask [B, N, N] as a flat [M] tensor of z's dtype, or an undefined tensor.
+at::Tensor flat_mask(const std::optional<at::Tensor>& mask, const at::Tensor& z, int64_t M) {
+  if (!mask.has_value()) return at::Tensor();
+  TORCH_CHECK(mask->numel() == M && mask->device() == z.device(),
+              "triangle multiplication: `mask` must be [B, N, N] on z's device, got ", mask->sizes());
+  return mask->to(z.scalar_type()).contiguous().view({M});
+}
+
+// The per-channel triangle products of [c * B, N, N] edge stacks (channel-major a and b):
+// outgoing p[i, j] = sum_k a[i, k] b[j, k]; incoming p[i, j] = sum_k a[k, i] b[k, j].
+at::Tensor triangle_product(const at::Tensor& a, const at::Tensor& b, bool outgoing) {
+  return outgoing ? at::bmm(a, b.transpose(1, 2)) : at::bmm(a.transpose(1, 2), b);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
+                            const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
+                            const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing) {
+  const char* op = "triangle multiplication";
+  const TriangleShape s = triangle_shape(z, w_ab, op);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t vec = 16 / z.element_size();
+  TORCH_CHECK(s.cz % vec == 0 && s.c % vec == 0, op, ": c_z and c must be multiples of ", vec);
+  const at::Tensor mask_flat = flat_mask(mask, z, s.M);
+
+  // x_hat = normalised z rows [M, c_z] (the affine parameters are folded into the weights)
+  auto [x_hat, mean_in, rstd_in] = norm_rows(z, nullptr, nullptr, eps);
+  // projections and gates of both edges, channel-major: [4 c, M] = w_ab [4 c, c_z] . x_hat^T
+  at::Tensor ab = at::mm(w_ab, x_hat.t());
+  at::Tensor a = at::empty({s.c, s.M}, z.options()), b = at::empty({s.c, s.M}, z.options());
+  const at::Tensor bias = b_ab.to(at::kFloat).contiguous();
+  const GatePackParams gp{ab.data_ptr(), bias.data_ptr<float>(), mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
+                          a.data_ptr(), b.data_ptr(), s.M, s.M, s.M, int(s.c), vector_ok(ab, s.M)};
+  by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack<decltype(e)>(gp, stream); });
+  ab.reset();
+
+  // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
+  const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
+  at::Tensor n_hat = at::empty({s.M, s.c}, z.options());
+  const auto f32 = z.options().dtype(at::kFloat);
+  at::Tensor mean_out = at::empty({s.M}, f32), rstd_out = at::empty({s.M}, f32);
+  const ChannelNormParams cp{p.data_ptr(), n_hat.data_ptr(), mean_out.data_ptr<float>(), rstd_out.data_ptr<float>(),
+                             s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
+  by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
+
+  // y = n_hat . w_z^T + b_z, g = x_hat . w_g^T + b_g, out = sigmoid(g) * y   [M, c_z]
+  at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
+  at::Tensor g = at::addmm(b_g, x_hat, w_g.t());
+  at::Tensor out = at::empty({s.M, s.cz}, z.options());
+  const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, s.cz, int(s.cz),
+                             vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
+  by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
+  return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g, y};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, const std::optional<at::Tensor>& mask,
+                            const at::Tensor& w_ab, const at::Tensor& b_ab, const at::Tensor& w_g,
+                            const at::Tensor& w_z, const at::Tensor& mean_in, const at::Tensor& rstd_in,
+                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& n_hat,
+                            const at::Tensor& rstd_out, const at::Tensor& g, const at::Tensor& y, double eps,
+                            bool outgoing) {
+  const char* op = "triangle multiplication backward";
+  const TriangleShape s = triangle_shape(z, w_ab, op);
+  TORCH_CHECK(dout_in.sizes() == z.sizes() && dout_in.scalar_type() == z.scalar_type(), op,
+              ": `dout` must match z, got ", dout_in.sizes());
+  TORCH_CHECK(a.sizes() == at::IntArrayRef({s.c, s.M}) && b.sizes() == a.sizes() &&
+                  n_hat.sizes() == at::IntArrayRef({s.M, s.c}) && g.sizes() == at::IntArrayRef({s.M, s.cz}) &&
+                  y.sizes() == g.sizes() && rstd_out.numel() == s.M && rstd_in.numel() == s.M &&
+                  mean_in.numel() == s.M,
+              op, ": saved tensors do not match z");
+  const c10::cuda::CUDAGuard guard(z.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor dout = dout_in.contiguous().view({s.M, s.cz});
+  const at::Tensor mask_flat = flat_mask(mask, z, s.M);
+  const auto f32 = z.options().dtype(at::kFloat);
+
+  // out = sigmoid(g) * y: dg, dy [M, c_z]
+  at::Tensor dg = at::empty({s.M, s.cz}, z.options()), dy = at::empty({s.M, s.cz}, z.options());
+  const SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
+                                     s.M, s.cz, s.cz, s.cz, s.cz, s.cz, int(s.cz),
+                                     vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(dout, s.cz)};
+  by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, stream); });
+
+  // y = n_hat . w_z^T + b_z
+  at::Tensor dw_z = at::mm(dy.t(), n_hat);                   // [c_z, c]
+  at::Tensor db_z = dy.sum(0, /*keepdim=*/false, at::kFloat);  // [c_z]
+  at::Tensor dn = at::mm(dy, w_z);                           // [M, c]
+  dy.reset();
+  // n_hat = channel layer norm of p: dp [c, M] channel-major
+  at::Tensor dp = at::empty({s.c, s.M}, z.options());
+  const ChannelNormBackwardParams cp{dn.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), dp.data_ptr(), s.M,
+                                     s.c, s.c, s.M, int(s.c), vector_ok(dp, s.M)};
+  by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels_backward<decltype(e)>(cp, stream); });
+  dn.reset();
+
+  // x_hat again (its statistics are recomputed too: the same kernel as the forward)
+  at::Tensor x_hat = std::get<0>(norm_rows(z, nullptr, nullptr, eps));  // [M, c_z]
+  // g = x_hat . w_g^T + b_g
+  at::Tensor dx = at::mm(dg, w_g);                           // [M, c_z]
+  at::Tensor dw_g = at::mm(dg.t(), x_hat);                   // [c_z, c_z]
+  at::Tensor db_g = dg.sum(0, /*keepdim=*/false, at::kFloat);  // [c_z]
+  dg.reset();
+
+  // The edges, a group of channels at a time so that the [4 * group, M] temporaries stay small:
+  // da, db from the triangle products' gradients, then the gates' backward on the recomputed
+  // projections, then the projection weights' and x_hat's gradients.
+  const at::Tensor bias = b_ab.to(at::kFloat).contiguous().view({4, s.c});
+  const at::Tensor w4 = w_ab.view({4, s.c, s.cz});
+  at::Tensor dw_ab = at::empty({4, s.c, s.cz}, w_ab.options());
+  at::Tensor db_ab = at::empty({4, s.c}, f32);
+  const int64_t group = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 4 / 8 * 8));
+  for (int64_t c0 = 0; c0 < s.c; c0 += group) {
+    const int64_t k = std::min(group, s.c - c0);
+    const auto stack = [&](const at::Tensor& t) { return t.narrow(0, c0, k).view({k * s.B, s.N, s.N}); };
+    at::Tensor dpk = stack(dp), ak = stack(a), bk = stack(b);
+    // outgoing p = a b^T: da = dp b, db = dp^T a;  incoming p = a^T b: da = b dp^T, db = a dp
+    at::Tensor da = outgoing ? at::bmm(dpk, bk) : at::bmm(bk, dpk.transpose(1, 2));
+    at::Tensor db = outgoing ? at::bmm(dpk.transpose(1, 2), ak) : at::bmm(ak, dpk);
+    at::Tensor wk = w4.narrow(1, c0, k).reshape({4 * k, s.cz});          // rows (ap, ag, bp, bg) of the group
+    at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
+    at::Tensor abk = at::mm(wk, x_hat.t());                              // [4 k, M]
+    at::Tensor dab = at::empty({4 * k, s.M}, z.options());
+    const GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
+                                    mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
+                                    dab.data_ptr(), s.M, s.M, s.M, s.M, int(k),
+                                    vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, stream); });
+    dw_ab.narrow(1, c0, k).copy_(at::mm(dab, x_hat).view({4, k, s.cz}));
+    db_ab.narrow(1, c0, k).copy_(dab.sum(1, /*keepdim=*/false, at::kFloat).view({4, k}));
+    dx.addmm_(dab.t(), wk);
+  }
+  dp.reset();
+
+  // x_hat = normalised z
+  at::Tensor dz = std::get<0>(norm_rows_backward(dx, z, nullptr, mean_in, rstd_in, false));
+  return {dz.view(z.sizes()), dw_ab.view({4 * s.c, s.cz}), db_ab.view({4 * s.c}), dw_g, db_g, dw_z, db_z};
+}
+
+}  // namespace
+}  // namespace block
+}  // namespace evoformer
+
+TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor w_ab, Tensor b_ab, Tensor w_g, Tensor b_g, "
+      "Tensor w_z, Tensor b_z, float eps, bool outgoing) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor w_ab, Tensor b_ab, Tensor w_g, "
+      "Tensor w_z, Tensor mean_in, Tensor rstd_in, Tensor a, Tensor b, Tensor n_hat, Tensor rstd_out, Tensor g, "
+      "Tensor y, float eps, bool outgoing) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
+  m.impl("layer_norm_fwd", &evoformer::block::layer_norm_fwd);
+  m.impl("layer_norm_bwd", &evoformer::block::layer_norm_bwd);
+  m.impl("triangle_multiplication_fwd", &evoformer::block::triangle_multiplication_fwd);
+  m.impl("triangle_multiplication_bwd", &evoformer::block::triangle_multiplication_bwd);
+}

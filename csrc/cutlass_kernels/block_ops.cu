@@ -1,0 +1,140 @@
+// Launchers of the block-op kernels (layer_norm.cuh, gating.cuh) for half, bfloat16 and float.
+#include <stdexcept>
+#include <string>
+
+#include "evoformer_attention.h"  // check_launch
+#include "gating.cuh"
+
+namespace evoformer {
+namespace block {
+
+namespace {
+
+// CTAs for a grid-stride kernel over `items` 16-byte spans: enough to fill the GPU a few times
+// over, never more than there is work for.
+unsigned span_grid(int64_t items) {
+  const int64_t blocks = (items + kBlockOpThreads - 1) / kBlockOpThreads;
+  return unsigned(blocks < 8192 ? (blocks > 0 ? blocks : 1) : 8192);
+}
+
+// Lanes' 16-byte chunks of a row of C values spread over row_threads lanes.
+template <typename T>
+int chunks_per_lane(int C, int row_threads) {
+  return (C / Vec<T>::kSize + row_threads - 1) / row_threads;
+}
+
+// The row-norm kernel (forward or backward) instantiated for `chunks` chunks per lane.
+template <typename T>
+void (*row_norm_kernel(int chunks))(RowNormParams) {
+  static_assert(kMaxRowChunks == 4, "one instantiation per chunk count");
+  return chunks <= 1 ? layer_norm_rows_kernel<T, 1>
+         : chunks <= 2 ? layer_norm_rows_kernel<T, 2>
+                       : layer_norm_rows_kernel<T, kMaxRowChunks>;
+}
+template <typename T>
+void (*row_norm_backward_kernel(int chunks))(RowNormBackwardParams) {
+  return chunks <= 1 ? layer_norm_rows_backward_kernel<T, 1>
+         : chunks <= 2 ? layer_norm_rows_backward_kernel<T, 2>
+                       : layer_norm_rows_backward_kernel<T, kMaxRowChunks>;
+}
+
+template <typename Params>
+void launch_rows(void (*kernel)(Params), const Params& p, int n_ctas, int smem_bytes, cudaStream_t stream,
+                 const char* name) {
+  if (smem_bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    check_launch(name);
+  kernel<<<unsigned(n_ctas), kBlockOpThreads, smem_bytes, stream>>>(p);
+  check_launch(name);
+}
+
+template <typename Params>
+void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_bytes, cudaStream_t stream,
+                           const char* name) {
+  if (p.M == 0) return;
+  if (smem_bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    check_launch(name);
+  kernel<<<unsigned((p.M + kChannelTile - 1) / kChannelTile), kBlockOpThreads, smem_bytes, stream>>>(p);
+  check_launch(name);
+}
+
+}  // namespace
+
+template <typename T>
+void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t stream) {
+  if (p.M == 0) return;
+  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
+  if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer layer norm: row too wide");
+  launch_rows(row_norm_kernel<T>(chunks), p, n_ctas, 0, stream, "evoformer layer norm");
+}
+
+template <typename T>
+void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas, cudaStream_t stream) {
+  if (p.M == 0) return;
+  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
+  if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer layer norm backward: row too wide");
+  const int smem = p.dweight_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
+  launch_rows(row_norm_backward_kernel<T>(chunks), p, n_ctas, smem, stream, "evoformer layer norm backward");
+}
+
+template <typename T>
+void launch_layer_norm_channels(const ChannelNormParams& p, cudaStream_t stream) {
+  launch_channel_kernel(layer_norm_channels_kernel<T>, p, channel_norm_smem_bytes<T>(p.C), stream,
+                        "evoformer channel layer norm");
+}
+
+template <typename T>
+void launch_layer_norm_channels_backward(const ChannelNormBackwardParams& p, cudaStream_t stream) {
+  launch_channel_kernel(layer_norm_channels_backward_kernel<T>, p, channel_norm_smem_bytes<T>(p.C), stream,
+                        "evoformer channel layer norm backward");
+}
+
+template <typename T>
+void launch_gate_pack(const GatePackParams& p, cudaStream_t stream) {
+  const int64_t spans = int64_t(2) * p.C * ((p.M + Vec<T>::kSize - 1) / Vec<T>::kSize);
+  if (spans == 0) return;
+  gate_pack_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+  check_launch("evoformer triangle gate pack");
+}
+
+template <typename T>
+void launch_gate_pack_backward(const GatePackBackwardParams& p, cudaStream_t stream) {
+  const int64_t spans = int64_t(2) * p.C * ((p.M + Vec<T>::kSize - 1) / Vec<T>::kSize);
+  if (spans == 0) return;
+  gate_pack_backward_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+  check_launch("evoformer triangle gate pack backward");
+}
+
+template <typename T>
+void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
+  const int64_t spans = p.M * ((p.C + Vec<T>::kSize - 1) / Vec<T>::kSize);
+  if (spans == 0) return;
+  sigmoid_gate_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+  check_launch("evoformer sigmoid gate");
+}
+
+template <typename T>
+void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, cudaStream_t stream) {
+  const int64_t spans = p.M * ((p.C + Vec<T>::kSize - 1) / Vec<T>::kSize);
+  if (spans == 0) return;
+  sigmoid_gate_backward_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+  check_launch("evoformer sigmoid gate backward");
+}
+
+#define EVOFORMER_BLOCK_OPS(T)                                                                      \
+  template void launch_layer_norm_rows<T>(const RowNormParams&, int, cudaStream_t);                 \
+  template void launch_layer_norm_rows_backward<T>(const RowNormBackwardParams&, int, cudaStream_t); \
+  template void launch_layer_norm_channels<T>(const ChannelNormParams&, cudaStream_t);              \
+  template void launch_layer_norm_channels_backward<T>(const ChannelNormBackwardParams&, cudaStream_t); \
+  template void launch_gate_pack<T>(const GatePackParams&, cudaStream_t);                           \
+  template void launch_gate_pack_backward<T>(const GatePackBackwardParams&, cudaStream_t);          \
+  template void launch_sigmoid_gate<T>(const SigmoidGateParams&, cudaStream_t);                     \
+  template void launch_sigmoid_gate_backward<T>(const SigmoidGateBackwardParams&, cudaStream_t);
+EVOFORMER_BLOCK_OPS(cutlass::half_t)
+EVOFORMER_BLOCK_OPS(cutlass::bfloat16_t)
+EVOFORMER_BLOCK_OPS(float)
+#undef EVOFORMER_BLOCK_OPS
+
+}  // namespace block
+}  // namespace evoformer

@@ -1,0 +1,342 @@
+// Layer-norm kernels of the block ops: normalisation over the channels of [M, C] rows (row-major,
+// the layout of every Evoformer activation) and over the channels of a channel-major [C, M] tensor
+// (the layout the triangle product leaves), forward and backward.
+//
+// Statistics are float32 in two passes over registers (mean, then the mean squared deviation), so
+// large offsets cost no precision. Backward: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with
+// g = dy * weight; the weight and bias gradients are per-CTA float32 partials [n_ctas, C] that the
+// host sums in a fixed order (no atomics: bitwise reproducible).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cutlass/numeric_types.h>
+
+#include "block_ops.h"
+
+namespace evoformer {
+namespace block {
+
+// 16-byte vectors of T (8 half/bfloat16 values or 4 floats) to and from float.
+template <typename T>
+struct Vec {
+  static constexpr int kSize = 16 / int(sizeof(T));
+  float v[kSize];
+
+  __device__ __forceinline__ void load(const T* p) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 f;
+        if constexpr (std::is_same_v<T, cutlass::bfloat16_t>)
+          f = make_float2(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
+        else
+          f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        v[2 * i] = f.x, v[2 * i + 1] = f.y;
+      }
+    }
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    uint32_t w[4];
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(v[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+          __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+          w[i] = *reinterpret_cast<uint32_t*>(&h);
+        } else {
+          __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+          w[i] = *reinterpret_cast<uint32_t*>(&h);
+        }
+      }
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+// Sum over the `width` lanes of an aligned lane segment (width a power of two <= 32).
+__device__ __forceinline__ float segment_sum(float x, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// ---- row layer norm ---------------------------------------------------------------------------
+// A row of C values is spread over a segment of `row_threads` lanes (C / kVec chunks of 16 bytes,
+// chunk j held by lane j % row_threads as its (j / row_threads)-th chunk, up to kChunks of them).
+// One CTA of kThreads threads handles rows_per_cta = kThreads / row_threads rows per step and loops
+// over row groups with a grid stride.
+
+template <typename T, int kChunks>
+struct RowNormThread {
+  static constexpr int kVec = Vec<T>::kSize;
+  Vec<T> x[kChunks];
+  int sub;         // lane within the row's segment
+  int row_threads; // lanes per row
+
+  __device__ __forceinline__ bool valid(int c, int C) const { return (sub + c * row_threads) * kVec < C; }
+  __device__ __forceinline__ int col(int c) const { return (sub + c * row_threads) * kVec; }
+};
+
+// Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
+// x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
+// float32 or nullptr.
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
+  using Th = RowNormThread<T, kChunks>;
+  Th th;
+  const int lane = threadIdx.x % 32u;
+  th.row_threads = p.row_threads;
+  th.sub = lane % p.row_threads;
+  const int rows_per_cta = kBlockOpThreads / p.row_threads;
+  const int slot = threadIdx.x / p.row_threads;
+  const float inv_c = 1.f / float(p.C);
+  for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {  // uniform per CTA
+    const int64_t row = group * rows_per_cta + slot;
+    const bool row_ok = row < p.M;
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (row_ok && th.valid(c, p.C)) {
+        th.x[c].load(x + th.col(c));
+#pragma unroll
+        for (int i = 0; i < Th::kVec; ++i) sum += th.x[c].v[i];
+      }
+    }
+    const float mean = segment_sum(sum, p.row_threads) * inv_c;
+    float sq = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      if (row_ok && th.valid(c, p.C)) {
+#pragma unroll
+        for (int i = 0; i < Th::kVec; ++i) {
+          const float d = th.x[c].v[i] - mean;
+          sq = fmaf(d, d, sq);
+        }
+      }
+    const float rstd = rsqrtf(segment_sum(sq, p.row_threads) * inv_c + p.eps);
+    if (!row_ok) continue;
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (!th.valid(c, p.C)) continue;
+      Vec<T> out;
+      const int col = th.col(c);
+#pragma unroll
+      for (int i = 0; i < Th::kVec; ++i) {
+        float v = (th.x[c].v[i] - mean) * rstd;
+        if (p.weight != nullptr) v *= p.weight[col + i];
+        if (p.bias != nullptr) v += p.bias[col + i];
+        out.v[i] = v;
+      }
+      out.store(y + col);
+    }
+    if (th.sub == 0) {
+      p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+  }
+}
+
+// Backward: dx from dy, x, the saved mean / rstd and the weight; with want_affine_grad, each CTA
+// writes its partial sums of dy * x_hat and dy over its rows into dweight_part / dbias_part
+// [gridDim.x, C] (float32).
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
+  using Th = RowNormThread<T, kChunks>;
+  constexpr int kVec = Th::kVec;
+  extern __shared__ float partial_smem[];  // [rows_per_cta][2][C] when the affine gradient is wanted
+  Th th;
+  const int lane = threadIdx.x % 32u;
+  th.row_threads = p.row_threads;
+  th.sub = lane % p.row_threads;
+  const int rows_per_cta = kBlockOpThreads / p.row_threads;
+  const int slot = threadIdx.x / p.row_threads;
+  const float inv_c = 1.f / float(p.C);
+  float dw[kChunks][kVec], db[kChunks][kVec];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) dw[c][i] = 0.f, db[c][i] = 0.f;
+
+  for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {
+    const int64_t row = group * rows_per_cta + slot;
+    const bool row_ok = row < p.M;
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    const float mean = row_ok ? p.mean[row] : 0.f, rstd = row_ok ? p.rstd[row] : 0.f;
+    Vec<T> g[kChunks];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (row_ok && th.valid(c, p.C)) {
+        const int col = th.col(c);
+        th.x[c].load(x + col);
+        g[c].load(dy + col);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const float xh = (th.x[c].v[i] - mean) * rstd;
+          th.x[c].v[i] = xh;
+          dw[c][i] = fmaf(g[c].v[i], xh, dw[c][i]);
+          db[c][i] += g[c].v[i];
+          if (p.weight != nullptr) g[c].v[i] *= p.weight[col + i];
+          sum_g += g[c].v[i];
+          sum_gx = fmaf(g[c].v[i], xh, sum_gx);
+        }
+      }
+    }
+    const float mean_g = segment_sum(sum_g, p.row_threads) * inv_c;
+    const float mean_gx = segment_sum(sum_gx, p.row_threads) * inv_c;
+    if (!row_ok) continue;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (!th.valid(c, p.C)) continue;
+      Vec<T> out;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) out.v[i] = rstd * (g[c].v[i] - mean_g - th.x[c].v[i] * mean_gx);
+      out.store(dx + th.col(c));
+    }
+  }
+  if (p.dweight_part == nullptr) return;
+  // Sum the CTA's row slots in a fixed order: slot s writes its sums, then one thread per channel
+  // adds the slots 0, 1, ... and writes the CTA's partial.
+  float* mine = partial_smem + slot * 2 * p.C;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (!th.valid(c, p.C)) continue;
+    const int col = th.col(c);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) mine[col + i] = dw[c][i], mine[p.C + col + i] = db[c][i];
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < p.C; col += blockDim.x) {
+    float w = 0.f, b = 0.f;
+    for (int s = 0; s < rows_per_cta; ++s) w += partial_smem[s * 2 * p.C + col], b += partial_smem[s * 2 * p.C + p.C + col];
+    p.dweight_part[int64_t(blockIdx.x) * p.C + col] = w;
+    p.dbias_part[int64_t(blockIdx.x) * p.C + col] = b;
+  }
+}
+
+// ---- channel-major layer norm -----------------------------------------------------------------
+// x: [C, M] (channel c of position m at c * x_stride + m); y: [M, C] position-major (rows y_stride
+// apart), y = (x - mean) * rstd with mean and rstd over the C channels of each position. A CTA
+// takes kTilePositions positions: it copies the [C, kTilePositions] slab into shared memory with
+// 16-byte loads along positions, computes each position's statistics (kThreads / kTilePositions
+// threads per position) and writes [kTilePositions, C] rows with 16-byte stores.
+constexpr int kChannelTile = 64;  // positions per CTA
+
+template <typename T>
+__global__ void __launch_bounds__(kBlockOpThreads) layer_norm_channels_kernel(ChannelNormParams p) {
+  constexpr int kVec = Vec<T>::kSize;
+  constexpr int kPitch = kChannelTile + kVec;  // shared row pitch (elements): shifts banks per channel
+  constexpr int kPerPos = kBlockOpThreads / kChannelTile;  // threads per position for the statistics
+  extern __shared__ __align__(16) char channel_smem[];
+  T* tile = reinterpret_cast<T*>(channel_smem);                                        // [C][kPitch]
+  float* stats = reinterpret_cast<float*>(channel_smem + p.C * kPitch * int(sizeof(T)));  // [2][kChannelTile]
+  const int64_t m0 = int64_t(blockIdx.x) * kChannelTile;
+  const int valid = p.M - m0 < kChannelTile ? int(p.M - m0) : kChannelTile;
+  const T* x = static_cast<const T*>(p.x);
+
+  // 1. the [C, kChannelTile] slab, 16 bytes per load along positions (scalar at a ragged edge)
+  const int chunks = p.C * (kChannelTile / kVec);
+  for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
+    const int c = i / (kChannelTile / kVec), j = (i % (kChannelTile / kVec)) * kVec;
+    const T* src = x + int64_t(c) * p.x_stride + m0 + j;
+    T* dst = tile + c * kPitch + j;
+    if (p.vector_ok && j + kVec <= valid) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < kVec; ++e) dst[e] = j + e < valid ? src[e] : T(0.f);
+    }
+  }
+  __syncthreads();
+
+  // 2. statistics: kPerPos threads per position, channels c = part, part + kPerPos, ...
+  {
+    const int pos = threadIdx.x / kPerPos, part = threadIdx.x % kPerPos;
+    float sum = 0.f;
+    for (int c = part; c < p.C; c += kPerPos) sum += float(tile[c * kPitch + pos]);
+    const float mean = segment_sum(sum, kPerPos) / float(p.C);
+    float sq = 0.f;
+    for (int c = part; c < p.C; c += kPerPos) {
+      const float d = float(tile[c * kPitch + pos]) - mean;
+      sq = fmaf(d, d, sq);
+    }
+    const float rstd = rsqrtf(segment_sum(sq, kPerPos) / float(p.C) + p.eps);
+    if (part == 0) {
+      stats[pos] = mean;
+      stats[kChannelTile + pos] = rstd;
+      if (pos < valid) p.mean[m0 + pos] = mean, p.rstd[m0 + pos] = rstd;
+    }
+  }
+  __syncthreads();
+
+  // 3. rows [pos][C], 16 bytes (kVec channels) per store
+  const int row_chunks = p.C / kVec;
+  for (int i = threadIdx.x; i < valid * row_chunks; i += blockDim.x) {
+    const int pos = i / row_chunks, c0 = (i % row_chunks) * kVec;
+    const float mean = stats[pos], rstd = stats[kChannelTile + pos];
+    Vec<T> out;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out.v[e] = (float(tile[(c0 + e) * kPitch + pos]) - mean) * rstd;
+    out.store(static_cast<T*>(p.y) + (m0 + pos) * p.y_stride + c0);
+  }
+}
+
+// Backward of layer_norm_channels (no affine: folded into the next projection by the caller):
+// from dy and x_hat [M, C] position-major and rstd [M], dx [C, M] channel-major:
+// dx = rstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)). A CTA computes kChannelTile positions into
+// a shared [C, kChannelTile] tile and writes it with 16-byte stores along positions.
+template <typename T>
+__global__ void __launch_bounds__(kBlockOpThreads) layer_norm_channels_backward_kernel(ChannelNormBackwardParams p) {
+  constexpr int kVec = Vec<T>::kSize;
+  constexpr int kPitch = kChannelTile + kVec;
+  constexpr int kPerPos = kBlockOpThreads / kChannelTile;
+  extern __shared__ __align__(16) char channel_smem[];
+  T* tile = reinterpret_cast<T*>(channel_smem);  // [C][kPitch]
+  const int64_t m0 = int64_t(blockIdx.x) * kChannelTile;
+  const int valid = p.M - m0 < kChannelTile ? int(p.M - m0) : kChannelTile;
+  const int pos = threadIdx.x / kPerPos, part = threadIdx.x % kPerPos;
+  const bool pos_ok = pos < valid;
+  const T* dy = static_cast<const T*>(p.dy) + (m0 + pos) * p.dy_stride;
+  const T* xh = static_cast<const T*>(p.x_hat) + (m0 + pos) * p.x_hat_stride;
+  float sum_g = 0.f, sum_gx = 0.f;
+  if (pos_ok)
+    for (int c = part; c < p.C; c += kPerPos) {
+      const float g = float(dy[c]), x = float(xh[c]);
+      sum_g += g;
+      sum_gx = fmaf(g, x, sum_gx);
+    }
+  const float mean_g = segment_sum(sum_g, kPerPos) / float(p.C);
+  const float mean_gx = segment_sum(sum_gx, kPerPos) / float(p.C);
+  const float rstd = pos_ok ? p.rstd[m0 + pos] : 0.f;
+  for (int c = part; c < p.C; c += kPerPos)
+    tile[c * kPitch + pos] = pos_ok ? T(rstd * (float(dy[c]) - mean_g - float(xh[c]) * mean_gx)) : T(0.f);
+  __syncthreads();
+  const int chunks = p.C * (kChannelTile / kVec);
+  for (int i = threadIdx.x; i < chunks; i += blockDim.x) {
+    const int c = i / (kChannelTile / kVec), j = (i % (kChannelTile / kVec)) * kVec;
+    T* dst = static_cast<T*>(p.dx) + int64_t(c) * p.dx_stride + m0 + j;
+    const T* src = tile + c * kPitch + j;
+    if (p.vector_ok && j + kVec <= valid) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < kVec && j + e < valid; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+}  // namespace block
+}  // namespace evoformer

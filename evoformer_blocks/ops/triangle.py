@@ -1,0 +1,323 @@
+"""The triangle multiplicative update op (AF2 supplement Algorithms 11 and 12) and its backends.
+
+Backends: ``"eager"`` (plain PyTorch, the reference) and ``"cutlass"`` (csrc/cutlass_kernels:
+block_bindings.cpp composes layer-norm and gating kernels with cuBLAS GEMMs and batched triangle
+products in a channel-major layout, so no transpose is ever materialised), chosen by the same
+backend setting as :func:`evoformer_blocks.ops.evoformer_attention`.
+
+The fused path folds the affine parameters of both layer norms into the projections that follow
+them (``LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c)``, with ``x_hat`` the plain normalisation),
+in float32 and differentiably, so its kernels normalise without parameters and every weight
+gradient flows back through that folding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _dispatch, _fused
+from ._dispatch import Backend, Capabilities
+from ._inputs import LOW_PRECISION, describe
+
+Tensor = torch.Tensor
+OP = "triangle_multiplication"
+DIRECTIONS = ("outgoing", "incoming")
+_MAX_CHANNELS = 1024  # half-precision rows of the layer-norm kernels (one warp, four 16-byte chunks per lane)
+
+_WEIGHTS = (
+    "norm_in_weight", "norm_in_bias", "proj_weight", "proj_bias", "gate_weight", "gate_bias",
+    "norm_out_weight", "norm_out_bias", "out_weight", "out_bias",
+)
+
+
+@dataclass(frozen=True)
+class TriangleInputs:
+    """Validated inputs of :func:`triangle_multiplication` (shapes in its docstring)."""
+
+    z: Tensor
+    mask: Optional[Tensor]
+    weights: dict  # name -> Tensor, the keys of _WEIGHTS
+    outgoing: bool
+    eps: float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.z.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.z.device
+
+    @property
+    def c_z(self) -> int:
+        return self.z.shape[-1]
+
+    @property
+    def c_hidden(self) -> int:
+        return self.weights["proj_weight"].shape[0] // 4
+
+    def tensors(self) -> dict[str, Optional[Tensor]]:
+        return {"z": self.z, "mask": self.mask, **self.weights}
+
+
+def _fail(argument: str, rule: str, tensors: dict) -> None:
+    raise ValueError(f"triangle_multiplication: invalid `{argument}`: {rule}\n{describe(tensors)}")
+
+
+def validate(z, mask, weights: dict, direction, eps) -> TriangleInputs:
+    """Checks the arguments of :func:`triangle_multiplication` (``ValueError`` naming the argument)."""
+    tensors = {"z": z, "mask": mask, **weights}
+    if not isinstance(z, torch.Tensor) or not z.dtype.is_floating_point:
+        _fail("z", "must be a floating torch.Tensor [*, N_res, N_res, c_z]", tensors)
+    if z.dim() < 3 or z.shape[-2] != z.shape[-3]:
+        _fail("z", "must be square in its two residue dims: [*, N_res, N_res, c_z]", tensors)
+    if z.shape[-1] < 1:
+        _fail("z", "c_z must be at least 1", tensors)
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            _fail("mask", "must be a torch.Tensor [*, N_res, N_res] or None", tensors)
+        if tuple(mask.shape) != tuple(z.shape[:-1]):
+            _fail("mask", f"must have z's shape without channels, {list(z.shape[:-1])}", tensors)
+        if mask.device != z.device:
+            _fail("mask", f"must be on z's device ({z.device})", tensors)
+    c_z = z.shape[-1]
+    proj = weights.get("proj_weight")
+    if not isinstance(proj, torch.Tensor) or proj.dim() != 2 or proj.shape[0] % 4 or proj.shape[1] != c_z:
+        _fail("proj_weight", f"must be [4 * c_hidden, c_z={c_z}] (a_proj, a_gate, b_proj, b_gate stacked)", tensors)
+    c = proj.shape[0] // 4
+    expected = {
+        "norm_in_weight": (c_z,), "norm_in_bias": (c_z,), "proj_weight": (4 * c, c_z), "proj_bias": (4 * c,),
+        "gate_weight": (c_z, c_z), "gate_bias": (c_z,), "norm_out_weight": (c,), "norm_out_bias": (c,),
+        "out_weight": (c_z, c), "out_bias": (c_z,),
+    }
+    for name, shape in expected.items():
+        t = weights.get(name)
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            _fail(name, "must be a floating torch.Tensor", tensors)
+        if tuple(t.shape) != shape:
+            _fail(name, f"must have shape {list(shape)}, got {list(t.shape)}", tensors)
+        if t.device != z.device:
+            _fail(name, f"must be on z's device ({z.device})", tensors)
+    if direction not in DIRECTIONS:
+        _fail("direction", f"must be one of {list(DIRECTIONS)}, got {direction!r}", tensors)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < math.inf):
+        _fail("eps", f"must be a positive finite number, got {eps!r}", tensors)
+    return TriangleInputs(z, mask, dict(weights), direction == "outgoing", float(eps))
+
+
+def triangle_multiplication(
+    z: Tensor,
+    mask: Optional[Tensor] = None,
+    *,
+    direction: str,
+    norm_in_weight: Tensor,
+    norm_in_bias: Tensor,
+    proj_weight: Tensor,
+    proj_bias: Tensor,
+    gate_weight: Tensor,
+    gate_bias: Tensor,
+    norm_out_weight: Tensor,
+    norm_out_bias: Tensor,
+    out_weight: Tensor,
+    out_bias: Tensor,
+    eps: float = 1e-5,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """The triangle multiplicative update of a pair representation (AF2 Algorithms 11 and 12).
+
+    Dimensions: ``*`` batch dims, ``N`` residues, ``c_z`` pair channels, ``c`` the hidden width of
+    the edges a and b (``c_hidden``).
+
+    Arguments:
+        z: ``[*, N, N, c_z]`` pair representation. mask: ``[*, N, N]`` 0/1 (any dtype) or None.
+        direction: ``"outgoing"`` (Algorithm 11) or ``"incoming"`` (Algorithm 12).
+        norm_in_weight, norm_in_bias: ``[c_z]``, the input layer norm.
+        proj_weight: ``[4 c, c_z]``, proj_bias ``[4 c]``: the projections of a, its gate, b and its
+            gate, stacked in that order (OpenFold's linear_a_p, linear_a_g, linear_b_p, linear_b_g).
+        gate_weight: ``[c_z, c_z]``, gate_bias ``[c_z]``: the output gate (linear_g).
+        norm_out_weight, norm_out_bias: ``[c]``, the layer norm of the triangle product.
+        out_weight: ``[c_z, c]``, out_bias ``[c_z]``: the output projection (linear_z).
+        eps: both layer norms' epsilon.
+        backend: ``"auto"``, ``"eager"`` or ``"cutlass"``; None follows the global setting.
+
+    Returns ``[*, N, N, c_z]`` in z's dtype (the update; no residual added)::
+
+        x = layer_norm(z)
+        a = mask * sigmoid(x W_ag^T + b_ag) * (x W_ap^T + b_ap)         # [*, N, N, c], b likewise
+        outgoing: p[i, j] = sum_k a[i, k] * b[j, k];  incoming: p[i, j] = sum_k a[k, i] * b[k, j]
+        out = sigmoid(x W_g^T + b_g) * (layer_norm(p) W_z^T + b_z)
+
+    Parameters are used in z's dtype (float32 parameters of a half-precision z are rounded, as
+    autocast would); layer-norm statistics are float32. Gradients flow to z and every parameter.
+
+    Raises:
+        ValueError: an argument breaks a rule above, or the requested backend cannot run it.
+    """
+    weights = dict(
+        norm_in_weight=norm_in_weight, norm_in_bias=norm_in_bias, proj_weight=proj_weight, proj_bias=proj_bias,
+        gate_weight=gate_weight, gate_bias=gate_bias, norm_out_weight=norm_out_weight,
+        norm_out_bias=norm_out_bias, out_weight=out_weight, out_bias=out_bias,
+    )
+    inputs = validate(z, mask, weights, direction, eps)
+    if z.numel() == 0:
+        return eager_triangle_multiplication(inputs)
+    return _dispatch.select(OP, inputs, backend).forward(inputs)
+
+
+def eager_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
+    """The op's formula in PyTorch (the ``eager`` backend and the reference of the fused one)."""
+    z, dt = inputs.z, inputs.z.dtype
+    w = {name: t.to(dt) for name, t in inputs.weights.items()}
+    c = inputs.c_hidden
+    x = F.layer_norm(z, (inputs.c_z,), w["norm_in_weight"], w["norm_in_bias"], inputs.eps)  # [*, N, N, c_z]
+    proj = F.linear(x, w["proj_weight"], w["proj_bias"])  # [*, N, N, 4 c]
+    a_p, a_g, b_p, b_g = proj.split(c, dim=-1)  # each [*, N, N, c]
+    a = torch.sigmoid(a_g) * a_p
+    b = torch.sigmoid(b_g) * b_p
+    if inputs.mask is not None:
+        m = inputs.mask.to(dt).unsqueeze(-1)  # [*, N, N, 1]
+        a, b = a * m, b * m
+    if inputs.outgoing:
+        p = torch.einsum("...ikc,...jkc->...ijc", a, b)  # [*, N, N, c]
+    else:
+        p = torch.einsum("...kic,...kjc->...ijc", a, b)  # [*, N, N, c]
+    p = F.layer_norm(p, (c,), w["norm_out_weight"], w["norm_out_bias"], inputs.eps)
+    return torch.sigmoid(F.linear(x, w["gate_weight"], w["gate_bias"])) * F.linear(p, w["out_weight"], w["out_bias"])
+
+
+class EagerTriangleMultiplication(Backend):
+    name = "eager"
+    op = OP
+    capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), device_types=())
+
+    def forward(self, inputs: TriangleInputs) -> Tensor:
+        return eager_triangle_multiplication(inputs)
+
+
+# ---- the fused path ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_fwd", mutates_args=(), device_types="cuda")
+def triangle_fwd(
+    z: Tensor, mask: Optional[Tensor], w_ab: Tensor, b_ab: Tensor, w_g: Tensor, b_g: Tensor, w_z: Tensor,
+    b_z: Tensor, eps: float, outgoing: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """z [B, N, N, c_z] and the folded weights -> (out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y)."""
+    return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing))
+
+
+@triangle_fwd.register_fake
+def _(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing):
+    batch, n, _, c_z = z.shape
+    m, c = batch * n * n, w_ab.shape[0] // 4
+    stat = z.new_empty(m, dtype=torch.float32)
+    return (z.new_empty(z.shape), stat, stat.new_empty(m), z.new_empty(c, m), z.new_empty(c, m), z.new_empty(m, c),
+            stat.new_empty(m), z.new_empty(m, c_z), z.new_empty(m, c_z))
+
+
+@torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_bwd", mutates_args=(), device_types="cuda")
+def triangle_bwd(
+    dout: Tensor, z: Tensor, mask: Optional[Tensor], w_ab: Tensor, b_ab: Tensor, w_g: Tensor, w_z: Tensor,
+    mean_in: Tensor, rstd_in: Tensor, a: Tensor, b: Tensor, n_hat: Tensor, rstd_out: Tensor, g: Tensor, y: Tensor,
+    eps: float, outgoing: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (dz, dw_ab, db_ab float32, dw_g, db_g float32, dw_z, db_z float32)."""
+    return tuple(_fused.kernels().triangle_multiplication_bwd(
+        dout, z, mask, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing
+    ))
+
+
+@triangle_bwd.register_fake
+def _(dout, z, mask, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing):
+    f32 = torch.float32
+    return (z.new_empty(z.shape), w_ab.new_empty(w_ab.shape), w_ab.new_empty(w_ab.shape[0], dtype=f32),
+            w_g.new_empty(w_g.shape), w_g.new_empty(w_g.shape[0], dtype=f32), w_z.new_empty(w_z.shape),
+            w_z.new_empty(w_z.shape[0], dtype=f32))
+
+
+def _save(ctx, z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing, saved) -> None:
+    ctx.save_for_backward(z, mask, w_ab, b_ab, w_g, w_z, *saved)
+    ctx.eps, ctx.outgoing = eps, outgoing
+    ctx.bias_dtypes = (b_g.dtype, b_z.dtype)
+
+
+def _gradients(ctx, dout, backward):
+    z, mask, w_ab, b_ab, w_g, w_z, *saved = ctx.saved_tensors
+    dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z = backward(
+        dout.contiguous(), z, mask, w_ab, b_ab, w_g, w_z, *saved, ctx.eps, ctx.outgoing
+    )
+    g_dtype, z_dtype = ctx.bias_dtypes
+    return dz, None, dw_ab, db_ab, dw_g, db_g.to(g_dtype), dw_z, db_z.to(z_dtype), None, None
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, *inputs, output[1:])
+
+
+triangle_fwd.register_autograd(lambda ctx, dout, *_: _gradients(ctx, dout, triangle_bwd), setup_context=_setup_context)
+
+
+class _FusedTriangleFunction(torch.autograd.Function):
+    """The fused forward and backward with the custom ops' autograd, called without the custom-op
+    layers (less host time per call outside torch.compile)."""
+
+    @staticmethod
+    def forward(ctx, z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing):
+        out, *saved = _fused.kernels().triangle_multiplication_fwd(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing)
+        _save(ctx, z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing, saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _gradients(ctx, dout, _fused.kernels().triangle_multiplication_bwd)
+
+
+def _fold(weight: Tensor, bias: Tensor, norm_weight: Tensor, norm_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(W diag(w), W b + c) in float32 for a projection (W, c) that follows a layer norm (w, b)."""
+    w32 = weight.float()
+    return w32 * norm_weight.float(), torch.addmv(bias.float(), w32, norm_bias.float())
+
+
+def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
+    """The ``cutlass`` backend's computation (differentiable)."""
+    z, dt, w = inputs.z, inputs.z.dtype, inputs.weights
+    n, c_z = z.shape[-2], inputs.c_z
+    zb = z.reshape(-1, n, n, c_z)  # [B, N, N, c_z]
+    mask = None if inputs.mask is None else inputs.mask.reshape(-1, n, n)  # [B, N, N]
+    w_ab, b_ab = _fold(w["proj_weight"], w["proj_bias"], w["norm_in_weight"], w["norm_in_bias"])
+    w_g, b_g = _fold(w["gate_weight"], w["gate_bias"], w["norm_in_weight"], w["norm_in_bias"])
+    w_z, b_z = _fold(w["out_weight"], w["out_bias"], w["norm_out_weight"], w["norm_out_bias"])
+    args = (zb, mask, w_ab.to(dt), b_ab, w_g.to(dt), b_g.to(dt), w_z.to(dt), b_z.to(dt), inputs.eps, inputs.outgoing)
+    if torch.compiler.is_compiling():
+        out = triangle_fwd(*args)[0]
+    else:
+        out = _FusedTriangleFunction.apply(*args)
+    return out.reshape(z.shape)  # [*, N, N, c_z]
+
+
+class CutlassTriangleMultiplication(Backend):
+    name = "cutlass"
+    op = OP
+    capabilities = Capabilities(
+        dtypes=LOW_PRECISION, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
+    )
+
+    def extra_reasons(self, inputs: TriangleInputs) -> list[str]:
+        reasons = []
+        if inputs.c_z % 8 or inputs.c_hidden % 8:
+            reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be multiples of 8")
+        if max(inputs.c_z, inputs.c_hidden) > _MAX_CHANNELS:
+            reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be at most {_MAX_CHANNELS}")
+        return reasons + _fused.build_reasons()
+
+    def forward(self, inputs: TriangleInputs) -> Tensor:
+        return fused_triangle_multiplication(inputs)
+
+
+_dispatch.register(CutlassTriangleMultiplication(), auto_priority=10)
+_dispatch.register(EagerTriangleMultiplication(), auto_priority=100)
