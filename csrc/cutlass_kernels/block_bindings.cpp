@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <tuple>
 
 #include <cutlass/numeric_types.h>
@@ -41,6 +43,18 @@ void by_dtype(at::ScalarType dtype, const char* op, Fn&& fn) {
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// A new output tensor; filled with NaN first when EVOFORMER_BLOCKS_POISON is set, so that a test sees
+// any element a kernel fails to write.
+at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  static const bool poison = [] {
+    const char* env = std::getenv("EVOFORMER_BLOCKS_POISON");
+    return env != nullptr && env[0] != '\0' && env[0] != '0';
+  }();
+  at::Tensor t = at::empty(sizes, options);
+  if (poison && t.numel() > 0) t.fill_(std::nan(""));
+  return t;
+}
 
 // x as [M, C] rows with C contiguous and 16-byte aligned rows (a copy only when the layout is not).
 at::Tensor as_rows(const at::Tensor& x, int64_t C) {
@@ -85,9 +99,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, co
   const int64_t C = x.size(-1);
   at::Tensor rows = as_rows(x, C);  // [M, C]
   const int64_t M = rows.size(0);
-  at::Tensor y = at::empty({M, C}, rows.options());
+  at::Tensor y = output({M, C}, rows.options());
   const auto f32 = rows.options().dtype(at::kFloat);
-  at::Tensor mean = at::empty({M}, f32), rstd = at::empty({M}, f32);
+  at::Tensor mean = output({M}, f32), rstd = output({M}, f32);
   RowNormParams p{rows.data_ptr(), y.data_ptr(), weight, bias, mean.data_ptr<float>(), rstd.data_ptr<float>(),
                   M, M > 1 ? rows.stride(0) : C, C, int(C), row_threads_for(C, rows.element_size()), float(eps)};
   by_dtype(rows.scalar_type(), "layer norm", [&](auto element) {
@@ -103,12 +117,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(const at::Tens
   const int64_t C = x_in.size(-1);
   at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
   const int64_t M = x.size(0);
-  at::Tensor dx = at::empty({M, C}, x.options());
+  at::Tensor dx = output({M, C}, x.options());
   const auto f32 = x.options().dtype(at::kFloat);
   const int row_threads = row_threads_for(C, x.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
   at::Tensor dw_part, db_part;
-  if (affine_grad) dw_part = at::empty({ctas, C}, f32), db_part = at::empty({ctas, C}, f32);
+  if (affine_grad) dw_part = output({ctas, C}, f32), db_part = output({ctas, C}, f32);
   RowNormBackwardParams p{x.data_ptr(), dy.data_ptr(), dx.data_ptr(), weight, mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), affine_grad ? dw_part.data_ptr<float>() : nullptr,
                           affine_grad ? db_part.data_ptr<float>() : nullptr, M, M > 1 ? x.stride(0) : C,
@@ -203,7 +217,7 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   auto [x_hat, mean_in, rstd_in] = norm_rows(z, nullptr, nullptr, eps);
   // projections and gates of both edges, channel-major: [4 c, M] = w_ab [4 c, c_z] . x_hat^T
   at::Tensor ab = at::mm(w_ab, x_hat.t());
-  at::Tensor a = at::empty({s.c, s.M}, z.options()), b = at::empty({s.c, s.M}, z.options());
+  at::Tensor a = output({s.c, s.M}, z.options()), b = output({s.c, s.M}, z.options());
   const at::Tensor bias = b_ab.to(at::kFloat).contiguous();
   const GatePackParams gp{ab.data_ptr(), bias.data_ptr<float>(), mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
                           a.data_ptr(), b.data_ptr(), s.M, s.M, s.M, int(s.c), vector_ok(ab, s.M)};
@@ -212,9 +226,9 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
 
   // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
   const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
-  at::Tensor n_hat = at::empty({s.M, s.c}, z.options());
+  at::Tensor n_hat = output({s.M, s.c}, z.options());
   const auto f32 = z.options().dtype(at::kFloat);
-  at::Tensor mean_out = at::empty({s.M}, f32), rstd_out = at::empty({s.M}, f32);
+  at::Tensor mean_out = output({s.M}, f32), rstd_out = output({s.M}, f32);
   const ChannelNormParams cp{p.data_ptr(), n_hat.data_ptr(), mean_out.data_ptr<float>(), rstd_out.data_ptr<float>(),
                              s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
@@ -222,7 +236,7 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   // y = n_hat . w_z^T + b_z, g = x_hat . w_g^T + b_g, out = sigmoid(g) * y   [M, c_z]
   at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
   at::Tensor g = at::addmm(b_g, x_hat, w_g.t());
-  at::Tensor out = at::empty({s.M, s.cz}, z.options());
+  at::Tensor out = output({s.M, s.cz}, z.options());
   const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, s.cz, int(s.cz),
                              vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
@@ -251,20 +265,23 @@ triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, cons
   const at::Tensor mask_flat = flat_mask(mask, z, s.M);
   const auto f32 = z.options().dtype(at::kFloat);
 
-  // out = sigmoid(g) * y: dg, dy [M, c_z]
-  at::Tensor dg = at::empty({s.M, s.cz}, z.options()), dy = at::empty({s.M, s.cz}, z.options());
+  // out = sigmoid(g) * y: dg, dy [M, c_z] and their column sums (the biases' gradients)
+  at::Tensor dg = output({s.M, s.cz}, z.options()), dy = output({s.M, s.cz}, z.options());
+  const int gate_threads = row_threads_for(s.cz, z.element_size());
+  const int gate_ctas = row_norm_ctas(s.M, gate_threads);
+  at::Tensor dg_part = output({gate_ctas, s.cz}, f32), dy_part = output({gate_ctas, s.cz}, f32);
   const SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
-                                     s.M, s.cz, s.cz, s.cz, s.cz, s.cz, int(s.cz),
-                                     vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(dout, s.cz)};
-  by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, stream); });
+                                     dg_part.data_ptr<float>(), dy_part.data_ptr<float>(), s.M, s.cz, s.cz, s.cz,
+                                     s.cz, s.cz, int(s.cz), gate_threads};
+  by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
+  at::Tensor db_z = dy_part.sum(0), db_g = dg_part.sum(0);  // [c_z], partials summed in a fixed order
 
   // y = n_hat . w_z^T + b_z
-  at::Tensor dw_z = at::mm(dy.t(), n_hat);                   // [c_z, c]
-  at::Tensor db_z = dy.sum(0, /*keepdim=*/false, at::kFloat);  // [c_z]
-  at::Tensor dn = at::mm(dy, w_z);                           // [M, c]
+  at::Tensor dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
+  at::Tensor dn = at::mm(dy, w_z);          // [M, c]
   dy.reset();
   // n_hat = channel layer norm of p: dp [c, M] channel-major
-  at::Tensor dp = at::empty({s.c, s.M}, z.options());
+  at::Tensor dp = output({s.c, s.M}, z.options());
   const ChannelNormBackwardParams cp{dn.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), dp.data_ptr(), s.M,
                                      s.c, s.c, s.M, int(s.c), vector_ok(dp, s.M)};
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels_backward<decltype(e)>(cp, stream); });
@@ -274,8 +291,7 @@ triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, cons
   at::Tensor x_hat = std::get<0>(norm_rows(z, nullptr, nullptr, eps));  // [M, c_z]
   // g = x_hat . w_g^T + b_g
   at::Tensor dx = at::mm(dg, w_g);                           // [M, c_z]
-  at::Tensor dw_g = at::mm(dg.t(), x_hat);                   // [c_z, c_z]
-  at::Tensor db_g = dg.sum(0, /*keepdim=*/false, at::kFloat);  // [c_z]
+  at::Tensor dw_g = at::mm(dg.t(), x_hat);  // [c_z, c_z]
   dg.reset();
 
   // The edges, a group of channels at a time so that the [4 * group, M] temporaries stay small:
@@ -283,8 +299,8 @@ triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, cons
   // projections, then the projection weights' and x_hat's gradients.
   const at::Tensor bias = b_ab.to(at::kFloat).contiguous().view({4, s.c});
   const at::Tensor w4 = w_ab.view({4, s.c, s.cz});
-  at::Tensor dw_ab = at::empty({4, s.c, s.cz}, w_ab.options());
-  at::Tensor db_ab = at::empty({4, s.c}, f32);
+  at::Tensor dw_ab = output({4, s.c, s.cz}, w_ab.options());
+  at::Tensor db_ab = output({4, s.c}, f32);
   const int64_t group = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 4 / 8 * 8));
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
@@ -296,14 +312,18 @@ triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, cons
     at::Tensor wk = w4.narrow(1, c0, k).reshape({4 * k, s.cz});          // rows (ap, ag, bp, bg) of the group
     at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
     at::Tensor abk = at::mm(wk, x_hat.t());                              // [4 k, M]
-    at::Tensor dab = at::empty({4 * k, s.M}, z.options());
+    at::Tensor dab = output({4 * k, s.M}, z.options());
+    const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
+    const int chunks = int(std::max<int64_t>(
+        1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * sm_count() / (2 * k) + 1)));
+    at::Tensor bias_part = output({4 * k, chunks}, f32);
     const GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
                                     mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
-                                    dab.data_ptr(), s.M, s.M, s.M, s.M, int(k),
+                                    dab.data_ptr(), bias_part.data_ptr<float>(), s.M, s.M, s.M, s.M, int(k),
                                     vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
-    by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, stream); });
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
     dw_ab.narrow(1, c0, k).copy_(at::mm(dab, x_hat).view({4, k, s.cz}));
-    db_ab.narrow(1, c0, k).copy_(dab.sum(1, /*keepdim=*/false, at::kFloat).view({4, k}));
+    db_ab.narrow(1, c0, k).copy_(bias_part.sum(1).view({4, k}));
     dx.addmm_(dab.t(), wk);
   }
   dp.reset();

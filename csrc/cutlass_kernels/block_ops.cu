@@ -99,10 +99,9 @@ void launch_gate_pack(const GatePackParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_gate_pack_backward(const GatePackBackwardParams& p, cudaStream_t stream) {
-  const int64_t spans = int64_t(2) * p.C * ((p.M + Vec<T>::kSize - 1) / Vec<T>::kSize);
-  if (spans == 0) return;
-  gate_pack_backward_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+void launch_gate_pack_backward(const GatePackBackwardParams& p, int n_chunks, cudaStream_t stream) {
+  if (p.M == 0 || p.C == 0) return;
+  gate_pack_backward_kernel<T><<<dim3(unsigned(n_chunks), unsigned(2 * p.C)), kBlockOpThreads, 0, stream>>>(p);
   check_launch("evoformer triangle gate pack backward");
 }
 
@@ -115,11 +114,16 @@ void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, cudaStream_t stream) {
-  const int64_t spans = p.M * ((p.C + Vec<T>::kSize - 1) / Vec<T>::kSize);
-  if (spans == 0) return;
-  sigmoid_gate_backward_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
-  check_launch("evoformer sigmoid gate backward");
+void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream) {
+  if (p.M == 0) return;
+  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
+  if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer sigmoid gate backward: row too wide");
+  static_assert(kMaxRowChunks == 4, "one instantiation per chunk count");
+  void (*kernel)(SigmoidGateBackwardParams) = chunks <= 1   ? sigmoid_gate_backward_kernel<T, 1>
+                                              : chunks <= 2 ? sigmoid_gate_backward_kernel<T, 2>
+                                                            : sigmoid_gate_backward_kernel<T, kMaxRowChunks>;
+  launch_rows(kernel, p, n_ctas, (kBlockOpThreads / p.row_threads) * 2 * p.C * 4, stream,
+              "evoformer sigmoid gate backward");
 }
 
 #define EVOFORMER_BLOCK_OPS(T)                                                                      \
@@ -128,9 +132,9 @@ void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, cudaStream
   template void launch_layer_norm_channels<T>(const ChannelNormParams&, cudaStream_t);              \
   template void launch_layer_norm_channels_backward<T>(const ChannelNormBackwardParams&, cudaStream_t); \
   template void launch_gate_pack<T>(const GatePackParams&, cudaStream_t);                           \
-  template void launch_gate_pack_backward<T>(const GatePackBackwardParams&, cudaStream_t);          \
+  template void launch_gate_pack_backward<T>(const GatePackBackwardParams&, int, cudaStream_t);     \
   template void launch_sigmoid_gate<T>(const SigmoidGateParams&, cudaStream_t);                     \
-  template void launch_sigmoid_gate_backward<T>(const SigmoidGateBackwardParams&, cudaStream_t);
+  template void launch_sigmoid_gate_backward<T>(const SigmoidGateBackwardParams&, int, cudaStream_t);
 EVOFORMER_BLOCK_OPS(cutlass::half_t)
 EVOFORMER_BLOCK_OPS(cutlass::bfloat16_t)
 EVOFORMER_BLOCK_OPS(float)

@@ -83,6 +83,7 @@ struct GatePackBackwardParams {
   const void* da;     // [C, M], rows d_stride apart
   const void* db;     // [C, M]
   void* dab;          // [4, C, M], rows dab_stride apart
+  float* bias_part;   // [4 C, n_chunks]: partial row sums of dab (n_chunks = the grid's x extent)
   int64_t M, ab_stride, d_stride, dab_stride;
   int C;
   bool vector_ok;
@@ -103,9 +104,11 @@ struct SigmoidGateBackwardParams {
   const void* dout;  // [M, C]
   void* dg;          // [M, C]
   void* dy;          // [M, C]
-  int64_t M, g_stride, y_stride, dout_stride, dg_stride, dy_stride;
+  float* dg_part;    // [n_ctas, C]: partial column sums of dg
+  float* dy_part;    // [n_ctas, C]: partial column sums of dy
+  int64_t M, g_stride, y_stride, dout_stride, dg_stride, dy_stride;  // rows 16-byte aligned
   int C;
-  bool vector_ok;
+  int row_threads;   // lanes per row, as RowNormParams::row_threads
 };
 
 // Launchers, one instantiation per element type T (cutlass::half_t, cutlass::bfloat16_t, float).
@@ -123,11 +126,11 @@ void launch_layer_norm_channels_backward(const ChannelNormBackwardParams& p, cud
 template <typename T>
 void launch_gate_pack(const GatePackParams& p, cudaStream_t stream);
 template <typename T>
-void launch_gate_pack_backward(const GatePackBackwardParams& p, cudaStream_t stream);
+void launch_gate_pack_backward(const GatePackBackwardParams& p, int n_chunks, cudaStream_t stream);
 template <typename T>
 void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream);
 template <typename T>
-void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, cudaStream_t stream);
+void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream);
 
 // Dynamic shared memory of the channel-norm kernels for C channels of T.
 template <typename T>

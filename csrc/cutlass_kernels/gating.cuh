@@ -71,32 +71,67 @@ __global__ void __launch_bounds__(kBlockOpThreads) gate_pack_kernel(GatePackPara
   });
 }
 
-// Backward of gate_pack: from da, db [C, M] and the recomputed ab, d(ab) [4, C, M].
+// Sum over the CTA's threads, valid in thread 0 (`scratch`: one float per warp).
+__device__ __forceinline__ float cta_sum(float x, float* scratch) {
+  x = segment_sum(x, 32);
+  const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
+  __syncthreads();  // scratch may still be read by an earlier cta_sum
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float total = 0.f;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < int(blockDim.x / 32u); ++w) total += scratch[w];
+  return total;
+}
+
+// Backward of gate_pack: from da, db [C, M] and the recomputed ab, d(ab) [4, C, M], and the bias
+// gradient's partial sums bias_part[4 C, n_chunks]. CTA = (M-chunk blockIdx.x, row blockIdx.y =
+// edge * C + c): it handles the projection and gate rows of that edge and channel.
 template <typename T>
 __global__ void __launch_bounds__(kBlockOpThreads) gate_pack_backward_kernel(GatePackBackwardParams p) {
   constexpr int kVec = Vec<T>::kSize;
+  __shared__ float scratch[kBlockOpThreads / 32];
   const T* ab = static_cast<const T*>(p.ab);
   const T* mask = static_cast<const T*>(p.mask);
-  for_each_span<kVec>(int64_t(2) * p.C, p.M, [&](int64_t r, int64_t m, int n) {
-    const int64_t edge = r / p.C, c = r - edge * p.C;
-    const int64_t proj_row = 2 * edge * p.C + c, gate_row = proj_row + p.C;
+  const int64_t edge = blockIdx.y / p.C, c = blockIdx.y - edge * p.C;
+  const int64_t proj_row = 2 * edge * p.C + c, gate_row = proj_row + p.C;
+  const float bp = p.bias[proj_row], bg = p.bias[gate_row];
+  const T* proj = ab + proj_row * p.ab_stride;
+  const T* gate = ab + gate_row * p.ab_stride;
+  const T* dout = static_cast<const T*>(edge == 0 ? p.da : p.db) + c * p.d_stride;
+  T* d_proj_out = static_cast<T*>(p.dab) + proj_row * p.dab_stride;
+  T* d_gate_out = static_cast<T*>(p.dab) + gate_row * p.dab_stride;
+  const int64_t spans = (p.M + kVec - 1) / kVec, per_chunk = (spans + gridDim.x - 1) / gridDim.x;
+  const int64_t s_end = min(spans, (blockIdx.x + 1) * per_chunk);
+  float sum_proj = 0.f, sum_gate = 0.f;
+  for (int64_t s = blockIdx.x * per_chunk + threadIdx.x; s < s_end; s += blockDim.x) {
+    const int64_t m = s * kVec;
+    const int n = p.M - m < kVec ? int(p.M - m) : kVec;
     Vec<T> vp, vg, vm, vd, d_proj, d_gate;
-    load_span(vp, ab + proj_row * p.ab_stride + m, n, p.vector_ok);
-    load_span(vg, ab + gate_row * p.ab_stride + m, n, p.vector_ok);
-    load_span(vd, static_cast<const T*>(edge == 0 ? p.da : p.db) + c * p.d_stride + m, n, p.vector_ok);
+    load_span(vp, proj + m, n, p.vector_ok);
+    load_span(vg, gate + m, n, p.vector_ok);
+    load_span(vd, dout + m, n, p.vector_ok);
     if (mask != nullptr) load_span(vm, mask + m, n, p.vector_ok);
-    const float bp = p.bias[proj_row], bg = p.bias[gate_row];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const float d = mask != nullptr ? vd.v[e] * vm.v[e] : vd.v[e];
-      const float s = sigmoid(vg.v[e] + bg);
-      d_proj.v[e] = d * s;
-      d_gate.v[e] = d * (vp.v[e] + bp) * s * (1.f - s);
+      const float sg = sigmoid(vg.v[e] + bg);
+      d_proj.v[e] = d * sg;
+      d_gate.v[e] = d * (vp.v[e] + bp) * sg * (1.f - sg);
     }
-    T* dab = static_cast<T*>(p.dab);
-    store_span(d_proj, dab + proj_row * p.dab_stride + m, n, p.vector_ok);
-    store_span(d_gate, dab + gate_row * p.dab_stride + m, n, p.vector_ok);
-  });
+    store_span(d_proj, d_proj_out + m, n, p.vector_ok);
+    store_span(d_gate, d_gate_out + m, n, p.vector_ok);
+    // the bias gradients sum what was stored (rounded to T), as the GEMMs that follow see it
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      if (e < n) sum_proj += float(T(d_proj.v[e])), sum_gate += float(T(d_gate.v[e]));
+  }
+  const float total_proj = cta_sum(sum_proj, scratch);
+  const float total_gate = cta_sum(sum_gate, scratch);
+  if (threadIdx.x == 0) {
+    p.bias_part[proj_row * gridDim.x + blockIdx.x] = total_proj;
+    p.bias_part[gate_row * gridDim.x + blockIdx.x] = total_gate;
+  }
 }
 
 // out = sigmoid(g) * y, [M, C] rows (strides of each tensor in elements).
@@ -113,24 +148,58 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_kernel(SigmoidGa
   });
 }
 
-// dy = dout * sigmoid(g), dg = dout * y * sigmoid'(g) (written over the given outputs).
-template <typename T>
+// dy = dout * sigmoid(g), dg = dout * y * sigmoid'(g), and the per-CTA column sums of both
+// (dy_part, dg_part [n_ctas, C] float32: the gradients of the biases of the projections that made
+// y and g). Rows are spread as in the row layer norm (RowNormThread): row_threads lanes per row,
+// kChunks 16-byte chunks per lane; the CTA's row slots are summed in a fixed order.
+template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(SigmoidGateBackwardParams p) {
   constexpr int kVec = Vec<T>::kSize;
-  for_each_span<kVec>(p.M, p.C, [&](int64_t r, int64_t c, int n) {
-    Vec<T> g, y, d, dg, dy;
-    load_span(g, static_cast<const T*>(p.g) + r * p.g_stride + c, n, p.vector_ok);
-    load_span(y, static_cast<const T*>(p.y) + r * p.y_stride + c, n, p.vector_ok);
-    load_span(d, static_cast<const T*>(p.dout) + r * p.dout_stride + c, n, p.vector_ok);
+  extern __shared__ float gate_sums[];  // [rows_per_cta][2][C]
+  RowNormThread<T, kChunks> th;
+  th.row_threads = p.row_threads;
+  th.sub = int(threadIdx.x % 32u) % p.row_threads;
+  const int rows_per_cta = kBlockOpThreads / p.row_threads, slot = threadIdx.x / p.row_threads;
+  float sum_dy[kChunks][kVec], sum_dg[kChunks][kVec];
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      const float s = sigmoid(g.v[e]);
-      dy.v[e] = d.v[e] * s;
-      dg.v[e] = d.v[e] * y.v[e] * s * (1.f - s);
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sum_dy[c][e] = 0.f, sum_dg[c][e] = 0.f;
+  for (int64_t row = int64_t(blockIdx.x) * rows_per_cta + slot; row < p.M; row += int64_t(gridDim.x) * rows_per_cta) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (!th.valid(c, p.C)) continue;
+      const int col = th.col(c);
+      Vec<T> g, y, d, dg, dy;
+      g.load(static_cast<const T*>(p.g) + row * p.g_stride + col);
+      y.load(static_cast<const T*>(p.y) + row * p.y_stride + col);
+      d.load(static_cast<const T*>(p.dout) + row * p.dout_stride + col);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float s = sigmoid(g.v[e]);
+        dy.v[e] = d.v[e] * s;
+        dg.v[e] = d.v[e] * y.v[e] * s * (1.f - s);
+        sum_dy[c][e] += float(T(dy.v[e]));
+        sum_dg[c][e] += float(T(dg.v[e]));
+      }
+      dy.store(static_cast<T*>(p.dy) + row * p.dy_stride + col);
+      dg.store(static_cast<T*>(p.dg) + row * p.dg_stride + col);
     }
-    store_span(dy, static_cast<T*>(p.dy) + r * p.dy_stride + c, n, p.vector_ok);
-    store_span(dg, static_cast<T*>(p.dg) + r * p.dg_stride + c, n, p.vector_ok);
-  });
+  }
+  float* mine = gate_sums + slot * 2 * p.C;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (!th.valid(c, p.C)) continue;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) mine[th.col(c) + e] = sum_dy[c][e], mine[p.C + th.col(c) + e] = sum_dg[c][e];
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < p.C; col += blockDim.x) {
+    float a = 0.f, b = 0.f;
+    for (int s = 0; s < rows_per_cta; ++s) a += gate_sums[s * 2 * p.C + col], b += gate_sums[s * 2 * p.C + p.C + col];
+    p.dy_part[int64_t(blockIdx.x) * p.C + col] = a;
+    p.dg_part[int64_t(blockIdx.x) * p.C + col] = b;
+  }
 }
 
 }  // namespace block

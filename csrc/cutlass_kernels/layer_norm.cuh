@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_channels_kernel(Ch
 }
 
 // Backward of layer_norm_channels (no affine: folded into the next projection by the caller):
-// from dy and x_hat [M, C] position-major and rstd [M], dx [C, M] channel-major:
+// from dy and x_hat [M, C] position-major (rows 16-byte aligned) and rstd [M], dx [C, M] channel-major:
 // dx = rstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)). A CTA computes kChannelTile positions into
 // a shared [C, kChannelTile] tile and writes it with 16-byte stores along positions.
 template <typename T>
@@ -308,22 +308,38 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_channels_backward_
   T* tile = reinterpret_cast<T*>(channel_smem);  // [C][kPitch]
   const int64_t m0 = int64_t(blockIdx.x) * kChannelTile;
   const int valid = p.M - m0 < kChannelTile ? int(p.M - m0) : kChannelTile;
+  // kPerPos threads per position, each taking the 16-byte chunks part, part + kPerPos, ... of its
+  // rows of dy and x_hat (read twice: the second pass hits L1)
   const int pos = threadIdx.x / kPerPos, part = threadIdx.x % kPerPos;
   const bool pos_ok = pos < valid;
   const T* dy = static_cast<const T*>(p.dy) + (m0 + pos) * p.dy_stride;
   const T* xh = static_cast<const T*>(p.x_hat) + (m0 + pos) * p.x_hat_stride;
+  const int row_chunks = p.C / kVec;
   float sum_g = 0.f, sum_gx = 0.f;
   if (pos_ok)
-    for (int c = part; c < p.C; c += kPerPos) {
-      const float g = float(dy[c]), x = float(xh[c]);
-      sum_g += g;
-      sum_gx = fmaf(g, x, sum_gx);
+    for (int k = part; k < row_chunks; k += kPerPos) {
+      Vec<T> g, x;
+      g.load(dy + k * kVec);
+      x.load(xh + k * kVec);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        sum_g += g.v[e];
+        sum_gx = fmaf(g.v[e], x.v[e], sum_gx);
+      }
     }
   const float mean_g = segment_sum(sum_g, kPerPos) / float(p.C);
   const float mean_gx = segment_sum(sum_gx, kPerPos) / float(p.C);
   const float rstd = pos_ok ? p.rstd[m0 + pos] : 0.f;
-  for (int c = part; c < p.C; c += kPerPos)
-    tile[c * kPitch + pos] = pos_ok ? T(rstd * (float(dy[c]) - mean_g - float(xh[c]) * mean_gx)) : T(0.f);
+  for (int k = part; k < row_chunks; k += kPerPos) {
+    Vec<T> g, x;
+    if (pos_ok) {
+      g.load(dy + k * kVec);
+      x.load(xh + k * kVec);
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      tile[(k * kVec + e) * kPitch + pos] = pos_ok ? T(rstd * (g.v[e] - mean_g - x.v[e] * mean_gx)) : T(0.f);
+  }
   __syncthreads();
   const int chunks = p.C * (kChannelTile / kVec);
   for (int i = threadIdx.x; i < chunks; i += blockDim.x) {

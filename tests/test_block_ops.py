@@ -1,0 +1,186 @@
+"""The layer-norm and triangle-multiplication ops: their semantics (eager backend against independent
+float64 references), validation and dispatch. Nothing here needs a GPU; test_block_ops_cuda.py
+checks the fused backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import evoformer_blocks as eb
+from evoformer_blocks import ops
+from evoformer_blocks.ops import triangle as tri
+
+
+def triangle_weights(c_z: int, c: int, dtype=torch.float64, scale: float = 0.3, requires_grad: bool = False) -> dict:
+    """Random parameters of the triangle op (fresh draws: never zeros)."""
+    def draw(*shape):
+        return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype).requires_grad_(requires_grad)
+
+    w = dict(
+        norm_in_weight=draw(c_z), norm_in_bias=draw(c_z), proj_weight=draw(4 * c, c_z), proj_bias=draw(4 * c),
+        gate_weight=draw(c_z, c_z), gate_bias=draw(c_z), norm_out_weight=draw(c), norm_out_bias=draw(c),
+        out_weight=draw(c_z, c), out_bias=draw(c_z),
+    )
+    with torch.no_grad():
+        w["norm_in_weight"] += 1
+        w["norm_out_weight"] += 1
+    return w
+
+
+def reference_triangle(z, mask, w, outgoing: bool, eps: float = 1e-5) -> torch.Tensor:
+    """AF2 Algorithms 11/12 in float64 with explicit per-projection linears and index loops over k,
+    written independently of the backends."""
+    z = z.double()
+    w = {k: v.double() for k, v in w.items()}
+    c = w["proj_weight"].shape[0] // 4
+    mean = z.mean(-1, keepdim=True)
+    x = (z - mean) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + eps) * w["norm_in_weight"] + w["norm_in_bias"]
+    lin = lambda t, i: t @ w["proj_weight"][i * c:(i + 1) * c].T + w["proj_bias"][i * c:(i + 1) * c]
+    m = torch.ones(z.shape[:-1], dtype=torch.float64) if mask is None else mask.double()
+    a = m[..., None] * torch.sigmoid(lin(x, 1)) * lin(x, 0)  # [*, N, N, c]
+    b = m[..., None] * torch.sigmoid(lin(x, 3)) * lin(x, 2)
+    n = z.shape[-2]
+    p = torch.zeros(*z.shape[:-1], c, dtype=torch.float64)
+    for k in range(n):
+        if outgoing:  # p[i, j] += a[i, k] * b[j, k]
+            p += a[..., :, k, None, :] * b[..., None, :, k, :]
+        else:  # p[i, j] += a[k, i] * b[k, j]
+            p += a[..., k, :, None, :] * b[..., k, None, :, :]
+    pm = p.mean(-1, keepdim=True)
+    pn = (p - pm) / torch.sqrt(p.var(-1, unbiased=False, keepdim=True) + eps) * w["norm_out_weight"] + w["norm_out_bias"]
+    gate = torch.sigmoid(x @ w["gate_weight"].T + w["gate_bias"])
+    return gate * (pn @ w["out_weight"].T + w["out_bias"])
+
+
+def call_triangle(z, mask, w, direction, **kwargs):
+    return ops.triangle_multiplication(z, mask, direction=direction, **w, **kwargs)
+
+
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+@pytest.mark.parametrize("batch, n", [((), 1), ((), 7), ((2,), 5), ((2, 3), 4)])
+def test_triangle_eager_matches_reference(direction, batch, n):
+    z = torch.randn(*batch, n, n, 16, dtype=torch.float64)
+    mask = (torch.rand(*batch, n, n) > 0.3).double()
+    w = triangle_weights(16, 8)
+    out = call_triangle(z, mask, w, direction, backend="eager")
+    torch.testing.assert_close(out, reference_triangle(z, mask, w, direction == "outgoing"), atol=1e-10, rtol=1e-8)
+
+
+def test_triangle_fully_masked_rows_and_columns_and_no_mask():
+    n = 6
+    z = torch.randn(n, n, 8, dtype=torch.float64)
+    mask = torch.ones(n, n, dtype=torch.bool)
+    mask[2, :] = False
+    mask[:, 4] = False
+    w = triangle_weights(8, 8)
+    for direction in ("outgoing", "incoming"):
+        out = call_triangle(z, mask, w, direction, backend="eager")
+        torch.testing.assert_close(out, reference_triangle(z, mask, w, direction == "outgoing"))
+        assert torch.isfinite(out).all()
+    torch.testing.assert_close(call_triangle(z, None, w, "outgoing"), reference_triangle(z, None, w, True))
+
+
+def test_triangle_gradients_float64():
+    z = torch.randn(4, 4, 8, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(4, 4) > 0.2).double()
+    w = triangle_weights(8, 8, requires_grad=True)
+    leaves = (z, *w.values())
+    torch.autograd.gradcheck(
+        lambda z, *ws: call_triangle(z, mask, dict(zip(w, ws)), "incoming", backend="eager"), leaves
+    )
+
+
+def test_triangle_module_routes_through_the_op():
+    module = eb.TriangleMultiplicationOutgoing(16, 8).double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    z = torch.randn(5, 5, 16, dtype=torch.float64)
+    mask = (torch.rand(5, 5) > 0.2).double()
+    w = dict(
+        norm_in_weight=module.layer_norm_in.weight, norm_in_bias=module.layer_norm_in.bias,
+        proj_weight=torch.cat([module.linear_a_p.weight, module.linear_a_g.weight, module.linear_b_p.weight,
+                               module.linear_b_g.weight]),
+        proj_bias=torch.cat([module.linear_a_p.bias, module.linear_a_g.bias, module.linear_b_p.bias,
+                             module.linear_b_g.bias]),
+        gate_weight=module.linear_g.weight, gate_bias=module.linear_g.bias,
+        norm_out_weight=module.layer_norm_out.weight, norm_out_bias=module.layer_norm_out.bias,
+        out_weight=module.linear_z.weight, out_bias=module.linear_z.bias,
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(module(z, mask), reference_triangle(z, mask, w, True))
+
+
+def test_triangle_empty_input():
+    z = torch.randn(0, 3, 3, 8, requires_grad=True)
+    w = triangle_weights(8, 8, dtype=torch.float32)
+    out = call_triangle(z, None, w, "outgoing")
+    assert out.shape == z.shape
+    out.sum().backward()
+    assert z.grad.shape == z.shape
+
+
+@pytest.mark.parametrize(
+    "change, argument",
+    [
+        (lambda a: a.update(z=torch.randn(3, 4, 8)), "z"),
+        (lambda a: a.update(mask=torch.ones(4, 4)), "mask"),
+        (lambda a: a["w"].update(proj_weight=torch.randn(30, 8)), "proj_weight"),
+        (lambda a: a["w"].update(out_weight=torch.randn(8, 3)), "out_weight"),
+        (lambda a: a["w"].update(gate_bias=torch.randn(7)), "gate_bias"),
+        (lambda a: a.update(direction="sideways"), "direction"),
+        (lambda a: a.update(eps=0.0), "eps"),
+    ],
+)
+def test_triangle_invalid_arguments_raise_value_error_naming_them(change, argument):
+    args = dict(z=torch.randn(3, 3, 8), mask=torch.ones(3, 3), w=triangle_weights(8, 8, dtype=torch.float32),
+                direction="outgoing", eps=1e-5)
+    change(args)
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        ops.triangle_multiplication(args["z"], args["mask"], direction=args["direction"], eps=args["eps"], **args["w"])
+
+
+def test_triangle_cutlass_on_cpu_lists_reasons():
+    with pytest.raises(ValueError, match="device type"):
+        call_triangle(torch.randn(3, 3, 8), None, triangle_weights(8, 8, dtype=torch.float32), "outgoing",
+                      backend="cutlass")
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (2, 3, 7, 24), (1, 1)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_eager_matches_functional(shape, affine):
+    x = torch.randn(shape, dtype=torch.float64) * 3 + 1
+    c = shape[-1]
+    w, b = (torch.randn(c, dtype=torch.float64), torch.randn(c, dtype=torch.float64)) if affine else (None, None)
+    torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5), F.layer_norm(x, (c,), w, b, 1e-5))
+
+
+def test_layer_norm_module_is_a_drop_in_for_nn_layer_norm():
+    ours, theirs = eb.LayerNorm(12), torch.nn.LayerNorm(12)
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    with torch.no_grad():
+        ours.weight.normal_(), ours.bias.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize(
+    "args, argument",
+    [
+        (dict(x=torch.randn(3, 4), weight=torch.randn(5)), "weight"),
+        (dict(x=torch.randn(3, 4), bias=torch.randn(4, 1)), "bias"),
+        (dict(x=torch.randint(0, 3, (3, 4))), "x"),
+        (dict(x=torch.randn(3, 4), eps=-1.0), "eps"),
+    ],
+)
+def test_layer_norm_invalid_arguments(args, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        ops.layer_norm(**args)
+
+
+def test_layer_norm_cutlass_on_cpu_lists_reasons():
+    with pytest.raises(ValueError, match="device type"):
+        ops.layer_norm(torch.randn(3, 8), backend="cutlass")
