@@ -83,6 +83,9 @@ A block benchmark on top of this, in outline:
         rows = [[name, measure(IMPLS[name], (block, m, z, masks), leaves,
                                forward_only=args.forward_only).cell()] for name in args.impls]
         print(markdown_table(["impl", "fwd / fwd+bwd ms"], rows))
+
+A per-module breakdown is a second dict of Impls, each running one submodule of the block on the
+same inputs (its leaves: that submodule's parameters and inputs), measured the same way.
 """
 
 from __future__ import annotations
@@ -204,6 +207,8 @@ def make_step(forward: Callable[[], Any], leaves: Sequence[torch.Tensor], *, bac
             out = forward()
             if backward:
                 outs = [t for t in _tensors(out) if t.requires_grad]
+                if not outs:
+                    raise RuntimeError("backward step: no output of the forward requires grad")
                 if not cotangents:
                     gen = torch.Generator(device=outs[0].device).manual_seed(seed)
                     cotangents.extend(torch.randn(t.shape, generator=gen, device=t.device).to(t.dtype) for t in outs)
