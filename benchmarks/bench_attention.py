@@ -1,32 +1,33 @@
-"""Times evoformer_attention against its peers on the suite of ../shared/ANCHORS.md, in one process.
+"""Times evoformer_attention against its peers on the attention suite, in one process.
 
-For each shape: the cutlass backend (on a Hopper GPU also with its portable sm80 kernels,
-"cutlass-sm80"), FlexAttention (torch.compile'd, a score_mod that adds both
-biases), SDPA (mask + pair bias materialized as one [B*N, H, L, L] attn_mask) and the eager backend.
-Forward and forward+backward (gradients of q, k, v and the pair bias) are timed with
-triton.testing.do_bench (median, L2 flushed before each run); peak extra memory is the CUDA
-allocator's peak during one forward+backward above what the inputs hold. The cutlass output's
-error against an fp32 reference is printed too.
+For each shape of SUITE: the cutlass backend (on a GPU where it runs its Hopper kernels also with its
+portable sm80 kernels, "cutlass-sm80", forward and backward), FlexAttention (torch.compile'd, a
+score_mod that adds both biases), SDPA (mask + pair bias materialized as one [B*N, H, L, L]
+attn_mask) and the eager backend. Forward and forward+backward (gradients of q, k, v and the pair
+bias) are timed with triton.testing.do_bench (median, L2 flushed before each run); peak extra memory
+is the CUDA allocator's peak during one forward+backward above what the inputs hold; % of floor is
+the H100's exp-unit / tensor-core floor (Shape.floors_ms) over the measured time. The cutlass
+output's error against an fp32 reference is printed too. On an H100 the stored numbers of the peers
+that do not run in this process (cuEquivariance, trifast, DeepSpeed; RESULTS.md, "Peers") are
+printed under each shape, without ratios.
 
-    python benchmarks/bench_attention.py [--shapes all|quick] [--json out.json]
+    python benchmarks/bench_attention.py [--shapes all|0,4] [--impls cutlass,flex] [--json out.json] [--forward-only]
+
+one_step.py, profile_kernels.py and host_overhead.py run single implementations on this suite
+through attention_step().
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
-import os
-import sys
+import math
 from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+import harness
+from harness import H100_SXM, DeviceLimits, Impl
+import evoformer_blocks.ops.cutlass  # noqa: E402,F401  (kernel_family)
 from evoformer_blocks import ops  # noqa: E402
-
-EXP_PER_S = 132 * 16 * 1.83e9  # H100 SXM MUFU.EX2 throughput (ANCHORS.md)
-MMA_FLOP_PER_S = 989e12  # H100 SXM dense bf16
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,13 @@ class Shape:
     def elements(self) -> int:  # score elements B*N*H*L*L
         return self.batch * self.rows * self.heads * self.length**2
 
-    def floors_ms(self) -> tuple[float, float]:
-        """Forward and forward+backward floors (ANCHORS.md): exp unit vs tensor cores, whichever binds."""
+    def floors_ms(self, limits: DeviceLimits = H100_SXM) -> tuple[float, float]:
+        """Forward and forward+backward floors: per score element the forward needs one exp and
+        4*D matmul FLOP, the backward one exp and 10*D FLOP (FlashAttention's count); whichever
+        unit binds sets the floor (at D = 32 the exp unit forward, the tensor cores backward)."""
         e = self.elements
-        fwd = max(e / EXP_PER_S, 4 * self.head_dim * e / MMA_FLOP_PER_S)
-        bwd = max(e / EXP_PER_S, 10 * self.head_dim * e / MMA_FLOP_PER_S)
+        fwd = max(e / limits.exp_per_s, 4 * self.head_dim * e / limits.dense_bf16_flops)
+        bwd = max(e / limits.exp_per_s, 10 * self.head_dim * e / limits.dense_bf16_flops)
         return fwd * 1e3, (fwd + bwd) * 1e3
 
     def flops(self) -> tuple[float, float]:
@@ -55,6 +58,7 @@ class Shape:
         return fwd, 3.5 * fwd  # backward counted as 2.5x the forward (FlashAttention convention)
 
 
+# The suite: the six shapes the peers below were measured on. Add shapes, never remove one.
 SUITE = [
     Shape("MSA row N512 L256 H8 D32", 512, 256, 8, 32, True),
     Shape("MSA col N256 L512 H8 D32", 256, 512, 8, 32, False),
@@ -64,44 +68,44 @@ SUITE = [
     Shape("MSA row N128 L384 H8 D64", 128, 384, 8, 64, True),
 ]
 
+# Peers that do not run in this process, measured side by side on an H100 80GB HBM3, 2026-11-22,
+# torch 2.11+cu130, bf16, same inputs: forward ms / forward+backward ms / extra peak MiB. The full
+# table, with eager, SDPA and FlexAttention, is RESULTS.md's "Peers" section.
+H100_PEERS_DATE = "2026-11-22"
+H100_PEERS = {
+    "MSA row N512 L256 H8 D32": {"cuEquivariance 0.13": "0.455 / 2.66 / 208", "DeepSpeed": "0.985 / 4.86 / 329"},
+    "MSA col N256 L512 H8 D32": {"cuEquivariance 0.13": "0.845 / 4.78 / 216", "DeepSpeed": "1.526 / 4.65 / 328"},
+    "triangle N256 H4 D32": {"cuEquivariance 0.13": "0.197 / 1.28 / 52", "trifast 0.1.13": "0.309 / 1.87 / 19",
+                             "DeepSpeed": "0.259 / 1.45 / 82"},
+    "triangle N384 H4 D32": {"cuEquivariance 0.13": "0.376 / 2.13 / 117", "trifast 0.1.13": "0.287 / 1.55 / 42",
+                             "DeepSpeed": "0.807 / 4.28 / 186"},
+    "triangle N768 H4 D32": {"cuEquivariance 0.13": "2.770 / 15.6 / 469", "trifast 0.1.13": "1.937 / 10.3 / 167",
+                             "DeepSpeed": "6.194 / 33.0 / 742"},
+    "MSA row N128 L384 H8 D64": {"cuEquivariance 0.13": "0.328 / 1.92 / 151", "DeepSpeed": "0.601 / 3.15 / 149"},
+}
+
 
 def make_inputs(shape: Shape, dtype=torch.bfloat16, seed=0):
+    """(q, k, v, mask_bias, pair_bias): 10 % of keys masked as 1e9 * (mask - 1); pair_bias None for
+    shapes without one."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     b, n, l, h, d = shape.batch, shape.rows, shape.length, shape.heads, shape.head_dim
     q, k, v = (torch.randn(b, n, l, h, d, generator=gen, device="cuda").to(dtype) for _ in range(3))
-    keep = torch.rand(b, n, 1, 1, l, generator=gen, device="cuda") > 0.1  # 10 % of keys off
+    keep = torch.rand(b, n, 1, 1, l, generator=gen, device="cuda") > 0.1
     mask_bias = (1e9 * (keep.to(dtype) - 1)).to(dtype)
     pair_bias = torch.randn(b, 1, h, l, l, generator=gen, device="cuda").to(dtype) if shape.pair else None
     return q, k, v, mask_bias, pair_bias
 
 
+def grad_leaves(inputs, pair_grad: bool = True) -> list[torch.Tensor]:
+    """The tensors the backward differentiates: q, k, v and (with `pair_grad`) the pair bias."""
+    q, k, v, _, p = inputs
+    return [q, k, v] + ([p] if p is not None and pair_grad else [])
+
+
 # ---- implementations: f(q, k, v, mask_bias, pair_bias) -> out [B, N, L, H, D] -------------------
 def run_cutlass(q, k, v, m, p):
     return ops.evoformer_attention(q, k, v, m, p, backend="cutlass")
-
-
-def run_cutlass_sm80(q, k, v, m, p):
-    """The cutlass backend with its portable (sm80) kernels, also on a Hopper GPU: make_step runs
-    forward and backward with ``run_cutlass_sm80.env`` set."""
-    return run_cutlass(q, k, v, m, p)
-
-
-run_cutlass_sm80.env = {"EVOFORMER_BLOCKS_KERNELS": "sm80"}
-
-
-@contextlib.contextmanager
-def environment(variables: dict[str, str]):
-    """Sets environment variables for the duration of a block."""
-    previous = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def run_eager(q, k, v, m, p):
@@ -169,109 +173,100 @@ def run_flex(q, k, v, m, p):
     return out.reshape(b, n, h, l, d).transpose(2, 3)
 
 
-IMPLS = {"cutlass": run_cutlass, "cutlass-sm80": run_cutlass_sm80, "flex": run_flex, "sdpa": run_sdpa, "eager": run_eager}
+IMPLS = {
+    "cutlass": Impl("cutlass", run_cutlass),
+    # the same op with its portable kernels, forward and backward, also on a Hopper GPU
+    "cutlass-sm80": Impl("cutlass-sm80", run_cutlass, env={"EVOFORMER_BLOCKS_KERNELS": "sm80"}),
+    "flex": Impl("flex", run_flex, requires=("triton", "torch.nn.attention.flex_attention")),
+    "sdpa": Impl("sdpa", run_sdpa),
+    "eager": Impl("eager", run_eager),
+}
 
 
-def make_step(fn, inputs, backward: bool, pair_grad: bool = True):
-    """(step, leaves): step() runs fn's forward and, with `backward`, the gradients of q, k, v and
-    (with `pair_grad`) the pair bias for one fixed random dout. `leaves` had requires_grad set to
-    `backward`."""
-    q, k, v, m, p = inputs
-    leaves = [q, k, v] + ([p] if p is not None and pair_grad else [])
-    for t in leaves:
-        t.requires_grad_(backward)
-    dout = torch.randn_like(q) if backward else None
-
-    env = getattr(fn, "env", {})
-
-    def step():
-        with environment(env):
-            out = fn(q, k, v, m, p)
-            if backward:
-                torch.autograd.grad(out, leaves, dout)
-        return out
-
-    return step, leaves
+def hopper_kernels() -> bool:
+    """Whether the cutlass backend runs its Hopper kernels here (builds the kernels)."""
+    try:
+        return ops.cutlass.kernel_family() == "sm90"
+    except Exception:  # no build: the cutlass rows say why
+        return False
 
 
-def bench(fn, inputs, backward: bool) -> tuple[float, float]:
-    """(median ms, peak extra MiB) of forward or forward+backward."""
-    from triton.testing import do_bench
+def default_impls() -> list[str]:
+    """all; cutlass-sm80 only where cutlass runs its Hopper kernels"""
+    return [name for name in IMPLS if name != "cutlass-sm80" or hopper_kernels()]
 
-    step, leaves = make_step(fn, inputs, backward)
-    step()  # compile / build / warm up
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = do_bench(step, warmup=50, rep=300, return_mode="median")
-    for t in leaves:
-        t.requires_grad_(False)
-    return ms, peak
+
+def command_line(doc: str, **options) -> harness.CommandLine:
+    """The harness command line over this suite and these implementations (options: see CommandLine)."""
+    return harness.CommandLine(doc, shapes=[s.name for s in SUITE], impls=list(IMPLS), **options)
+
+
+def attention_step(impl: str, shape: Shape, *, backward: bool, pair_grad: bool = True, seed: int = 0):
+    """A harness step of one implementation on new inputs of `shape` (for ncu, profilers, host time)."""
+    inputs = make_inputs(shape, seed=seed)
+    return harness.make_step(lambda: IMPLS[impl].run(*inputs), grad_leaves(inputs, pair_grad), backward=backward,
+                             env=IMPLS[impl].env)
 
 
 def accuracy(inputs) -> float:
+    """Relative error of the cutlass output against an fp32 eager reference (NaN if cutlass fails)."""
     q, k, v, m, p = inputs
-    with torch.no_grad():
-        out = run_cutlass(q, k, v, m, p).float()
-        ref = run_eager(q.float(), k.float(), v.float(), m.float(), None if p is None else p.float())
+    try:
+        with torch.no_grad():
+            out = run_cutlass(q, k, v, m, p).float()
+            ref = run_eager(q.float(), k.float(), v.float(), m.float(), None if p is None else p.float())
+    except Exception:
+        return math.nan
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def print_shape(shape: Shape, row: dict, impls: list[str], on_h100: bool) -> None:
+    floor_f, floor_fb = row["floor_ms"]
+    flop_f, _ = shape.flops()
+    print(f"\n## {shape.name}  (score elements {shape.elements:.3g}; cutlass error vs fp32 {row['error_vs_fp32']:.2e})")
+    rows = []
+    for name in impls:
+        r = harness.Measurement(**row[name])
+        if not r.ok:
+            rows.append([name, f"fails: {r.error}", "", "", "", "", ""])
+            continue
+        rows.append([name, harness.fmt(r.fwd_ms), harness.fmt(r.fwdbwd_ms), harness.fmt(r.peak_mib, 0),
+                     harness.fmt(flop_f / r.fwd_ms / 1e9, 0), f"{harness.fmt(100 * floor_f / r.fwd_ms, 0)} %",
+                     f"{harness.fmt(100 * floor_fb / r.fwdbwd_ms, 0)} %"])
+    print(harness.markdown_table(
+        ["impl", "fwd ms", "fwd+bwd ms", "peak extra MiB", "fwd TFLOP/s", "fwd % floor", "f+b % floor"], rows))
+    ours = harness.Measurement(**row["cutlass"]) if "cutlass" in impls else None
+    if ours is not None and ours.ok:
+        ratios = []
+        for name in impls:
+            other = harness.Measurement(**row[name])
+            if name != "cutlass" and other.ok:
+                ratios.append(f"{name}: fwd {harness.speedup(other.fwd_ms, ours.fwd_ms)}, "
+                              f"fwd+bwd {harness.speedup(other.fwdbwd_ms, ours.fwdbwd_ms)}")
+        print("speed-up of cutlass over " + "; ".join(ratios))
+    if on_h100 and shape.name in H100_PEERS:
+        stored = "; ".join(f"{peer} {cell}" for peer, cell in H100_PEERS[shape.name].items())
+        print(f"stored H100 peers ({H100_PEERS_DATE}, another process; fwd / fwd+bwd ms / MiB): {stored}")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="all", help="'all', or comma-separated indices into the suite")
-    parser.add_argument("--impls", default=None,
-                        help="comma-separated, from " + ", ".join(IMPLS) + " (default: all; cutlass-sm80 only on a Hopper GPU)")
-    parser.add_argument("--json", default=None, help="write all numbers here")
-    parser.add_argument("--forward-only", action="store_true", help="skip forward+backward (quick A/B of forward kernels)")
-    args = parser.parse_args()
-    shapes = SUITE if args.shapes == "all" else [SUITE[int(i)] for i in args.shapes.split(",")]
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    impls = args.impls.split(",") if args.impls else [i for i in IMPLS if hopper or i != "cutlass-sm80"]
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    cli = command_line(__doc__, default_impls=default_impls)
+    args = cli.parse()
+    print(harness.run_info_line() + (", cutlass runs its Hopper kernels" if hopper_kernels() else ""), flush=True)
+    on_h100 = "H100" in torch.cuda.get_device_name()
     results = []
-    for shape in shapes:
+    for index in args.shapes:
+        shape = SUITE[index]
         inputs = make_inputs(shape)
-        row = {"shape": shape.name, "elements": shape.elements, "error_vs_fp32": accuracy(inputs)}
-        floor_f, floor_fb = shape.floors_ms()
-        flop_f, flop_fb = shape.flops()
-        row["floor_ms"] = (floor_f, floor_fb)
-        for impl in impls:
-            try:
-                f_ms, _ = bench(IMPLS[impl], inputs, backward=False)
-                fb_ms, mib = (float("nan"), float("nan")) if args.forward_only else bench(IMPLS[impl], inputs, backward=True)
-                row[impl] = {"fwd_ms": f_ms, "fwdbwd_ms": fb_ms, "peak_mib": mib}
-            except Exception as exc:  # a peer failing on a shape is a result, not a crash
-                row[impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-            torch.cuda.empty_cache()
+        row = {"shape": shape.name, "elements": shape.elements, "error_vs_fp32": accuracy(inputs),
+               "floor_ms": shape.floors_ms()}
+        for name in args.impls:
+            row[name] = harness.measure(IMPLS[name], inputs, grad_leaves(inputs),
+                                        forward_only=args.forward_only).as_dict()
         results.append(row)
-        print(f"\n## {shape.name}  (score elements {shape.elements:.3g}; cutlass error vs fp32 {row['error_vs_fp32']:.2e})")
-        print("| impl | fwd ms | fwd+bwd ms | peak extra MiB | fwd TFLOP/s | fwd % floor | f+b % floor |")
-        print("|---|---|---|---|---|---|---|")
-        for impl in impls:
-            r = row[impl]
-            if "error" in r:
-                print(f"| {impl} | fails: {r['error']} | | | | | |")
-                continue
-            print(
-                f"| {impl} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | {r['peak_mib']:.0f} | "
-                f"{flop_f / r['fwd_ms'] / 1e9:.0f} | {100 * floor_f / r['fwd_ms']:.0f} % | {100 * floor_fb / r['fwdbwd_ms']:.0f} % |"
-            )
-        if "cutlass" in impls and "error" not in row["cutlass"]:
-            c = row["cutlass"]
-            ratios = []
-            for impl in impls:
-                if impl != "cutlass" and "error" not in row[impl]:
-                    ratios.append(
-                        f"{impl}: fwd {row[impl]['fwd_ms'] / c['fwd_ms']:.2f}x, fwd+bwd {row[impl]['fwdbwd_ms'] / c['fwdbwd_ms']:.2f}x"
-                    )
-            print("speed-up of cutlass over " + "; ".join(ratios), flush=True)
+        print_shape(shape, row, args.impls, on_h100)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":
