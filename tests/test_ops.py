@@ -215,11 +215,16 @@ def test_empty_inputs_give_zeros_and_zero_gradients_without_a_backend(dims, back
 
 
 def test_no_keys_gives_zeros_for_every_query_and_broadcast_bias():
-    # Lk = 0 with queries present: like a query whose keys are all masked with -inf.
-    q, k, v = qkv(2, 3, 4, 0, 2, 3, torch.float32, requires_grad=True)
+    # Lk = 0 with queries present: like a query whose keys are all masked with -inf. q is a view
+    # of a [B, N, H, Lq, D] tensor; the result is contiguous as every backend's.
+    q = torch.randn(2, 3, 2, 4, 3).transpose(2, 3).requires_grad_(True)  # [B, N, Lq, H, D]
+    k, v = (torch.randn(2, 3, 0, 2, 3, requires_grad=True) for _ in range(2))
     pair_bias = torch.zeros(1, 1, 1, 4, 0, requires_grad=True)  # B and H broadcast
     out = evoformer_attention(q, k, v, None, pair_bias)
     assert out.shape == q.shape and torch.equal(out, torch.zeros_like(q)) and q.numel() > 0
+    with torch.no_grad():
+        q.mul_(2)  # the result keeps no reference to its inputs
+    assert out.is_contiguous()
     out.sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q)) and pair_bias.grad.shape == pair_bias.shape
 

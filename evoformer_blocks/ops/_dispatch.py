@@ -9,8 +9,11 @@ setting, a name: ``"auto"`` or a backend name, taken from (first that is set) th
 backend of lowest ``auto_priority`` that can run the inputs.
 
 The state (backends, priorities, the default, the context stack, what was logged) lives in one
-:class:`Registry`, :data:`REGISTRY`; the module-level functions act on it. A second op adds its
-backends with ``op = "<its name>"`` and calls ``select("<its name>", inputs, backend)``.
+:class:`Registry`, :data:`REGISTRY`; the module-level functions act on it, and
+``REGISTRY.isolated()`` undoes a test's changes. A second op gives its backends
+``op = "<its name>"``, registers them with :func:`register` under the shared names, validates its
+inputs into an object with ``device``, ``dtype`` and ``tensors()`` (:class:`OpInputs`), and calls
+``select("<its name>", inputs, backend)``.
 """
 
 from __future__ import annotations
@@ -91,8 +94,10 @@ class Capabilities:
 class Backend:
     """Base class of the backends of every op.
 
-    A subclass sets ``op`` (the op it implements), ``name`` (``"eager"``, ``"cutlass"``, ...) and
-    ``capabilities``, implements :meth:`forward`, and may add :meth:`extra_reasons`.
+    A subclass sets ``op`` (the op it implements; the default is the attention op, for which
+    backends were written before there were several ops), ``name`` (``"eager"``, ``"cutlass"``,
+    ...) and ``capabilities``, implements :meth:`forward`, and may add :meth:`extra_reasons`.
+    Selection calls :meth:`not_supported_reasons`, which subclasses leave as it is.
     """
 
     op: str = ATTENTION_OP

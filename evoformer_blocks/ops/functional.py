@@ -19,14 +19,15 @@ class _NoKeysOrQueries(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_bias, pair_bias):
-        ctx.save_for_backward(q, k, v, mask_bias, pair_bias)
-        return torch.zeros_like(q)  # [B, N, Lq, H, D]
+        # Shapes only: nothing is read back, so later in-place edits of the inputs are fine.
+        ctx.inputs = [None if t is None else (t.shape, t.dtype, t.device) for t in (q, k, v, mask_bias, pair_bias)]
+        return q.new_zeros(q.shape)  # [B, N, Lq, H, D], contiguous like every backend's output
 
     @staticmethod
     def backward(ctx, dout):
         return tuple(
-            None if t is None or not needed else torch.zeros_like(t)
-            for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad)
+            None if like is None or not needed else torch.zeros(like[0], dtype=like[1], device=like[2])
+            for like, needed in zip(ctx.inputs, ctx.needs_input_grad)
         )
 
 
