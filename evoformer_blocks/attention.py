@@ -27,10 +27,14 @@ import math
 from typing import Optional
 
 import torch
+from einops import rearrange
 from torch import nn
 
+from ._checks import check_mask, check_positive_int, check_tensor
 from .ops import backend_names, evoformer_attention
-from .primitives import Linear, check_mask, check_positive_int, check_tensor, compute_dtype, mask_to_bias
+from .ops._dispatch import ATTENTION_OP
+from .ops._inputs import compute_dtype
+from .primitives import Linear, mask_to_bias
 
 __all__ = [
     "MSARowAttentionWithPairBias",
@@ -45,8 +49,8 @@ def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) 
     check_positive_int(owner, **sizes)
     if isinstance(inf, bool) or not isinstance(inf, (int, float)) or not (0 < inf < math.inf):
         raise ValueError(f"{owner}: `inf` must be a positive finite number (e.g. 1e9), got {inf!r}")
-    if backend is not None and backend not in backend_names():
-        raise ValueError(f"{owner}: unknown `backend` {backend!r}; choose one of {backend_names()} or None")
+    if backend is not None and backend not in backend_names(ATTENTION_OP):
+        raise ValueError(f"{owner}: unknown `backend` {backend!r}; choose one of {backend_names(ATTENTION_OP)} or None")
 
 
 class _GatedAttention(nn.Module):
@@ -71,6 +75,19 @@ class _GatedAttention(nn.Module):
         self.layer_norm_z = nn.LayerNorm(c_z)
         self.linear_z = Linear(c_z, self.no_heads, bias=False, init="normal")
 
+    def _pair_bias(self, z: torch.Tensor) -> torch.Tensor:
+        """z: [*, L, L, c_z], already normalized. Returns the op's ``pair_bias`` [B, 1, H, L, L],
+        contiguous: ``bias[b, 0, h, i, j] = linear_z(z[b, i, j])[h]``, the logit bias of query i
+        and key j in head h.
+
+        Computed head-major as ``W @ z^T`` (W: ``linear_z.weight`` [H, c_z]), so no permute or copy
+        follows; the dtype is what ``linear_z(z)`` would give (autocast included).
+        """
+        length = z.shape[-2]
+        z = rearrange(z, "... i j c -> (...) c (i j)")  # [B, c_z, L * L], a view of a contiguous z
+        bias = torch.matmul(self.linear_z.weight, z)  # [B, H, L * L]
+        return rearrange(bias, "b h (i j) -> b 1 h i j", i=length, j=length)  # [B, 1, H, L, L]
+
     def _add_projections(self, c_in: int) -> None:
         hidden = self.c_hidden * self.no_heads
         self.linear_q = Linear(c_in, hidden, bias=False, init="glorot")
@@ -86,39 +103,32 @@ class _GatedAttention(nn.Module):
         pair_bias: Optional[torch.Tensor],
         chunk_size: Optional[int],
     ) -> torch.Tensor:
-        """x: [*, N, L, c_in] (normalized); mask: [*, N, L] 0/1 or None; pair_bias: [*, L, L, H] or None.
+        """x: [*, N, L, c_in] (normalized); mask: [*, N, L] 0/1 or None; pair_bias: [B, 1, H, L, L]
+        (from :meth:`_pair_bias`) or None.
 
-        Row ``n`` attends over its ``L`` positions; ``pair_bias[..., i, j, h]`` is added to the
+        Row ``n`` attends over its ``L`` positions; ``pair_bias[b, 0, h, i, j]`` is added to the
         logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns [*, N, L, c_in].
         """
         batch_shape = x.shape[:-3]
-        n, length, c_in = x.shape[-3:]
-        b = math.prod(batch_shape)
-        heads, c = self.no_heads, self.c_hidden
-
-        x = x.reshape(b, n, length, c_in)  # [B, N, L, c_in]
-        q = self.linear_q(x).view(b, n, length, heads, c)  # [B, N, L, H, C]
-        k = self.linear_k(x).view(b, n, length, heads, c)  # [B, N, L, H, C]
-        v = self.linear_v(x).view(b, n, length, heads, c)  # [B, N, L, H, C]
+        x = rearrange(x, "... n l c -> (...) n l c")  # [B, N, L, c_in]
+        heads = self.no_heads
+        q = rearrange(self.linear_q(x), "b n l (h c) -> b n l h c", h=heads)  # [B, N, L, H, C]
+        k = rearrange(self.linear_k(x), "b n l (h c) -> b n l h c", h=heads)  # [B, N, L, H, C]
+        v = rearrange(self.linear_v(x), "b n l (h c) -> b n l h c", h=heads)  # [B, N, L, H, C]
 
         mask_bias = None
         if mask is not None:
-            mask_bias = mask_to_bias(mask, self.inf, q.dtype).reshape(b, n, 1, 1, length)  # [B, N, 1, 1, L]
-        if pair_bias is not None:
-            pair_bias = pair_bias.reshape(b, 1, length, length, heads)  # [B, 1, L, L, H]
-            pair_bias = pair_bias.permute(0, 1, 4, 2, 3)  # [B, 1, H, L, L]
+            bias = mask_to_bias(mask, self.inf, q.dtype)  # [*, N, L]
+            mask_bias = rearrange(bias, "... n l -> (...) n 1 1 l")  # [B, N, 1, 1, L]
 
-        if q.numel() == 0:
-            o = q  # an empty batch, row set or sequence: nothing to attend over
-        else:
-            o = evoformer_attention(
-                q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
-            )  # [B, N, L, H, C]
+        o = evoformer_attention(
+            q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
+        )  # [B, N, L, H, C]
 
-        g = torch.sigmoid(self.linear_g(x)).view(b, n, length, heads, c)  # [B, N, L, H, C]
-        o = (o * g).reshape(b, n, length, heads * c)  # [B, N, L, H * C]
+        g = torch.sigmoid(self.linear_g(x))  # [B, N, L, H * C]
+        o = g * rearrange(o, "b n l h c -> b n l (h c)")  # [B, N, L, H * C]
         out = self.linear_o(o)  # [B, N, L, c_in]
-        return out.reshape(*batch_shape, n, length, c_in)  # [*, N, L, c_in]
+        return out.reshape(*batch_shape, *out.shape[1:])  # [*, N, L, c_in]
 
 
 class MSARowAttentionWithPairBias(_GatedAttention):
@@ -185,7 +195,7 @@ class MSARowAttentionWithPairBias(_GatedAttention):
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
 
         m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
-        pair_bias = self.linear_z(self.layer_norm_z(z))  # [*, N_res, N_res, H]
+        pair_bias = self._pair_bias(self.layer_norm_z(z))  # [B, 1, H, N_res, N_res]
         return self._attend(m, mask, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
 
 
@@ -237,12 +247,12 @@ class MSAColumnAttention(_GatedAttention):
         check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
         if mask is not None:
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
-            mask = mask.transpose(-1, -2)  # [*, N_res, N_seq]
+            mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]
 
-        m = m.transpose(-2, -3)  # [*, N_res, N_seq, c_m]
+        m = rearrange(m, "... s r c -> ... r s c")  # [*, N_res, N_seq, c_m]
         m = self.layer_norm_m(m)  # [*, N_res, N_seq, c_m]
         out = self._attend(m, mask, None, chunk_size)  # [*, N_res, N_seq, c_m]
-        return out.transpose(-2, -3)  # [*, N_seq, N_res, c_m]
+        return rearrange(out, "... r s c -> ... s r c")  # [*, N_seq, N_res, c_m]
 
 
 class _TriangleAttention(_GatedAttention):
@@ -289,17 +299,18 @@ class _TriangleAttention(_GatedAttention):
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
 
         if not self._starting:
-            z = z.transpose(-2, -3)  # [*, J, I, c_z]: rows are now the ending nodes
+            z = rearrange(z, "... i j c -> ... j i c")  # [*, J, I, c_z]: rows are now the ending nodes
             if mask is not None:
-                mask = mask.transpose(-1, -2)  # [*, J, I]
+                mask = rearrange(mask, "... i j -> ... j i")  # [*, J, I]
 
         z = self.layer_norm_z(z)  # [*, I, J, c_z]
-        # The bias for query (i, j) and key (i, k) comes from the third edge z[j, k].
-        triangle_bias = self.linear_z(z)  # [*, I, J, H]
+        # Row i, query j, key k: the bias comes from the third edge z[j, k], i.e. pair_bias[b, 0, h, j, k]
+        # is linear_z(z[j, k])[h], the same for every row i.
+        triangle_bias = self._pair_bias(z)  # [B, 1, H, J, J]
         out = self._attend(z, mask, triangle_bias, chunk_size)  # [*, I, J, c_z]
 
         if not self._starting:
-            out = out.transpose(-2, -3)  # [*, I, J, c_z] in the caller's orientation
+            out = rearrange(out, "... j i c -> ... i j c")  # [*, I, J, c_z] in the caller's orientation
         return out
 
 
@@ -413,8 +424,8 @@ class MSAColumnGlobalAttention(nn.Module):
         ):
             raise ValueError(f"{name}: `chunk_size` must be a positive int or None, got {chunk_size!r}")
 
-        m = m.transpose(-2, -3)  # [*, N_res, N_seq, c_m]
-        mask = mask.transpose(-1, -2)  # [*, N_res, N_seq]
+        m = rearrange(m, "... s r c -> ... r s c")  # [*, N_res, N_seq, c_m]
+        mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]
         n_res = m.shape[-3]
         if chunk_size is None or chunk_size >= n_res:
             out = self._columns(m, mask)  # [*, N_res, N_seq, c_m]
@@ -426,7 +437,7 @@ class MSAColumnGlobalAttention(nn.Module):
                 ],
                 dim=-3,
             )  # [*, N_res, N_seq, c_m]
-        return out.transpose(-2, -3)  # [*, N_seq, N_res, c_m]
+        return rearrange(out, "... r s c -> ... s r c")  # [*, N_seq, N_res, c_m]
 
     def _columns(self, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """m: [*, R, S, c_m] (R residue columns, S sequences); mask: [*, R, S]. Returns [*, R, S, c_m]."""
@@ -437,19 +448,17 @@ class MSAColumnGlobalAttention(nn.Module):
 
         # Query: the mask-weighted mean of the column's rows, projected to every head.
         count = mask_c.sum(dim=-1, keepdim=True) + self.eps  # [*, R, 1]
-        pooled = (m.to(compute) * mask_c.unsqueeze(-1)).sum(dim=-2) / count  # [*, R, c_m]
-        q = self.linear_q(pooled.to(m.dtype))  # [*, R, H * C]
-        q = q.view(*q.shape[:-1], heads, c)  # [*, R, H, C]
+        pooled = (m.to(compute) * rearrange(mask_c, "... s -> ... s 1")).sum(dim=-2) / count  # [*, R, c_m]
+        q = rearrange(self.linear_q(pooled.to(m.dtype)), "... (h c) -> ... h c", h=heads)  # [*, R, H, C]
         k = self.linear_k(m)  # [*, R, S, C]
         v = self.linear_v(m)  # [*, R, S, C]
 
-        logits = torch.matmul(q, k.transpose(-1, -2)).to(compute) * (c**-0.5)  # [*, R, H, S]
-        logits = logits + mask_to_bias(mask, self.inf, m.dtype).unsqueeze(-2)  # + [*, R, 1, S]
+        logits = torch.matmul(q, rearrange(k, "... s c -> ... c s")).to(compute) * (c**-0.5)  # [*, R, H, S]
+        logits = logits + rearrange(mask_to_bias(mask, self.inf, m.dtype), "... r s -> ... r 1 s")  # + [*, R, 1, S]
         probs = torch.softmax(logits, dim=-1).to(v.dtype)  # [*, R, H, S]
         o = torch.matmul(probs, v)  # [*, R, H, C]
 
-        g = torch.sigmoid(self.linear_g(m))  # [*, R, S, H * C]
-        g = g.view(*g.shape[:-1], heads, c)  # [*, R, S, H, C]
-        o = o.unsqueeze(-3) * g  # [*, R, S, H, C]
-        o = o.reshape(*o.shape[:-2], heads * c)  # [*, R, S, H * C]
+        g = rearrange(torch.sigmoid(self.linear_g(m)), "... s (h c) -> ... s h c", h=heads)  # [*, R, S, H, C]
+        o = rearrange(o, "... h c -> ... 1 h c") * g  # [*, R, S, H, C]
+        o = rearrange(o, "... s h c -> ... s (h c)")  # [*, R, S, H * C]
         return self.linear_o(o)  # [*, R, S, c_m]

@@ -1,6 +1,7 @@
 """Model-size presets as ``ml_collections.ConfigDict``.
 
-Library classes take plain arguments; a preset only gathers them::
+Library classes take plain arguments; a preset only gathers them, and
+:func:`build_from_config` (behind ``EvoformerStack.from_config``) turns one into a module::
 
     from evoformer_blocks import EvoformerStack
     from evoformer_blocks.config import get_config
@@ -16,6 +17,11 @@ shared widths ``c_m``, ``c_z``, ``c_s``, ``c_e`` at the top: the sections refer 
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Mapping
+from typing import Any
 
 import ml_collections
 
@@ -97,3 +103,36 @@ def get_config(name: str) -> ml_collections.ConfigDict:
             dropout=(0.0, 0.0),
         )
     raise ValueError(f"get_config: unknown `name` {name!r}; choose one of {list(PRESETS)}")
+
+
+def _as_dict(owner: str, cfg: Any) -> dict:
+    """A ``ConfigDict``, an OmegaConf ``DictConfig`` (Hydra) or a mapping as a plain dict."""
+    if isinstance(cfg, ml_collections.ConfigDict):
+        return cfg.to_dict()
+    # OmegaConf comes with the example's extra (hydra-core): a DictConfig exists only if it is imported.
+    omegaconf = sys.modules.get("omegaconf")
+    if omegaconf is not None and isinstance(cfg, omegaconf.DictConfig):
+        return omegaconf.OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise ValueError(f"{owner}.from_config: `cfg` must be a ConfigDict, DictConfig or mapping, got {type(cfg).__name__}")
+
+
+def build_from_config(cls, cfg: Any, section: str, overrides: dict):
+    """``cls(**arguments)`` from a config: a mapping (``ConfigDict``, ``DictConfig``, dict) of the
+    constructor's arguments, or a whole preset that holds them under ``section``; ``overrides``
+    win over the config. Unknown or missing arguments raise ``ValueError`` naming them."""
+    owner = cls.__name__
+    arguments = _as_dict(owner, cfg)
+    if section in arguments:
+        arguments = _as_dict(owner, arguments[section])
+    arguments.update(overrides)
+    params = inspect.signature(cls.__init__).parameters
+    accepted = [p for p in params if p != "self"]
+    unknown = sorted(set(arguments) - set(accepted))
+    if unknown:
+        raise ValueError(f"{owner}.from_config: `cfg` has unknown keys {unknown}; accepted: {accepted}")
+    missing = [p for p in accepted if params[p].default is inspect.Parameter.empty and p not in arguments]
+    if missing:
+        raise ValueError(f"{owner}.from_config: `cfg` lacks the required keys {missing}")
+    return cls(**arguments)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ._checks import as_mask, build_from_config, check_optional_positive_int, check_rate
+from ._checks import as_mask, check_optional_positive_int, check_positive_int, check_rate, check_tensor
 from .attention import (
     MSAColumnAttention,
     MSAColumnGlobalAttention,
@@ -26,7 +26,7 @@ from .attention import (
 )
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
-from .primitives import Linear, check_positive_int, check_tensor
+from .primitives import Linear
 from .transitions import MSATransition, PairTransition
 from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
@@ -228,6 +228,8 @@ class _Stack(nn.Module):
         :func:`evoformer_blocks.config.get_config` (then its section named by the class attribute
         ``config_section`` is used: ``evoformer_stack`` or ``extra_msa_stack``).
         Keyword ``overrides`` (e.g. ``backend="eager"``, ``blocks_per_ckpt=1``) win over ``cfg``."""
+        from .config import build_from_config  # imported here: building a module needs no presets
+
         return build_from_config(cls, cfg, cls.config_section, overrides)
 
 

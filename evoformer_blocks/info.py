@@ -1,24 +1,30 @@
 """`python -m evoformer_blocks.info`: the environment, the kernel build, and what each backend can run.
 
-Prints torch / CUDA / GPU, where CUTLASS was found and its version, whether the CUDA extension is
-built (it is built on first use), and for each backend whether it can run a representative input
-on this machine, with the reasons when it cannot. Pass --build to build the kernels now.
+Prints the package's version and location, torch / CUDA / GPU, where the kernel sources are (the
+installed package's data, or the checkout), where CUTLASS was found and its version, whether the
+CUDA extension is built (it is built on first use), and for each backend whether it can run a
+representative input on this machine, with the reasons when it cannot. Pass --build to build the
+kernels now.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+from pathlib import Path
 
 import torch
 
+from . import __version__
 from .ops import _build, backend_names, get_backend, validate
+from .ops._dispatch import ATTENTION_OP
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--build", action="store_true", help="build (or load) the CUDA kernels now")
     args = parser.parse_args()
+    print(f"package    evoformer_blocks {__version__} at {Path(__file__).resolve().parent}")
     print(f"python     {platform.python_version()}")
     print(f"torch      {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     if torch.cuda.is_available():
@@ -42,8 +48,8 @@ def main() -> None:
     q = torch.zeros(1, 1, 8, 1, 32, device=device, dtype=dtype)  # representative [B, N, L, H, D]
     inputs = validate(q, q, q)
     print(f"backends (for {dtype} inputs of head dim 32 on {device}):")
-    for name in backend_names()[1:]:
-        impl = get_backend(name)
+    for name in backend_names(ATTENTION_OP)[1:]:
+        impl = get_backend(name, ATTENTION_OP)
         if name == "cutlass" and not args.build and device == "cuda":
             reasons = impl.not_supported_reasons(inputs) if built else ["not built yet (run with --build)"]
         else:

@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
-from ._checks import as_mask, check_optional_positive_int, check_positive_number
-from .primitives import Linear, check_positive_int, check_tensor
+from ._checks import as_mask, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
+from .primitives import Linear
 
 
 class OuterProductMean(nn.Module):
@@ -40,7 +41,7 @@ class OuterProductMean(nn.Module):
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # a: [*, N_seq, N_i, c_hidden]; b: [*, N_seq, N_j, c_hidden]
         outer = torch.einsum("...sic,...sje->...ijce", a, b)  # [*, N_i, N_j, c_hidden, c_hidden]
-        outer = outer.reshape(*outer.shape[:-2], self.c_hidden * self.c_hidden)  # [*, N_i, N_j, c_hidden²]
+        outer = rearrange(outer, "... c e -> ... (c e)")  # [*, N_i, N_j, c_hidden²]
         return self.linear_out(outer)  # [*, N_i, N_j, c_z]
 
     def forward(
@@ -51,7 +52,7 @@ class OuterProductMean(nn.Module):
         check_optional_positive_int(name, "chunk_size", chunk_size)
         mask = as_mask(name, "mask", mask, m, "[*, N_seq, N_res]")  # [*, N_seq, N_res]
         m = self.layer_norm(m)  # [*, N_seq, N_res, c_m]
-        mask_c = mask.unsqueeze(-1)  # [*, N_seq, N_res, 1]
+        mask_c = rearrange(mask, "... s r -> ... s r 1")  # [*, N_seq, N_res, 1]
         a = self.linear_1(m) * mask_c  # [*, N_seq, N_res, c_hidden]
         b = self.linear_2(m) * mask_c  # [*, N_seq, N_res, c_hidden]
         n_res = m.shape[-2]
@@ -60,5 +61,6 @@ class OuterProductMean(nn.Module):
         else:
             parts = [self._outer(a[..., i : i + chunk_size, :], b) for i in range(0, n_res, chunk_size)]
             out = torch.cat(parts, dim=-3)  # [*, N_res, N_res, c_z]
-        norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
+        norm = torch.einsum("...si,...sj->...ij", mask, mask)  # [*, N_res, N_res]
+        norm = rearrange(norm, "... i j -> ... i j 1")  # [*, N_res, N_res, 1]
         return out / (self.eps + norm)

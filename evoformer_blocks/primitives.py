@@ -2,18 +2,17 @@
 
 * :class:`Linear`: ``nn.Linear`` with the AlphaFold initialization schemes (AF2 supplement 1.11.4).
 * :func:`mask_to_bias`: a 0/1 mask turned into the additive bias ``inf * (mask - 1)``.
-* :func:`check_tensor`: the modules' input check (``ValueError`` naming the argument).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from .ops._inputs import compute_dtype
 
 # Standard deviation of a unit normal truncated to [-2, 2]. A truncated-normal initializer divides
 # the target std by it, so the samples keep the intended spread after truncation.
@@ -113,55 +112,18 @@ class Linear(nn.Linear):
         return f"{super().extra_repr()}, init={self.init!r}"
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype for softmax, masks and reductions: float32 for float16/bfloat16, else ``dtype``."""
-    return torch.float32 if dtype in LOW_PRECISION else dtype
-
-
 def mask_to_bias(mask: torch.Tensor, inf: float, dtype: torch.dtype) -> torch.Tensor:
     """Turns a 0/1 mask (float, int or bool) into the additive attention bias ``inf * (mask - 1)``.
 
     Positions with mask 1 get 0 and positions with mask 0 get ``-inf`` (a large finite number such
-    as 1e9, as in AlphaFold). The result has ``dtype``, except that float16/bfloat16 give float32:
-    ``-1e9`` does not fit in float16, and the attention op accepts float32 biases for any input.
+    as 1e9, as in AlphaFold). The result has the shape of ``mask`` and the compute dtype of
+    ``dtype``: float32 for float16, bfloat16 and float32 inputs (``-1e9`` does not fit in float16,
+    and the attention op accepts float32 biases for any input), float64 for float64.
+
+    This is the one form in which a mask travels from a module to the attention op, converted once
+    per call: a module turns its ``[*, N, L]`` mask (N rows that attend, L keys) into this bias and
+    passes it, batch dims flattened, as the op's ``mask_bias`` ``[B, N, 1, 1, L]``, broadcast by the
+    op over heads and queries; the op adds it to the logits as it is.
+    :class:`~evoformer_blocks.MSAColumnGlobalAttention` adds it to its own logits ``[*, R, 1, S]``.
     """
     return inf * (mask.to(compute_dtype(dtype)) - 1.0)
-
-
-def check_tensor(
-    owner: str, argument: str, value, shape: Sequence[Optional[int]], legend: str, exact: bool = False
-) -> None:
-    """Raises ``ValueError`` unless ``value`` is a floating tensor whose shape ends with ``shape``.
-
-    ``shape`` lists the trailing dimensions, ``None`` where any size is fine; with ``exact`` it is
-    the whole shape (batch dims included). ``legend`` spells the expected shape for the message,
-    e.g. ``"[*, N_seq, N_res, c_m=64]"``.
-    """
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{owner}: `{argument}` must be a torch.Tensor {legend}, got {type(value).__name__}")
-    if not value.dtype.is_floating_point:
-        raise ValueError(f"{owner}: `{argument}` must be a floating-point tensor, got {value.dtype}")
-    ok = (value.dim() == len(shape) if exact else value.dim() >= len(shape)) and all(
-        want is None or got == want for got, want in zip(value.shape[value.dim() - len(shape):], shape)
-    )
-    if not ok:
-        raise ValueError(f"{owner}: `{argument}` must have shape {legend}, got {list(value.shape)}")
-
-
-def check_mask(owner: str, argument: str, mask, like: torch.Tensor, legend: str) -> None:
-    """Raises ``ValueError`` unless ``mask`` is a tensor of shape ``like.shape[:-1]`` on ``like``'s
-    device (any dtype: float, int or bool 0/1)."""
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError(f"{owner}: `{argument}` must be a torch.Tensor {legend} or None, got {type(mask).__name__}")
-    expected = list(like.shape[:-1])
-    if list(mask.shape) != expected:
-        raise ValueError(f"{owner}: `{argument}` must have shape {legend} = {expected}, got {list(mask.shape)}")
-    if mask.device != like.device:
-        raise ValueError(f"{owner}: `{argument}` must be on the input's device {like.device}, got {mask.device}")
-
-
-def check_positive_int(owner: str, **values) -> None:
-    """Raises ``ValueError`` naming the first keyword argument that is not a positive int."""
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")

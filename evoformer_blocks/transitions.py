@@ -6,9 +6,11 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
-from ._checks import as_mask, check_optional_positive_int, chunked
-from .primitives import Linear, check_positive_int, check_tensor
+from ._checks import as_mask, check_optional_positive_int, check_positive_int, check_tensor
+from ._chunking import chunked
+from .primitives import Linear
 
 
 class Transition(nn.Module):
@@ -41,7 +43,8 @@ class Transition(nn.Module):
         name = type(self).__name__
         check_tensor(name, "x", x, (None, None, self.c), f"[*, N_a, N_b, {self.c}]")
         check_optional_positive_int(name, "chunk_size", chunk_size)
-        mask = as_mask(name, "mask", mask, x, "[*, N_a, N_b]").unsqueeze(-1)  # [*, N_a, N_b, 1]
+        mask = as_mask(name, "mask", mask, x, "[*, N_a, N_b]")  # [*, N_a, N_b]
+        mask = rearrange(mask, "... a b -> ... a b 1")  # [*, N_a, N_b, 1]
         return chunked(self._update, {"x": x, "mask": mask}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
 
 

@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 
-from ._checks import as_mask
-from .primitives import Linear, check_positive_int, check_tensor
+from ._checks import as_mask, check_positive_int, check_tensor
+from .primitives import Linear
 
 
 class TriangleMultiplicativeUpdate(nn.Module):
@@ -51,7 +52,8 @@ class TriangleMultiplicativeUpdate(nn.Module):
         check_tensor(name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]")
         if z.shape[-2] != z.shape[-3]:
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
-        mask = as_mask(name, "mask", mask, z, "[*, N_res, N_res]").unsqueeze(-1)  # [*, N_res, N_res, 1]
+        mask = as_mask(name, "mask", mask, z, "[*, N_res, N_res]")  # [*, N_res, N_res]
+        mask = rearrange(mask, "... i j -> ... i j 1")  # [*, N_res, N_res, 1]
         x = self.layer_norm_in(z)  # [*, N_res, N_res, c_z]
         a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)  # [*, N_res, N_res, c_hidden]
         b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)  # [*, N_res, N_res, c_hidden]

@@ -32,7 +32,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
-import hydra
+try:
+    import hydra
+except ModuleNotFoundError as exc:  # Hydra comes with the example's extra, not with the library
+    raise SystemExit('examples/train.py needs Hydra: pip install -e ".[example]"') from exc
 import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore

@@ -53,12 +53,11 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _restore_default_backend():
-    """A test that calls ``set_backend`` does not leak its choice into the next test."""
-    saved = _dispatch._default
-    yield
-    _dispatch._default = saved
-    assert not _dispatch._context_stack, "a `with ops.backend(...)` block was left open"
+def _isolated_backends():
+    """What a test does to the backend registry (backends registered, ``set_backend``, ``with
+    ops.backend(...)`` blocks, messages logged once) does not leak into the next test."""
+    with _dispatch.REGISTRY.isolated():
+        yield
 
 
 def _reference_attention(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> torch.Tensor:
@@ -87,39 +86,39 @@ def reference_attention():
 
 
 class RecordingBackend(_dispatch.Backend):
-    """A test backend that computes like eager and records every call; it can refuse inputs."""
+    """A test backend of the attention op that computes like eager and records every call; it can
+    refuse inputs, and its capabilities can say it is not deterministic."""
 
-    def __init__(self, name: str, calls: list, refuse: Optional[str] = None) -> None:
+    op = _dispatch.ATTENTION_OP
+
+    def __init__(self, name: str, calls: list, refuse: Optional[str] = None, deterministic: bool = True) -> None:
         self.name = name
-        self.capabilities = _dispatch.Capabilities(dtypes=(torch.float32, torch.float64), device_types=())
+        self.capabilities = _dispatch.Capabilities(
+            dtypes=(torch.float32, torch.float64), device_types=(), deterministic=deterministic
+        )
         self.calls = calls
         self.refuse = refuse
+        self.seen: list = []  # the AttentionInputs of every call
 
     def extra_reasons(self, inputs) -> list[str]:
         return [self.refuse] if self.refuse else []
 
     def forward(self, inputs, chunk_size):
         self.calls.append(self.name)
+        self.seen.append(inputs)
         return eager_attention(inputs, chunk_size)
 
 
 @pytest.fixture
 def recording_backends():
-    """Registers backends ``"spy_a"`` and ``"spy_b"`` (tried after the real ones by ``auto``).
+    """Registers backends ``"spy_a"`` and ``"spy_b"`` of the attention op (tried after the real ones
+    by ``auto``) for the test's duration.
 
     Yields ``(calls, backends)``: the list of backend names in call order and a dict name ->
-    :class:`RecordingBackend` (set ``.refuse`` to a reason to make one refuse). Unregistered after.
+    :class:`RecordingBackend` (set ``.refuse`` to a reason to make one refuse).
     """
-    saved = (dict(_dispatch._REGISTRY), dict(_dispatch._PRIORITY), list(_dispatch._AUTO_ORDER))
     calls: list[str] = []
     backends = {name: RecordingBackend(name, calls) for name in ("spy_a", "spy_b")}
     for priority, impl in enumerate(backends.values(), start=1000):
         _dispatch.register(impl, auto_priority=priority)
-    try:
-        yield calls, backends
-    finally:
-        _dispatch._REGISTRY.clear()
-        _dispatch._REGISTRY.update(saved[0])
-        _dispatch._PRIORITY.clear()
-        _dispatch._PRIORITY.update(saved[1])
-        _dispatch._AUTO_ORDER[:] = saved[2]
+    yield calls, backends

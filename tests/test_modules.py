@@ -247,6 +247,85 @@ def test_empty_batch(name, batch):
     assert inputs[0].grad.shape == inputs[0].shape
 
 
+def shaped_inputs(spec: Spec, n_seq: int, n_res: int, dtype=F64) -> tuple:
+    """The spec's inputs with batch (2,) and the given MSA depth and residue count."""
+    m = torch.randn(2, n_seq, n_res, C_M, dtype=dtype)
+    z = torch.randn(2, n_res, n_res, C_Z, dtype=dtype)
+    if spec.mask_dims == (N_RES, N_RES):
+        return (z,)
+    return (m, z) if spec is SPECS["msa_row"] else (m,)
+
+
+EMPTY_LENGTHS = [
+    pytest.param(name, n_seq, n_res, id=f"{name}-{label}")
+    for name, spec in SPECS.items()
+    for label, n_seq, n_res in [("no_sequences", 0, N_RES), ("no_residues", N_SEQ, 0)]
+    if label == "no_residues" or spec.mask_dims == (N_SEQ, N_RES)  # the pair modules have no sequences
+]
+
+
+@pytest.mark.parametrize("name,n_seq,n_res", EMPTY_LENGTHS)
+def test_empty_sequences_or_residues(name, n_seq, n_res):
+    spec = SPECS[name]
+    module = randomized(spec)
+    inputs = tuple(t.requires_grad_(True) for t in shaped_inputs(spec, n_seq, n_res))
+    mask_dims = (n_res, n_res) if spec.mask_dims == (N_RES, N_RES) else (n_seq, n_res)
+    out = module(*inputs, torch.ones(2, *mask_dims, dtype=F64))
+    assert out.shape == inputs[0].shape
+    out.sum().backward()
+    for t in inputs:  # e.g. z of the MSA row attention without sequences: connected, gradient zero
+        assert t.grad.shape == t.shape and torch.equal(t.grad, torch.zeros_like(t))
+
+
+# What reaches the op: the pair bias [B, 1, H, L, L] head-major and contiguous, the mask as the
+# float32 additive bias [B, N, 1, 1, L]. Expected values from the float64 helpers above; rows/keys
+# of the op are (sequence, residue) for MSA row, (residue, sequence) for MSA column, (i, k) for
+# the starting and (j, k) for the ending triangle.
+OP_VIEW = {
+    "msa_row": (lambda mask: mask, lambda b: b),
+    "msa_column": (lambda mask: mask.transpose(-1, -2), None),
+    "triangle_start": (lambda mask: mask, lambda b: b),
+    "triangle_end": (lambda mask: mask.transpose(-1, -2), lambda b: b.transpose(-2, -3)),
+}
+
+
+@pytest.mark.parametrize("name", list(OP_VIEW))
+def test_biases_reach_the_op_in_its_layout(name, recording_backends):
+    _, backends = recording_backends
+    spec = SPECS[name]
+    module = randomized(spec, torch.float32, backend="spy_a")
+    inputs = spec.inputs((2,), torch.float32)
+    mask = random_mask((2,), spec.mask_dims, torch.float32)
+    module(*inputs, mask.bool())
+    [seen] = backends["spy_a"].seen
+    rows_of_mask, rows_of_bias = OP_VIEW[name]
+
+    expected_mask = additive(rows_of_mask(mask).double(), module.inf)[:, :, None, None, :]  # [B, N, 1, 1, L]
+    assert seen.mask_bias.dtype == torch.float32 and seen.mask_bias.shape == expected_mask.shape
+    assert torch.equal(seen.mask_bias.double(), expected_mask)
+
+    if rows_of_bias is None:
+        assert seen.pair_bias is None
+        return
+    z = inputs[-1].double()
+    b = rows_of_bias(lin(ln(z, module.layer_norm_z.double()), module.linear_z.double()))  # [B, q, k, H]
+    expected_pair = torch.einsum("bqkh->bhqk", b)[:, None]  # [B, 1, H, L, L]
+    assert seen.pair_bias.is_contiguous() and seen.pair_bias.dtype == torch.float32
+    assert seen.pair_bias.shape == expected_pair.shape
+    torch.testing.assert_close(seen.pair_bias.double(), expected_pair, rtol=1e-5, atol=1e-5)
+
+
+def test_pair_bias_dtype_follows_autocast(recording_backends):
+    # As linear_z(z) would: bfloat16 under autocast, whatever the parameters' dtype.
+    _, backends = recording_backends
+    spec = SPECS["triangle_start"]
+    module = randomized(spec, torch.float32, backend="spy_a")
+    bias = module._pair_bias(module.layer_norm_z(spec.inputs((2,), torch.float32)[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bias_bf16 = module._pair_bias(module.layer_norm_z(spec.inputs((2,), torch.float32)[0]))
+    assert bias.dtype == torch.float32 and bias_bf16.dtype == torch.bfloat16 and bias_bf16.is_contiguous()
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_mask_none_bool_and_float_agree(name):
     spec = SPECS[name]

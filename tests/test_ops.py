@@ -3,12 +3,15 @@ validation, backend selection and the DS4Sci shim."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 
 import pytest
 import torch
 
 from evoformer_blocks import ops
+from evoformer_blocks.ops import _dispatch
 from evoformer_blocks.ops import DS4Sci_EvoformerAttention, evoformer_attention
 
 F64 = torch.float64
@@ -187,6 +190,64 @@ def test_half_precision_close_to_reference(dtype, bias_dtype, reference_attentio
     assert_close(out, reference_attention(q, k, v, mask_bias, pair_bias), dtype)
 
 
+# ---------------------------------------------------------------- empty inputs
+
+# (B, N, Lq, Lk): each of the four may be 0.
+EMPTY = {"B0": (0, 3, 4, 5), "N0": (2, 0, 4, 5), "Lq0": (2, 3, 0, 5), "Lk0": (2, 3, 4, 0), "all0": (0, 0, 0, 0)}
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "cutlass", "spy_a"])
+@pytest.mark.parametrize("dims", EMPTY.values(), ids=list(EMPTY))
+def test_empty_inputs_give_zeros_and_zero_gradients_without_a_backend(dims, backend, recording_backends):
+    calls, _ = recording_backends
+    b, n, lq, lk = dims
+    q, k, v = qkv(b, n, lq, lk, 2, 3, F64, requires_grad=True)
+    mask_bias = torch.randn(b, n, 1, 1, lk, dtype=F64, requires_grad=True)
+    pair_bias = torch.randn(b, 1, 2, lq, lk, dtype=F64, requires_grad=True)
+    leaves = (q, k, v, mask_bias, pair_bias)
+    out = evoformer_attention(*leaves, backend=backend, chunk_size=2)
+    assert out.shape == (b, n, lq, 2, 3) and out.dtype == F64
+    assert torch.equal(out, torch.zeros_like(out))
+    assert calls == []  # no backend ran, so even one that cannot run these inputs (cutlass on CPU) is fine
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    for name, leaf, grad in zip(("q", "k", "v", "mask_bias", "pair_bias"), leaves, grads):
+        assert grad.shape == leaf.shape and torch.equal(grad, torch.zeros_like(leaf)), name
+
+
+def test_no_keys_gives_zeros_for_every_query_and_broadcast_bias():
+    # Lk = 0 with queries present: like a query whose keys are all masked with -inf. q is a view
+    # of a [B, N, H, Lq, D] tensor; the result is contiguous as every backend's.
+    q = torch.randn(2, 3, 2, 4, 3).transpose(2, 3).requires_grad_(True)  # [B, N, Lq, H, D]
+    k, v = (torch.randn(2, 3, 0, 2, 3, requires_grad=True) for _ in range(2))
+    pair_bias = torch.zeros(1, 1, 1, 4, 0, requires_grad=True)  # B and H broadcast
+    out = evoformer_attention(q, k, v, None, pair_bias)
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(q)) and q.numel() > 0
+    with torch.no_grad():
+        q.mul_(2)  # the result keeps no reference to its inputs
+    assert out.is_contiguous()
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and pair_bias.grad.shape == pair_bias.shape
+
+
+def test_empty_inputs_still_check_the_backend_name_and_arguments():
+    q, k, v = qkv(0, 3, 4, 5, 2, 3)
+    with pytest.raises(ValueError, match="backend.*'nope'"):
+        evoformer_attention(q, k, v, backend="nope")
+    with pytest.raises(ValueError, match="`chunk_size`"):
+        evoformer_attention(q, k, v, chunk_size=0)
+    with pytest.raises(ValueError, match="`mask_bias`"):
+        evoformer_attention(q, k, v, torch.zeros(0, 3, 1, 1, 4))
+
+
+def test_empty_inputs_under_torch_compile():
+    q, k, v = qkv(2, 3, 4, 0, 2, 3, torch.float32, requires_grad=True)
+    compiled = torch.compile(lambda q, k, v: evoformer_attention(q, k, v) + 1, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    assert torch.equal(out, torch.ones_like(q))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
 # ---------------------------------------------------------------- DS4Sci shim
 
 
@@ -243,7 +304,8 @@ INVALID = {
     "k other heads": (lambda a: {"k": a["k"][:, :, :, :1], "v": a["v"][:, :, :, :1]}, "k"),
     "k other batch": (lambda a: {"k": a["k"][:1], "v": a["v"][:1]}, "k"),
     "k other head dim": (lambda a: {"k": a["k"][..., :2], "v": a["v"][..., :2]}, "k"),
-    "empty q": (lambda a: {"q": a["q"][:, :, :0]}, "q"),
+    "zero heads": (lambda a: {"q": a["q"][..., :0, :], "k": a["k"][..., :0, :], "v": a["v"][..., :0, :]}, "q"),
+    "zero head dim": (lambda a: {"q": a["q"][..., :0], "k": a["k"][..., :0], "v": a["v"][..., :0]}, "q"),
     "k on meta": (lambda a: {"k": a["k"].to(META)}, "k"),
     "v on meta": (lambda a: {"v": a["v"].to(META)}, "v"),
     "mask_bias on meta": (lambda a: {"mask_bias": a["mask_bias"].to(META)}, "mask_bias"),
@@ -394,3 +456,136 @@ def test_cutlass_on_cpu_lists_reasons():
     torch.testing.assert_close(
         evoformer_attention(q, k, v, backend="auto"), evoformer_attention(q, k, v, backend="eager"), rtol=0, atol=0
     )
+
+
+@pytest.fixture
+def deterministic_mode():
+    """``deterministic_mode(warn_only)`` turns torch.use_deterministic_algorithms on; restored after."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda warn_only=False: torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def test_deterministic_algorithms_pass_over_nondeterministic_backends(recording_backends, deterministic_mode, caplog):
+    calls, backends = recording_backends
+    q, k, v = qkv()
+    spy = backends["spy_a"]
+    spy.capabilities = dataclasses.replace(spy.capabilities, deterministic=False)
+    ops.register(spy, auto_priority=-1)  # auto tries spy_a first
+    evoformer_attention(q, k, v)
+    assert calls == ["spy_a"]  # without deterministic mode it runs
+
+    deterministic_mode()
+    calls.clear()
+    with caplog.at_level(logging.INFO, logger="evoformer_blocks"):
+        out = evoformer_attention(q, k, v)
+    assert calls == []  # auto went on to eager
+    torch.testing.assert_close(out, evoformer_attention(q, k, v, backend="eager"), rtol=0, atol=0)
+    assert "using 'eager'; skipped 'spy_a' because it is not deterministic" in caplog.text
+    with pytest.raises(ValueError, match="backend 'spy_a' cannot run.*\n.*not deterministic"):
+        evoformer_attention(q, k, v, backend="spy_a")
+    assert calls == []
+
+    deterministic_mode(warn_only=True)  # as torch does: a named backend runs, with a warning
+    with pytest.warns(UserWarning, match="'spy_a' runs although it is not deterministic"):
+        evoformer_attention(q, k, v, backend="spy_a")
+    assert calls == ["spy_a"]
+    evoformer_attention(q, k, v)  # auto still prefers a deterministic backend
+    assert calls == ["spy_a"]
+
+
+def test_deterministic_backends_run_in_deterministic_mode(recording_backends, deterministic_mode):
+    calls, _ = recording_backends
+    deterministic_mode()
+    evoformer_attention(*qkv(), backend="spy_b")
+    assert calls == ["spy_b"]
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_capability_table_then_one_backend_hook(recording_backends):
+    _, backends = recording_backends
+    spy = backends["spy_a"]
+    asked = []
+    spy.extra_reasons = lambda inputs: asked.append(inputs) or ["its own reason"]
+    half = ops.validate(*(t.half() for t in qkv()))
+    assert spy.not_supported_reasons(half) == ["dtype torch.float16 is not supported (supported: float32, float64)"]
+    assert asked == []  # the hook only sees inputs the table accepts: it may build kernels
+    assert spy.not_supported_reasons(ops.validate(*qkv())) == ["its own reason"]
+    assert len(asked) == 1
+
+
+def test_register_refuses_a_second_backend_under_a_taken_name(recording_backends):
+    calls, backends = recording_backends
+    impostor = type(backends["spy_a"])("spy_a", calls)
+    with pytest.raises(ValueError, match="op 'evoformer_attention' already has a backend 'spy_a'"):
+        ops.register(impostor, auto_priority=1)
+    ops.register(backends["spy_a"], auto_priority=1)  # the same object again: a new priority
+    assert ops.backend_names()[:3] == ["auto", "spy_a", "cutlass"]
+    with pytest.raises(ValueError, match="`auto_priority`"):
+        ops.register(backends["spy_b"], auto_priority="first")
+
+
+class _SecondOpBackend(ops.Backend):
+    """A backend of another op that returns q as it is and records its calls."""
+
+    op = "second_op"
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name = name
+        self.capabilities = ops.Capabilities(dtypes=(torch.float32,), device_types=())
+        self.calls = calls
+
+    def forward(self, inputs, chunk_size):
+        self.calls.append(f"second_op:{self.name}")
+        return inputs.q
+
+
+def test_a_second_op_shares_the_one_setting(recording_backends, monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    calls, _ = recording_backends
+    second_eager, second_spy = _SecondOpBackend("eager", calls), _SecondOpBackend("spy_b", calls)
+    ops.register(second_eager, auto_priority=100)
+    ops.register(second_spy, auto_priority=5)
+    assert ops.backend_names("second_op") == ["auto", "spy_b", "eager"]
+    assert ops.backend_names("evoformer_attention") == ["auto", "cutlass", "eager", "spy_a", "spy_b"]
+    assert ops.get_backend("eager", "second_op") is second_eager
+    inputs = ops.validate(*qkv())
+    assert _dispatch.select("second_op", inputs, None) is second_spy  # auto, in the op's own order
+    with ops.backend("eager"):  # one setting for both ops
+        assert _dispatch.select("second_op", inputs, None) is second_eager
+        assert _dispatch.select("evoformer_attention", inputs, None) is ops.get_backend("eager")
+    ops.set_backend("spy_a")  # a name the second op has no backend for
+    assert _dispatch.select("evoformer_attention", inputs, None) is not None
+    with pytest.raises(ValueError, match="second_op: backend 'spy_a' has no implementation of this op"):
+        _dispatch.select("second_op", inputs, None)
+    monkeypatch.setenv(_dispatch.ENV_VAR, "spy_b")
+    ops.set_backend(None)
+    assert _dispatch.select("second_op", inputs, None) is second_spy
+    # Refusals name the op.
+    doubles = ops.validate(*qkv(dtype=F64))
+    with pytest.raises(ValueError, match="second_op: backend 'eager' cannot run these inputs"):
+        _dispatch.select("second_op", doubles, "eager")
+    with pytest.raises(ValueError, match="second_op: no backend can run these inputs"):
+        _dispatch.select("second_op", doubles, "auto")
+    with pytest.raises(ValueError, match="op: unknown op 'third_op'"):
+        _dispatch.select("third_op", inputs, None)
+    assert calls == []  # selection alone runs nothing
+
+
+def test_isolated_registry_undoes_every_change(recording_backends, monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    calls, _ = recording_backends
+    registry = _dispatch.REGISTRY
+    names = ops.backend_names()
+    with registry.isolated():
+        ops.register(_SecondOpBackend("spy_c", calls), auto_priority=1)
+        ops.set_backend("spy_c")
+        left_open = registry.use("eager")
+        left_open.__enter__()
+        assert ops.get_default_backend() == "eager" and "spy_c" in ops.backend_names()
+    assert ops.backend_names() == names and ops.get_default_backend() == "auto"
+    assert registry.ops() == ["evoformer_attention"]
+    left_open.__exit__(None, None, None)  # closes on the state it was opened on
+    assert ops.get_default_backend() == "auto"

@@ -7,9 +7,18 @@ else eager). See :func:`evoformer_attention`.
 
 from . import cutlass as _cutlass  # noqa: F401  (registers the cutlass backend)
 from . import eager as _eager  # noqa: F401  (registers the eager backend)
-from ._dispatch import Backend, Capabilities, backend, backend_names, get_backend, get_default_backend, set_backend
+from ._dispatch import (
+    Backend,
+    Capabilities,
+    backend,
+    backend_names,
+    get_backend,
+    get_default_backend,
+    register,
+    set_backend,
+)
 from ._inputs import AttentionInputs, validate
-from .attention import DS4Sci_EvoformerAttention, evoformer_attention
+from .functional import DS4Sci_EvoformerAttention, evoformer_attention
 
 __all__ = [
     "evoformer_attention",
@@ -21,6 +30,7 @@ __all__ = [
     "backend_names",
     "Backend",
     "Capabilities",
+    "register",
     "AttentionInputs",
     "validate",
 ]

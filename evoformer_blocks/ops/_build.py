@@ -1,5 +1,9 @@
 """JIT build of the CUDA kernels in csrc/cutlass_kernels with torch.utils.cpp_extension and ninja.
 
+- Sources: an installed package (``pip install .`` or a wheel) carries them as package data,
+  ``evoformer_blocks/_csrc/cutlass_kernels`` (pyproject.toml maps the repository's ``csrc/`` there);
+  a checkout or an editable install has no such directory and reads the checkout's
+  ``csrc/cutlass_kernels``, so edits there rebuild.
 - CUTLASS headers: ``$CUTLASS_PATH`` (its ``include/``) or the ``nvidia-cutlass`` wheel's
   ``cutlass_library/source/include``, found without importing the package.
 - Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else the visible GPU's compute capability.
@@ -24,7 +28,12 @@ from typing import Iterator, Optional
 
 import torch
 
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cutlass_kernels"
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # evoformer_blocks/
+INSTALLED_SOURCE_DIR = _PACKAGE_DIR / "_csrc" / "cutlass_kernels"  # package data of an installed package
+CHECKOUT_SOURCE_DIR = _PACKAGE_DIR.parent / "csrc" / "cutlass_kernels"  # a checkout, an editable install
+SOURCE_DIR = INSTALLED_SOURCE_DIR if INSTALLED_SOURCE_DIR.is_dir() else CHECKOUT_SOURCE_DIR
+# What a build reads, and what the package data carries (pyproject.toml lists the same patterns).
+SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h", ".json")
 OP_NAMESPACE = "evoformer_blocks_cuda"
 
 CUDA_FLAGS = [
@@ -78,7 +87,10 @@ def cutlass_version(include_dir: Path) -> str:
 def sources() -> list[Path]:
     """The bindings (attention and block ops), common.cu, block_ops.cu and one .cu per instantiation."""
     if not SOURCE_DIR.is_dir():
-        raise FileNotFoundError(f"kernel sources not found at {SOURCE_DIR} (install the package from its source tree)")
+        raise FileNotFoundError(
+            f"kernel sources not found at {INSTALLED_SOURCE_DIR} (installed package) "
+            f"nor at {CHECKOUT_SOURCE_DIR} (checkout); reinstall the package"
+        )
     fixed = ["bindings.cpp", "block_bindings.cpp", "common.cu", "block_ops.cu"]
     return [SOURCE_DIR / name for name in fixed] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
 
@@ -117,7 +129,7 @@ def build_key(arch: str, include_dir: Path) -> str:
                  " ".join(_flags(arch)[0]), " ".join(_flags(arch)[1]), sys.version.split()[0]):
         h.update(item.encode() + b"\0")
     for path in sorted(SOURCE_DIR.rglob("*")):
-        if path.suffix in (".cpp", ".cu", ".cuh", ".h"):
+        if path.suffix in SOURCE_SUFFIXES:
             h.update(str(path.relative_to(SOURCE_DIR)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -208,7 +220,11 @@ def load_error() -> Optional[str]:
 
 def status() -> dict[str, str]:
     """What `python -m evoformer_blocks.info` prints about the build."""
-    info: dict[str, str] = {"sources": str(SOURCE_DIR)}
+    origin = "installed package data" if SOURCE_DIR == INSTALLED_SOURCE_DIR else "checkout"
+    try:
+        info = {"sources": f"{SOURCE_DIR} ({origin}, {len(sources())} files to compile)"}
+    except FileNotFoundError as exc:
+        info = {"sources": f"missing ({exc})"}
     try:
         include_dir = cutlass_include_dir()
         info["cutlass"] = f"{cutlass_version(include_dir)} at {include_dir}"

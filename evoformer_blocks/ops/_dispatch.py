@@ -1,10 +1,19 @@
-"""Backend selection: the one place where the op decides which implementation runs.
+"""Backend selection: the one place where an op decides which implementation runs.
 
-A backend states what it supports as data (:class:`Capabilities`) and answers
-``not_supported_reasons(inputs)``. The setting is one name: ``"auto"``, ``"eager"`` or
-``"cutlass"``, taken from (first that is set) the op's ``backend=`` argument, the innermost
-``with backend(...)`` block, :func:`set_backend`, the ``EVOFORMER_BLOCKS_BACKEND`` environment
-variable, else ``"auto"``.
+Every op of the package (today ``evoformer_attention``) has backends registered under names such
+as ``"eager"`` and ``"cutlass"``; a backend states what it supports as data
+(:class:`Capabilities`) plus one hook of its own (:meth:`Backend.extra_reasons`). All ops share ONE
+setting, a name: ``"auto"`` or a backend name, taken from (first that is set) the op's
+``backend=`` argument, the innermost ``with backend(...)`` block, :func:`set_backend`, the
+``EVOFORMER_BLOCKS_BACKEND`` environment variable, else ``"auto"``. ``auto`` takes the op's
+backend of lowest ``auto_priority`` that can run the inputs.
+
+The state (backends, priorities, the default, the context stack, what was logged) lives in one
+:class:`Registry`, :data:`REGISTRY`; the module-level functions act on it, and
+``REGISTRY.isolated()`` undoes a test's changes. A second op gives its backends
+``op = "<its name>"``, registers them with :func:`register` under the shared names, validates its
+inputs into an object with ``device``, ``dtype`` and ``tensors()`` (:class:`OpInputs`), and calls
+``select("<its name>", inputs, backend)``.
 """
 
 from __future__ import annotations
@@ -12,29 +21,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
-from typing import Iterator, Optional
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Protocol
 
 import torch
 
-from ._inputs import AttentionInputs, describe
+from ._inputs import describe
 
 logger = logging.getLogger("evoformer_blocks")
 
 ENV_VAR = "EVOFORMER_BLOCKS_BACKEND"
 AUTO = "auto"
+ATTENTION_OP = "evoformer_attention"
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend can run, as data."""
+class OpInputs(Protocol):
+    """What selection reads from an op's validated inputs (e.g. :class:`AttentionInputs`).
 
-    dtypes: tuple[torch.dtype, ...]
-    device_types: tuple[str, ...]  # e.g. ("cuda",); () means any device
-    head_dim_multiple: int = 1
-    max_head_dim: Optional[int] = None
-    min_compute_capability: Optional[tuple[int, int]] = None
-    deterministic: bool = True
+    ``head_dim`` is read only by a backend whose :class:`Capabilities` limit it.
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def tensors(self) -> dict[str, Optional[torch.Tensor]]: ...
 
 
 @torch.compiler.assume_constant_result
@@ -42,139 +56,294 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-class Backend:
-    """Base class of the attention backends."""
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run, as data; :meth:`reasons` checks inputs against it."""
 
+    dtypes: tuple[torch.dtype, ...]
+    device_types: tuple[str, ...]  # e.g. ("cuda",); () means any device
+    head_dim_multiple: int = 1
+    max_head_dim: Optional[int] = None
+    min_compute_capability: Optional[tuple[int, int]] = None
+    # False: results may differ from run to run (e.g. atomics). Under
+    # torch.use_deterministic_algorithms(True) selection skips (auto) or refuses (named) it.
+    deterministic: bool = True
+
+    def reasons(self, inputs: OpInputs) -> list[str]:
+        """Why this table excludes ``inputs``; empty when it does not."""
+        reasons = []
+        if self.device_types and inputs.device.type not in self.device_types:
+            reasons.append(f"device type {inputs.device.type!r} is not one of {list(self.device_types)}")
+        if inputs.dtype not in self.dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            reasons.append(f"dtype {inputs.dtype} is not supported (supported: {names})")
+        if self.head_dim_multiple != 1 or self.max_head_dim is not None:
+            d = inputs.head_dim
+            if d % self.head_dim_multiple:
+                reasons.append(f"head dim D={d} is not a multiple of {self.head_dim_multiple}")
+            if self.max_head_dim is not None and d > self.max_head_dim:
+                reasons.append(f"head dim D={d} exceeds the maximum {self.max_head_dim}")
+        if self.min_compute_capability is not None and inputs.device.type == "cuda":
+            cc = _capability(inputs.device.index or 0)
+            if cc < self.min_compute_capability:
+                want = "%d.%d" % self.min_compute_capability
+                reasons.append(f"compute capability {cc[0]}.{cc[1]} is below {want}")
+        return reasons
+
+
+class Backend:
+    """Base class of the backends of every op.
+
+    A subclass sets ``op`` (the op it implements; the default is the attention op, for which
+    backends were written before there were several ops), ``name`` (``"eager"``, ``"cutlass"``,
+    ...) and ``capabilities``, implements :meth:`forward`, and may add :meth:`extra_reasons`.
+    Selection calls :meth:`not_supported_reasons`, which subclasses leave as it is.
+    """
+
+    op: str = ATTENTION_OP
     name: str = ""
     capabilities: Capabilities
 
-    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
-        """Reasons this backend cannot run ``inputs``; empty when it can."""
-        caps = self.capabilities
-        reasons = []
-        if caps.device_types and inputs.device.type not in caps.device_types:
-            reasons.append(f"device type {inputs.device.type!r} is not one of {list(caps.device_types)}")
-        if inputs.dtype not in caps.dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in caps.dtypes)
-            reasons.append(f"dtype {inputs.dtype} is not supported (supported: {names})")
-        d = inputs.head_dim
-        if d % caps.head_dim_multiple:
-            reasons.append(f"head dim D={d} is not a multiple of {caps.head_dim_multiple}")
-        if caps.max_head_dim is not None and d > caps.max_head_dim:
-            reasons.append(f"head dim D={d} exceeds the maximum {caps.max_head_dim}")
-        if caps.min_compute_capability is not None and inputs.device.type == "cuda":
-            cc = _capability(inputs.device.index or 0)
-            if cc < caps.min_compute_capability:
-                want = "%d.%d" % caps.min_compute_capability
-                reasons.append(f"compute capability {cc[0]}.{cc[1]} is below {want}")
-        return reasons + self.extra_reasons(inputs)
+    def not_supported_reasons(self, inputs: OpInputs) -> list[str]:
+        """Reasons this backend cannot run ``inputs``; empty when it can.
 
-    def extra_reasons(self, inputs: AttentionInputs) -> list[str]:
-        """Backend-specific reasons beyond the capability table (e.g. the build failed)."""
+        The capability table first; only inputs it accepts reach :meth:`extra_reasons`, so that
+        hook may do costly work (such as a first-use build).
+        """
+        return self.capabilities.reasons(inputs) or self.extra_reasons(inputs)
+
+    def extra_reasons(self, inputs: OpInputs) -> list[str]:
+        """The backend's own reasons beyond the capability table (e.g. its kernels failed to build)."""
         return []
 
-    def forward(self, inputs: AttentionInputs, chunk_size: Optional[int]) -> torch.Tensor:
-        raise NotImplementedError
+    def forward(self, inputs: OpInputs, chunk_size: Optional[int]) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} implements no forward")
 
 
-_REGISTRY: dict[str, Backend] = {}
-_AUTO_ORDER: list[str] = []  # most preferred first
-_default: Optional[str] = None
-_context_stack: list[str] = []
-_logged: set[str] = set()
+@dataclass
+class _State:
+    backends: dict[str, dict[str, Backend]] = field(default_factory=dict)  # op -> name -> backend
+    priorities: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, name) -> auto priority
+    order: dict[str, list[str]] = field(default_factory=dict)  # op -> backend names, auto's order
+    default: Optional[str] = None  # set_backend
+    context: list[str] = field(default_factory=list)  # `with backend(...)` blocks, innermost last
+    logged: set[str] = field(default_factory=set)
+
+    def copy(self) -> "_State":
+        return _State(
+            backends={op: dict(named) for op, named in self.backends.items()},
+            priorities=dict(self.priorities),
+            order={op: list(names) for op, names in self.order.items()},
+            default=self.default,
+            context=list(self.context),
+            logged=set(self.logged),
+        )
 
 
-_PRIORITY: dict[str, int] = {}
+class Registry:
+    """The backends of every op, their ``auto`` priorities, and the one backend setting."""
+
+    def __init__(self) -> None:
+        self._state = _State()
+
+    # ------------------------------------------------------------------ backends
+
+    def register(self, backend_impl: Backend, auto_priority: int) -> None:
+        """Adds ``backend_impl`` under ``(backend_impl.op, backend_impl.name)``; ``auto`` tries an
+        op's backends in increasing ``auto_priority``. Registering the same object again only
+        changes its priority; another object under a taken name raises ``ValueError``."""
+        op, name = backend_impl.op, backend_impl.name
+        if not isinstance(backend_impl, Backend) or not op or not name or name == AUTO:
+            raise ValueError(
+                f"register: `backend_impl` must be a Backend with an `op` and a `name` other than {AUTO!r}, "
+                f"got {type(backend_impl).__name__} (op={op!r}, name={name!r})"
+            )
+        if isinstance(auto_priority, bool) or not isinstance(auto_priority, int):
+            raise ValueError(f"register: `auto_priority` must be an int, got {auto_priority!r}")
+        backends = self._state.backends.setdefault(op, {})
+        present = backends.get(name)
+        if present is not None and present is not backend_impl:
+            raise ValueError(
+                f"register: op {op!r} already has a backend {name!r} ({type(present).__name__}); "
+                f"got another ({type(backend_impl).__name__})"
+            )
+        backends[name] = backend_impl
+        self._state.priorities[(op, name)] = auto_priority
+        self._state.order[op] = sorted(backends, key=lambda n: self._state.priorities[(op, n)])
+
+    def ops(self) -> list[str]:
+        return list(self._state.backends)
+
+    def names(self, op: Optional[str] = None) -> list[str]:
+        """``"auto"`` then the backend names of ``op`` in ``auto`` order (``None``: of every op)."""
+        if op is not None:
+            return [AUTO] + self._state.order[self._check_op(op)]
+        names = [AUTO]
+        for order in self._state.order.values():
+            names += [n for n in order if n not in names]
+        return names
+
+    def get(self, name: str, op: str = ATTENTION_OP) -> Backend:
+        """The backend ``name`` of ``op``."""
+        self._check_op(op)
+        if name == AUTO:
+            raise ValueError(f"name: {AUTO!r} is a selection rule, not a backend; choose one of {self.names(op)[1:]}")
+        if not isinstance(name, str) or name not in self._state.backends[op]:
+            raise ValueError(f"name: unknown backend {name!r} of op {op!r}; choose one of {self.names(op)[1:]}")
+        return self._state.backends[op][name]
+
+    def _check_op(self, op: str) -> str:
+        if op not in self._state.backends:
+            raise ValueError(f"op: unknown op {op!r}; registered: {self.ops()}")
+        return op
+
+    # ------------------------------------------------------------------ the setting
+
+    def check_name(self, name, argument: str, op: Optional[str] = None) -> str:
+        """``name`` if it is ``"auto"`` or a backend (of ``op``, or of any op); else ``ValueError``
+        naming ``argument``."""
+        if not isinstance(name, str) or name not in self.names(op):
+            where = "" if op is None else f" for op {op!r}"
+            raise ValueError(f"{argument}: unknown backend {name!r}{where}; choose one of {self.names(op)}")
+        return name
+
+    def set_default(self, name: Optional[str]) -> None:
+        """Sets the process-wide default (``None`` returns to the environment/auto default)."""
+        self._state.default = None if name is None else self.check_name(name, "set_backend")
+
+    def default(self) -> str:
+        """The name in effect when an op's ``backend=`` argument is None."""
+        if self._state.context:
+            return self._state.context[-1]
+        if self._state.default is not None:
+            return self._state.default
+        env = os.environ.get(ENV_VAR)
+        if env:
+            return self.check_name(env.strip().lower(), f"environment variable {ENV_VAR}")
+        return AUTO
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """``with registry.use("eager"): ...`` selects a backend for the calls inside the block."""
+        state = self._state  # the block's own, should isolated() swap the state meanwhile
+        state.context.append(self.check_name(name, "backend"))
+        try:
+            yield
+        finally:
+            state.context.pop()
+
+    def resolve(self, op: str, requested: Optional[str]) -> str:
+        """The name that applies to a call of ``op`` whose ``backend=`` argument is ``requested``:
+        ``"auto"`` or a backend of ``op`` (else ``ValueError``)."""
+        name = self.default() if requested is None else self.check_name(requested, "backend")
+        if name != AUTO and name not in self._state.backends[self._check_op(op)]:
+            raise ValueError(f"{op}: backend {name!r} has no implementation of this op; choose one of {self.names(op)}")
+        return name
+
+    # ------------------------------------------------------------------ selection
+
+    def select(self, op: str, inputs: OpInputs, requested: Optional[str]) -> Backend:
+        """Returns the backend of ``op`` that will run ``inputs``.
+
+        A named backend that cannot run them raises ``ValueError`` with its reasons; ``auto``
+        takes the first backend with no reasons and logs once why the ones before it were skipped.
+        Under ``torch.use_deterministic_algorithms(True)`` a backend whose capabilities say
+        ``deterministic=False`` cannot run (with ``warn_only=True``: a named one runs and warns).
+        """
+        name = self.resolve(op, requested)
+        if name != AUTO:
+            impl = self._state.backends[op][name]
+            reasons = self._reasons(impl, inputs, named=True)
+            if reasons:
+                raise ValueError(
+                    f"{op}: backend {name!r} cannot run these inputs:\n  - "
+                    + "\n  - ".join(reasons)
+                    + f"\n{describe(inputs.tensors())}\nUse backend='auto' to fall back to another backend."
+                )
+            return impl
+        skipped = []
+        for candidate in self._state.order[op]:
+            impl = self._state.backends[op][candidate]
+            reasons = self._reasons(impl, inputs, named=False)
+            if not reasons:
+                if skipped:
+                    on_gpu = inputs.device.type == "cuda"
+                    self._log_once(
+                        f"{op}(auto): using {candidate!r}; skipped " + "; ".join(skipped),
+                        logging.WARNING if on_gpu else logging.INFO,
+                    )
+                return impl
+            skipped.append(f"{candidate!r} because " + ", ".join(reasons))
+        raise ValueError(f"{op}: no backend can run these inputs: " + "; ".join(skipped))
+
+    def _reasons(self, impl: Backend, inputs: OpInputs, named: bool) -> list[str]:
+        """The backend's reasons, plus the determinism rule: with ``warn_only=True`` a named
+        backend still runs, with a warning; ``auto`` always passes over it."""
+        reasons = list(impl.not_supported_reasons(inputs))
+        if impl.capabilities.deterministic or not torch.are_deterministic_algorithms_enabled():
+            return reasons
+        rule = "it is not deterministic and torch.use_deterministic_algorithms(True) is set"
+        if named and torch.is_deterministic_algorithms_warn_only_enabled():
+            if not torch.compiler.is_compiling():
+                warnings.warn(f"{impl.op}: backend {impl.name!r} runs although {rule}", UserWarning, stacklevel=4)
+            return reasons
+        return reasons + [rule]
+
+    def _log_once(self, message: str, level: int) -> None:
+        # Logging is skipped while torch.compile traces, so selection never breaks a graph.
+        if message in self._state.logged or torch.compiler.is_compiling():
+            return
+        self._state.logged.add(message)
+        logger.log(level, message)
+
+    # ------------------------------------------------------------------ tests
+
+    @contextlib.contextmanager
+    def isolated(self) -> Iterator["Registry"]:
+        """Inside the block, changes to the registry (backends registered, ``set_backend``, open
+        ``with backend(...)`` blocks, what was logged) are undone on exit; the log starts empty."""
+        saved = self._state
+        self._state = saved.copy()
+        self._state.logged = set()
+        try:
+            yield self
+        finally:
+            self._state = saved
+
+
+REGISTRY = Registry()
 
 
 def register(backend_impl: Backend, auto_priority: int) -> None:
-    """Adds a backend; ``auto`` tries backends in increasing ``auto_priority``."""
-    _REGISTRY[backend_impl.name] = backend_impl
-    _PRIORITY[backend_impl.name] = auto_priority
-    _AUTO_ORDER[:] = sorted(_REGISTRY, key=_PRIORITY.__getitem__)
+    """Adds a backend of ``backend_impl.op``; ``auto`` tries backends in increasing ``auto_priority``."""
+    REGISTRY.register(backend_impl, auto_priority)
 
 
-def backend_names() -> list[str]:
-    return [AUTO] + list(_AUTO_ORDER)
+def backend_names(op: Optional[str] = None) -> list[str]:
+    """``"auto"`` and the backend names of ``op`` (``None``: of every op), in ``auto`` order."""
+    return REGISTRY.names(op)
 
 
-def get_backend(name: str) -> Backend:
-    _check_name(name, "name")
-    if name == AUTO:
-        raise ValueError(f"name: {AUTO!r} is a selection rule, not a backend; choose one of {list(_AUTO_ORDER)}")
-    return _REGISTRY[name]
-
-
-def _check_name(name, argument: str) -> str:
-    if not isinstance(name, str) or (name != AUTO and name not in _REGISTRY):
-        raise ValueError(f"{argument}: unknown backend {name!r}; choose one of {backend_names()}")
-    return name
+def get_backend(name: str, op: str = ATTENTION_OP) -> Backend:
+    """The backend ``name`` of ``op`` (``"auto"`` is a rule, not a backend, and raises)."""
+    return REGISTRY.get(name, op)
 
 
 def set_backend(name: Optional[str]) -> None:
-    """Sets the process-wide default backend (``None`` returns to the environment/auto default)."""
-    global _default
-    _default = None if name is None else _check_name(name, "set_backend")
+    """Sets the process-wide default backend of every op (``None``: back to the environment/auto)."""
+    REGISTRY.set_default(name)
 
 
 def get_default_backend() -> str:
-    """The backend name in effect when the op's ``backend=`` argument is None."""
-    if _context_stack:
-        return _context_stack[-1]
-    if _default is not None:
-        return _default
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return _check_name(env.strip().lower(), f"environment variable {ENV_VAR}")
-    return AUTO
+    """The backend name in effect when an op's ``backend=`` argument is None."""
+    return REGISTRY.default()
 
 
-@contextlib.contextmanager
-def backend(name: str) -> Iterator[None]:
-    """``with backend("eager"): ...`` selects a backend for the calls inside the block."""
-    _context_stack.append(_check_name(name, "backend"))
-    try:
-        yield
-    finally:
-        _context_stack.pop()
+def backend(name: str) -> contextlib.AbstractContextManager:
+    """``with backend("eager"): ...`` selects a backend for every op called inside the block."""
+    return REGISTRY.use(name)
 
 
-def _log_once(message: str, level: int) -> None:
-    # Logging is skipped while torch.compile traces, so selection never breaks a graph.
-    if message in _logged or torch.compiler.is_compiling():
-        return
-    _logged.add(message)
-    logger.log(level, message)
-
-
-def select(inputs: AttentionInputs, requested: Optional[str]) -> Backend:
-    """Returns the backend that will run ``inputs``.
-
-    A named backend that cannot run raises ``ValueError`` with its reasons; ``auto`` takes the first
-    backend with no reasons and logs once why the ones before it were skipped.
-    """
-    name = get_default_backend() if requested is None else _check_name(requested, "backend")
-    if name != AUTO:
-        impl = _REGISTRY[name]
-        reasons = impl.not_supported_reasons(inputs)
-        if reasons:
-            raise ValueError(
-                f"evoformer_attention: backend {name!r} cannot run these inputs:\n  - "
-                + "\n  - ".join(reasons)
-                + f"\n{describe(inputs.tensors())}\nUse backend='auto' to fall back to 'eager'."
-            )
-        return impl
-    skipped = []
-    for candidate in _AUTO_ORDER:
-        impl = _REGISTRY[candidate]
-        reasons = impl.not_supported_reasons(inputs)
-        if not reasons:
-            if skipped:
-                on_gpu = inputs.device.type == "cuda"
-                _log_once(
-                    f"evoformer_attention(auto): using {candidate!r}; skipped " + "; ".join(skipped),
-                    logging.WARNING if on_gpu else logging.INFO,
-                )
-            return impl
-        skipped.append(f"{candidate!r} because " + ", ".join(reasons))
-    raise ValueError("evoformer_attention: no backend can run these inputs: " + "; ".join(skipped))
+def select(op: str, inputs: OpInputs, requested: Optional[str]) -> Backend:
+    """The backend of ``op`` that runs ``inputs`` (see :meth:`Registry.select`)."""
+    return REGISTRY.select(op, inputs, requested)

@@ -16,6 +16,11 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmax, biases, masks and reductions: float32 for float16/bfloat16, else ``dtype``."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     """Validated inputs of ``evoformer_attention``.
@@ -56,6 +61,11 @@ class AttentionInputs:
         return self.q.shape[4]
 
     @property
+    def is_empty(self) -> bool:
+        """B, N, Lq or Lk is 0: the output is all zeros and no backend runs."""
+        return min(self.batch, self.rows, self.len_q, self.len_k) == 0
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.q.dtype
 
@@ -90,7 +100,8 @@ def validate(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> AttentionIn
     """Checks the op's arguments and returns them as :class:`AttentionInputs`.
 
     Rules: q, k, v are floating tensors of rank 5 on one device with one dtype; q is
-    ``[B, N, Lq, H, D]`` and k, v are ``[B, N, Lk, H, D]``; ``mask_bias`` is ``[B|1, N|1, 1, 1, Lk]``
+    ``[B, N, Lq, H, D]`` and k, v are ``[B, N, Lk, H, D]`` with H, D >= 1 (B, N, Lq and Lk may be
+    0); ``mask_bias`` is ``[B|1, N|1, 1, 1, Lk]``
     and ``pair_bias`` is ``[B|1, 1, H|1, Lq, Lk]`` (size-1 dimensions broadcast); each bias is a
     floating tensor of q's dtype or float32 on q's device; ``scale`` is a positive finite number.
     """
@@ -113,8 +124,8 @@ def validate(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> AttentionIn
     if (k.shape[0], k.shape[1], k.shape[3], k.shape[4]) != (batch, rows, heads, head_dim):
         _fail("k", "k must be [B, N, Lk, H, D] with q's B, N, H and D", tensors)
     len_k = k.shape[2]
-    if min(batch, rows, heads, head_dim) < 1 or len_q < 1 or len_k < 1:
-        _fail("q", "every dimension must be at least 1", tensors)
+    if heads < 1 or head_dim < 1:
+        _fail("q", "H and D must be at least 1 (B, N, Lq and Lk may be 0)", tensors)
 
     def check_bias(name: str, t, expected: tuple, broadcastable: tuple) -> None:
         if t is None:

@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import Backend, Capabilities, register
-from ._inputs import FLOAT_DTYPES, LOW_PRECISION, AttentionInputs
+from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
+from ._inputs import FLOAT_DTYPES, AttentionInputs, compute_dtype
 
 
 def safe_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def eager_attention(inputs: AttentionInputs, chunk_size: Optional[int] = None) -
     for float16/bfloat16 inputs (in the input dtype otherwise). With ``chunk_size`` the queries are
     processed ``chunk_size`` at a time, so at most [B, N, H, chunk_size, Lk] logits exist at once.
     """
-    compute = torch.float32 if inputs.dtype in LOW_PRECISION else inputs.dtype
+    compute = compute_dtype(inputs.dtype)
     qh = inputs.q.transpose(-2, -3)  # [B, N, H, Lq, D]
     kh = inputs.k.transpose(-2, -3)  # [B, N, H, Lk, D]
     vh = inputs.v.transpose(-2, -3)  # [B, N, H, Lk, D]
@@ -57,6 +57,7 @@ def eager_attention(inputs: AttentionInputs, chunk_size: Optional[int] = None) -
 
 
 class EagerBackend(Backend):
+    op = ATTENTION_OP
     name = "eager"
     capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=(), deterministic=True)
 

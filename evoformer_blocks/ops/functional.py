@@ -7,7 +7,32 @@ from typing import Optional, Sequence
 import torch
 
 from . import _dispatch
-from ._inputs import describe, validate
+from ._inputs import AttentionInputs, describe, validate
+
+OP = _dispatch.ATTENTION_OP
+
+
+class _NoKeysOrQueries(torch.autograd.Function):
+    """The op's result when B, N, Lq or Lk is 0: zeros of q's shape, with zero gradients of each
+    input's shape. With Lk = 0 a query has no key, so it gets the output of a query whose keys are
+    all masked with -inf: zero."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask_bias, pair_bias):
+        # Shapes only: nothing is read back, so later in-place edits of the inputs are fine.
+        ctx.inputs = [None if t is None else (t.shape, t.dtype, t.device) for t in (q, k, v, mask_bias, pair_bias)]
+        return q.new_zeros(q.shape)  # [B, N, Lq, H, D], contiguous like every backend's output
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(
+            None if like is None or not needed else torch.zeros(like[0], dtype=like[1], device=like[2])
+            for like, needed in zip(ctx.inputs, ctx.needs_input_grad)
+        )
+
+
+def _empty_result(inputs: AttentionInputs) -> torch.Tensor:
+    return _NoKeysOrQueries.apply(inputs.q, inputs.k, inputs.v, inputs.mask_bias, inputs.pair_bias)
 
 
 def evoformer_attention(
@@ -49,6 +74,10 @@ def evoformer_attention(
                                             + mask_bias[b, n, 0, 0, j] + pair_bias[b, 0, h, i, j])
                                   * v[b, n, j, h]
 
+    Empty inputs: B, N, Lq and Lk may be 0 (H and D may not). Then no backend runs: the result is
+    zeros (with Lk = 0 a query has no keys, as if all were masked with ``-inf``), and the
+    gradients of q, k, v and the biases are zeros of their shapes.
+
     Dtypes: q, k, v share one dtype (float16, bfloat16, float32 or float64; the fused backend takes
     float16 and bfloat16); each bias is q's dtype or float32. Softmax and bias additions run in
     float32 for half-precision inputs. A query whose keys are all ``-inf`` gets a zero output and
@@ -73,7 +102,10 @@ def evoformer_attention(
             f"evoformer_attention: invalid `chunk_size`: must be a positive int or None, got {chunk_size!r}\n"
             + describe(inputs.tensors())
         )
-    impl = _dispatch.select(inputs, backend)
+    if inputs.is_empty:
+        _dispatch.REGISTRY.resolve(OP, backend)  # an unknown name still raises
+        return _empty_result(inputs)
+    impl = _dispatch.select(OP, inputs, backend)
     return impl.forward(inputs, chunk_size)
 
 
