@@ -1,4 +1,5 @@
-"""evoformer_blocks: AlphaFold-style Evoformer attention blocks on a fused attention op."""
+"""evoformer_blocks: AlphaFold-style Evoformer blocks on fused ops (attention, triangle
+multiplication, layer norm) with exact eager fallbacks."""
 
 from . import ops
 from .ops import evoformer_attention
@@ -12,6 +13,7 @@ from .attention import (
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSAStack
 from .outer_product_mean import OuterProductMean
+from .primitives import LayerNorm, Linear
 from .transitions import MSATransition, PairTransition
 from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
@@ -32,6 +34,8 @@ __all__ = [
     "TriangleMultiplicationIncoming",
     "DropoutRowwise",
     "DropoutColumnwise",
+    "LayerNorm",
+    "Linear",
     "EvoformerBlock",
     "ExtraMSABlock",
     "EvoformerStack",

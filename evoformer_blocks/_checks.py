@@ -10,6 +10,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from .ops._dispatch import backend_names
+
+
+def check_backend(owner: str, backend) -> None:
+    """``backend`` must be None (the global setting) or a backend name of the ops."""
+    if backend is not None and (not isinstance(backend, str) or backend not in backend_names()):
+        raise ValueError(f"{owner}: unknown `backend` {backend!r}; choose one of {backend_names()} or None")
+
 
 def check_positive_int(owner: str, **values) -> None:
     """Raises ``ValueError`` naming the first keyword argument that is not a positive int."""

@@ -27,14 +27,14 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ._checks import check_mask, check_positive_int, check_tensor
-from .ops import backend_names, evoformer_attention
-from .ops._dispatch import ATTENTION_OP
+from ._checks import check_backend, check_mask, check_positive_int, check_tensor
+from .ops import evoformer_attention
 from .ops._inputs import compute_dtype
-from .primitives import Linear, mask_to_bias
+from .primitives import LayerNorm, Linear, mask_to_bias
 
 __all__ = [
     "MSARowAttentionWithPairBias",
@@ -49,8 +49,7 @@ def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) 
     check_positive_int(owner, **sizes)
     if isinstance(inf, bool) or not isinstance(inf, (int, float)) or not (0 < inf < math.inf):
         raise ValueError(f"{owner}: `inf` must be a positive finite number (e.g. 1e9), got {inf!r}")
-    if backend is not None and backend not in backend_names(ATTENTION_OP):
-        raise ValueError(f"{owner}: unknown `backend` {backend!r}; choose one of {backend_names(ATTENTION_OP)} or None")
+    check_backend(owner, backend)
 
 
 class _GatedAttention(nn.Module):
@@ -72,7 +71,7 @@ class _GatedAttention(nn.Module):
     def _add_pair_bias(self, c_z: int) -> None:
         """``layer_norm_z`` and ``linear_z``: the pair representation -> one logit bias per head."""
         self.c_z = c_z
-        self.layer_norm_z = nn.LayerNorm(c_z)
+        self.layer_norm_z = LayerNorm(c_z, backend=self.backend)
         self.linear_z = Linear(c_z, self.no_heads, bias=False, init="normal")
 
     def _pair_bias(self, z: torch.Tensor) -> torch.Tensor:
@@ -96,25 +95,38 @@ class _GatedAttention(nn.Module):
         self.linear_g = Linear(c_in, hidden, init="gating")
         self.linear_o = Linear(hidden, c_in, init="final")
 
+    def _projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear_q/k/v/g`` as one projection: weight [4 * H * C, c_in], bias [4 * H * C] (zeros for
+        q, k and v, which have none), so that the four run as one GEMM."""
+        weight = torch.cat([self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight])
+        bias = self.linear_g.bias
+        return weight, torch.cat([bias.new_zeros(3 * bias.shape[0]), bias])
+
     def _attend(
         self,
         x: torch.Tensor,
         mask: Optional[torch.Tensor],
         pair_bias: Optional[torch.Tensor],
         chunk_size: Optional[int],
+        transposed: bool = False,
     ) -> torch.Tensor:
-        """x: [*, N, L, c_in] (normalized); mask: [*, N, L] 0/1 or None; pair_bias: [B, 1, H, L, L]
-        (from :meth:`_pair_bias`) or None.
+        """x: [*, N, L, c_in] (normalized), or with ``transposed`` [*, L, N, c_in]: the rows n along
+        dim -2 and the positions they attend over along dim -3 (column attention and the ending node
+        run on their input's own layout, so nothing is transposed in memory: the attention op takes
+        strided q, k, v). mask: [*, N, L] 0/1 or None, in the attention's orientation; pair_bias:
+        [B, 1, H, L, L] (from :meth:`_pair_bias`) or None.
 
         Row ``n`` attends over its ``L`` positions; ``pair_bias[b, 0, h, i, j]`` is added to the
-        logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns [*, N, L, c_in].
+        logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns the update in x's
+        layout.
         """
         batch_shape = x.shape[:-3]
-        x = rearrange(x, "... n l c -> (...) n l c")  # [B, N, L, c_in]
-        heads = self.no_heads
-        q = rearrange(self.linear_q(x), "b n l (h c) -> b n l h c", h=heads)  # [B, N, L, H, C]
-        k = rearrange(self.linear_k(x), "b n l (h c) -> b n l h c", h=heads)  # [B, N, L, H, C]
-        v = rearrange(self.linear_v(x), "b n l (h c) -> b n l h c", h=heads)  # [B, N, L, H, C]
+        x = rearrange(x, "... a b c -> (...) a b c")  # [B, A, B', c_in] in x's layout
+        heads, hidden = self.no_heads, self.no_heads * self.c_hidden
+        qkvg = F.linear(x, *self._projections())  # [B, A, B', 4 * H * C]: one GEMM
+        q, k, v, g = qkvg.split(hidden, dim=-1)  # views [B, A, B', H * C]
+        to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
+        q, k, v = (rearrange(t, to_heads, h=heads) for t in (q, k, v))  # strided views [B, N, L, H, C]
 
         mask_bias = None
         if mask is not None:
@@ -124,11 +136,10 @@ class _GatedAttention(nn.Module):
         o = evoformer_attention(
             q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
         )  # [B, N, L, H, C]
-
-        g = torch.sigmoid(self.linear_g(x))  # [B, N, L, H * C]
-        o = g * rearrange(o, "b n l h c -> b n l (h c)")  # [B, N, L, H * C]
-        out = self.linear_o(o)  # [B, N, L, c_in]
-        return out.reshape(*batch_shape, *out.shape[1:])  # [*, N, L, c_in]
+        from_heads = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
+        o = torch.sigmoid(g) * rearrange(o, from_heads)  # [B, A, B', H * C] in x's layout
+        out = self.linear_o(o)  # [B, A, B', c_in]
+        return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
 
 
 class MSARowAttentionWithPairBias(_GatedAttention):
@@ -162,7 +173,7 @@ class MSARowAttentionWithPairBias(_GatedAttention):
     ) -> None:
         super().__init__(c_hidden, no_heads, inf, backend, c_m=c_m, c_z=c_z)
         self.c_m = c_m
-        self.layer_norm_m = nn.LayerNorm(c_m)
+        self.layer_norm_m = LayerNorm(c_m, backend=self.backend)
         self._add_pair_bias(c_z)
         self._add_projections(c_m)
 
@@ -224,7 +235,7 @@ class MSAColumnAttention(_GatedAttention):
     ) -> None:
         super().__init__(c_hidden, no_heads, inf, backend, c_m=c_m)
         self.c_m = c_m
-        self.layer_norm_m = nn.LayerNorm(c_m)
+        self.layer_norm_m = LayerNorm(c_m, backend=self.backend)
         self._add_projections(c_m)
 
     def forward(
@@ -247,12 +258,11 @@ class MSAColumnAttention(_GatedAttention):
         check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
         if mask is not None:
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
-            mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]
+            mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]: row r attends over s
 
-        m = rearrange(m, "... s r c -> ... r s c")  # [*, N_res, N_seq, c_m]
-        m = self.layer_norm_m(m)  # [*, N_res, N_seq, c_m]
-        out = self._attend(m, mask, None, chunk_size)  # [*, N_res, N_seq, c_m]
-        return rearrange(out, "... r s c -> ... s r c")  # [*, N_seq, N_res, c_m]
+        m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
+        # each residue column attends over the sequences: rows along dim -2, positions along dim -3
+        return self._attend(m, mask, None, chunk_size, transposed=True)  # [*, N_seq, N_res, c_m]
 
 
 class _TriangleAttention(_GatedAttention):
@@ -298,20 +308,19 @@ class _TriangleAttention(_GatedAttention):
         if mask is not None:
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
 
-        if not self._starting:
-            z = rearrange(z, "... i j c -> ... j i c")  # [*, J, I, c_z]: rows are now the ending nodes
-            if mask is not None:
-                mask = rearrange(mask, "... i j -> ... j i")  # [*, J, I]
-
         z = self.layer_norm_z(z)  # [*, I, J, c_z]
-        # Row i, query j, key k: the bias comes from the third edge z[j, k], i.e. pair_bias[b, 0, h, j, k]
-        # is linear_z(z[j, k])[h], the same for every row i.
-        triangle_bias = self._pair_bias(z)  # [B, 1, H, J, J]
-        out = self._attend(z, mask, triangle_bias, chunk_size)  # [*, I, J, c_z]
-
-        if not self._starting:
-            out = rearrange(out, "... j i c -> ... i j c")  # [*, I, J, c_z] in the caller's orientation
-        return out
+        # Starting node: row i, query j, key k; the bias comes from the third edge z[j, k], i.e.
+        # pair_bias[b, 0, h, j, k] = linear_z(z[j, k])[h], the same for every row i.
+        triangle_bias = self._pair_bias(z)  # [B, 1, H, I, J]
+        if self._starting:
+            return self._attend(z, mask, triangle_bias, chunk_size)  # [*, I, J, c_z]
+        # Ending node = the starting node on z^T, run on z's own layout: row j attends over the
+        # edges (k, j) with the bias of the third edge z[k, i], i.e. the starting node's bias of z^T.
+        # (the one copy here is of the bias, H * N_res^2 values, instead of z's c_z * N_res^2)
+        triangle_bias = rearrange(triangle_bias, "b o h i j -> b o h j i").contiguous()  # [B, 1, H, J, I]
+        if mask is not None:
+            mask = rearrange(mask, "... i j -> ... j i")  # [*, J, I]: row j attends over i
+        return self._attend(z, mask, triangle_bias, chunk_size, transposed=True)  # [*, I, J, c_z]
 
 
 class TriangleAttentionStartingNode(_TriangleAttention):
@@ -390,7 +399,7 @@ class MSAColumnGlobalAttention(nn.Module):
         self.eps = eps
         self.backend = backend
         hidden = c_hidden * no_heads
-        self.layer_norm_m = nn.LayerNorm(c_m)
+        self.layer_norm_m = LayerNorm(c_m, backend=self.backend)
         self.linear_q = Linear(c_m, hidden, bias=False, init="glorot")
         self.linear_k = Linear(c_m, c_hidden, bias=False, init="glorot")
         self.linear_v = Linear(c_m, c_hidden, bias=False, init="glorot")

@@ -4,8 +4,9 @@ Shapes: ``m`` is the MSA representation ``[*, N_seq, N_res, c_m]``, ``z`` the pa
 ``[*, N_res, N_res, c_z]``; ``msa_mask`` is ``[*, N_seq, N_res]`` and ``pair_mask``
 ``[*, N_res, N_res]`` (1 = real, 0 = padding; None = all real). Every ``c_hidden_*`` of an
 attention is per head. Every attention inside a block or stack runs through
-:func:`evoformer_blocks.ops.evoformer_attention` on the one ``backend`` given to the constructor
-(None: the op's default, see :func:`evoformer_blocks.ops.set_backend`).
+:func:`evoformer_blocks.ops.evoformer_attention`, every layer norm through ``ops.layer_norm`` and
+both triangle multiplications through ``ops.triangle_multiplication``, all on the one ``backend``
+given to the constructor (None: the ops' default, see :func:`evoformer_blocks.ops.set_backend`).
 """
 
 from __future__ import annotations
@@ -91,13 +92,13 @@ class _MSABlock(nn.Module):
         self.msa_att_col = self._column_attention(
             c_m, c_hidden_msa_att, no_heads_msa, inf, backend, **column_attention_kwargs
         )
-        self.msa_transition = MSATransition(c_m, transition_n)
-        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm, eps=eps_opm)
-        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
-        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
+        self.msa_transition = MSATransition(c_m, transition_n, backend=backend)
+        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm, eps=eps_opm, backend=backend)
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul, backend=backend)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul, backend=backend)
         self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
         self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
-        self.pair_transition = PairTransition(c_z, transition_n)
+        self.pair_transition = PairTransition(c_z, transition_n, backend=backend)
         self.msa_dropout_row = DropoutRowwise(msa_dropout)
         self.pair_dropout_row = DropoutRowwise(pair_dropout)
         self.pair_dropout_col = DropoutColumnwise(pair_dropout)
@@ -153,7 +154,8 @@ class EvoformerBlock(_MSABlock):
         pair_dropout: dropout rate after the triangle updates (AF2: 0.25; row-wise, column-wise
             for the ending-node attention).
         inf: the large number of the attention masks. eps_opm: the outer product mean's epsilon.
-        backend: the attention backend of every attention in the block ("auto", "eager",
+        backend: the backend of every op in the block (attention, layer norms, triangle
+            multiplications: "auto", "eager",
             "cutlass"; None: the op's default).
     """
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from ._checks import as_mask, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
-from .primitives import Linear
+from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
+from .primitives import LayerNorm, Linear
 
 
 class OuterProductMean(nn.Module):
@@ -28,12 +28,13 @@ class OuterProductMean(nn.Module):
     Parameter names follow OpenFold: ``layer_norm``, ``linear_1``, ``linear_2``, ``linear_out``.
     """
 
-    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3):
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, backend: Optional[str] = None):
         super().__init__()
         check_positive_int(type(self).__name__, c_m=c_m, c_z=c_z, c_hidden=c_hidden)
         self.c_m, self.c_z, self.c_hidden = c_m, c_z, c_hidden
         self.eps = check_positive_number(type(self).__name__, "eps", eps)
-        self.layer_norm = nn.LayerNorm(c_m)
+        check_backend(type(self).__name__, backend)
+        self.layer_norm = LayerNorm(c_m, backend=backend)
         self.linear_1 = Linear(c_m, c_hidden)
         self.linear_2 = Linear(c_m, c_hidden)
         self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final")

@@ -1,6 +1,7 @@
 """Small building blocks shared by the attention modules.
 
 * :class:`Linear`: ``nn.Linear`` with the AlphaFold initialization schemes (AF2 supplement 1.11.4).
+* :class:`LayerNorm`: ``nn.LayerNorm`` over the last dim computed by :func:`evoformer_blocks.ops.layer_norm`.
 * :func:`mask_to_bias`: a 0/1 mask turned into the additive bias ``inf * (mask - 1)``.
 """
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from .ops._inputs import compute_dtype
+from .ops.normalization import layer_norm
 
 # Standard deviation of a unit normal truncated to [-2, 2]. A truncated-normal initializer divides
 # the target std by it, so the samples keep the intended spread after truncation.
@@ -110,6 +112,19 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init={self.init!r}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm(c)`` (same parameters, state dict and initialization) whose forward runs
+    :func:`evoformer_blocks.ops.layer_norm`: the fused kernel on the ``cutlass`` backend, torch's
+    layer norm on ``eager``. ``backend`` None follows the global setting. ``[*, c] -> [*, c]``."""
+
+    def __init__(self, c: int, eps: float = 1e-5, *, backend: Optional[str] = None, device=None, dtype=None) -> None:
+        super().__init__(c, eps=eps, device=device, dtype=dtype)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
 
 
 def mask_to_bias(mask: torch.Tensor, inf: float, dtype: torch.dtype) -> torch.Tensor:

@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from ._checks import as_mask, check_optional_positive_int, check_positive_int, check_tensor
+from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_tensor
 from ._chunking import chunked
-from .primitives import Linear
+from .primitives import LayerNorm, Linear
 
 
 class Transition(nn.Module):
@@ -23,11 +23,12 @@ class Transition(nn.Module):
     Parameter names follow OpenFold: ``layer_norm``, ``linear_1``, ``linear_2``.
     """
 
-    def __init__(self, c: int, n: int = 4):
+    def __init__(self, c: int, n: int = 4, backend: Optional[str] = None):
         super().__init__()
+        check_backend(type(self).__name__, backend)
         check_positive_int(type(self).__name__, c=c, n=n)
         self.c, self.n = c, n
-        self.layer_norm = nn.LayerNorm(c)
+        self.layer_norm = LayerNorm(c, backend=backend)
         self.linear_1 = Linear(c, n * c, init="relu")
         self.relu = nn.ReLU()
         self.linear_2 = Linear(n * c, c, init="final")
@@ -51,12 +52,12 @@ class Transition(nn.Module):
 class MSATransition(Transition):
     """Algorithm 9: the MSA transition, ``x`` is the MSA representation ``[*, N_seq, N_res, c_m]``."""
 
-    def __init__(self, c_m: int, n: int = 4):
-        super().__init__(c_m, n)
+    def __init__(self, c_m: int, n: int = 4, backend: Optional[str] = None):
+        super().__init__(c_m, n, backend)
 
 
 class PairTransition(Transition):
     """Algorithm 15: the pair transition, ``x`` is the pair representation ``[*, N_res, N_res, c_z]``."""
 
-    def __init__(self, c_z: int, n: int = 4):
-        super().__init__(c_z, n)
+    def __init__(self, c_z: int, n: int = 4, backend: Optional[str] = None):
+        super().__init__(c_z, n, backend)

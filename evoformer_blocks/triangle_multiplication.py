@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
-from ._checks import as_mask, check_positive_int, check_tensor
-from .primitives import Linear
+from ._checks import check_backend, check_mask, check_positive_int, check_tensor
+from .ops import triangle_multiplication
+from .primitives import LayerNorm, Linear
 
 
 class TriangleMultiplicativeUpdate(nn.Module):
@@ -28,22 +28,27 @@ class TriangleMultiplicativeUpdate(nn.Module):
     ``linear_a_p``, ``linear_a_g``, ``linear_b_p``, ``linear_b_g``, ``linear_g``, ``linear_z``,
     ``layer_norm_out``. ``chunk_size`` is accepted for a uniform interface; this update is not
     chunked (its intermediates are ``[*, N_res, N_res, c_hidden]``, the size of ``z``).
+
+    The update runs through :func:`evoformer_blocks.ops.triangle_multiplication` (``backend``: None
+    follows the global setting; ``cutlass`` is the fused CUDA path), with ``layer_norm_in.eps`` as
+    both layer norms' epsilon.
     """
 
     outgoing: bool = True
 
-    def __init__(self, c_z: int, c_hidden: int):
+    def __init__(self, c_z: int, c_hidden: int, backend: Optional[str] = None):
         super().__init__()
         check_positive_int(type(self).__name__, c_z=c_z, c_hidden=c_hidden)
-        self.c_z, self.c_hidden = c_z, c_hidden
-        self.layer_norm_in = nn.LayerNorm(c_z)
+        check_backend(type(self).__name__, backend)
+        self.c_z, self.c_hidden, self.backend = c_z, c_hidden, backend
+        self.layer_norm_in = LayerNorm(c_z, backend=backend)
         self.linear_a_p = Linear(c_z, c_hidden)
         self.linear_a_g = Linear(c_z, c_hidden, init="gating")
         self.linear_b_p = Linear(c_z, c_hidden)
         self.linear_b_g = Linear(c_z, c_hidden, init="gating")
         self.linear_g = Linear(c_z, c_z, init="gating")
         self.linear_z = Linear(c_hidden, c_z, init="final")
-        self.layer_norm_out = nn.LayerNorm(c_hidden)
+        self.layer_norm_out = LayerNorm(c_hidden, backend=backend)
 
     def forward(
         self, z: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
@@ -52,17 +57,26 @@ class TriangleMultiplicativeUpdate(nn.Module):
         check_tensor(name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]")
         if z.shape[-2] != z.shape[-3]:
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
-        mask = as_mask(name, "mask", mask, z, "[*, N_res, N_res]")  # [*, N_res, N_res]
-        mask = rearrange(mask, "... i j -> ... i j 1")  # [*, N_res, N_res, 1]
-        x = self.layer_norm_in(z)  # [*, N_res, N_res, c_z]
-        a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)  # [*, N_res, N_res, c_hidden]
-        b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)  # [*, N_res, N_res, c_hidden]
-        if self.outgoing:
-            p = torch.einsum("...ikc,...jkc->...ijc", a, b)  # [*, N_res, N_res, c_hidden]
-        else:
-            p = torch.einsum("...kic,...kjc->...ijc", a, b)  # [*, N_res, N_res, c_hidden]
-        update = self.linear_z(self.layer_norm_out(p))  # [*, N_res, N_res, c_z]
-        return torch.sigmoid(self.linear_g(x)) * update
+        if mask is not None:
+            check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
+        projections = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
+        return triangle_multiplication(
+            z,
+            mask,
+            direction="outgoing" if self.outgoing else "incoming",
+            norm_in_weight=self.layer_norm_in.weight,
+            norm_in_bias=self.layer_norm_in.bias,
+            proj_weight=torch.cat([lin.weight for lin in projections]),  # [4 * c_hidden, c_z]
+            proj_bias=torch.cat([lin.bias for lin in projections]),  # [4 * c_hidden]
+            gate_weight=self.linear_g.weight,
+            gate_bias=self.linear_g.bias,
+            norm_out_weight=self.layer_norm_out.weight,
+            norm_out_bias=self.layer_norm_out.bias,
+            out_weight=self.linear_z.weight,
+            out_bias=self.linear_z.bias,
+            eps=self.layer_norm_in.eps,
+            backend=self.backend,
+        )  # [*, N_res, N_res, c_z]
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):

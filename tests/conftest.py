@@ -109,16 +109,38 @@ class RecordingBackend(_dispatch.Backend):
         return eager_attention(inputs, chunk_size)
 
 
+class BlockOpSpy(_dispatch.Backend):
+    """A test backend of another op (layer norm, triangle multiplication) under a spy's name: it
+    computes like that op's eager backend and appends the op's name to ``calls``, so that modules
+    built with a spy backend run every op of theirs."""
+
+    capabilities = _dispatch.Capabilities(dtypes=(torch.float32, torch.float64), device_types=())
+
+    def __init__(self, op: str, name: str, calls: list) -> None:
+        self.op, self.name, self.calls = op, name, calls
+        self.eager = _dispatch.get_backend("eager", op)
+
+    def forward(self, inputs, chunk_size):
+        self.calls.append(self.op)
+        return self.eager.forward(inputs, chunk_size)
+
+
 @pytest.fixture
 def recording_backends():
     """Registers backends ``"spy_a"`` and ``"spy_b"`` of the attention op (tried after the real ones
-    by ``auto``) for the test's duration.
+    by ``auto``) for the test's duration, and :class:`BlockOpSpy` under the same names for the
+    other ops.
 
-    Yields ``(calls, backends)``: the list of backend names in call order and a dict name ->
-    :class:`RecordingBackend` (set ``.refuse`` to a reason to make one refuse).
+    Yields ``(calls, backends)``: the list of backend names in call order (attention only) and a
+    dict name -> :class:`RecordingBackend` (set ``.refuse`` to a reason to make one refuse); the
+    other ops' calls are in ``backends["spy_a"].block_calls``, by op name.
     """
     calls: list[str] = []
     backends = {name: RecordingBackend(name, calls) for name in ("spy_a", "spy_b")}
     for priority, impl in enumerate(backends.values(), start=1000):
         _dispatch.register(impl, auto_priority=priority)
+        impl.block_calls = []
+        for op in _dispatch.REGISTRY.ops():
+            if op != _dispatch.ATTENTION_OP:
+                _dispatch.register(BlockOpSpy(op, impl.name, impl.block_calls), auto_priority=priority)
     yield calls, backends

@@ -144,7 +144,7 @@ def test_triangle_custom_ops_pass_opcheck():
             w["out_bias"], 1e-5, True)
     torch.library.opcheck(tri.triangle_fwd, args, test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(5, 7, 64, device=DEV, dtype=torch.bfloat16)
-    from evoformer_blocks.ops import layer_norm as ln
+    from evoformer_blocks.ops import normalization as ln
 
     torch.library.opcheck(ln.layer_norm_fwd, (x, None, None, 1e-5), test_utils=("test_schema", "test_faketensor"))
 

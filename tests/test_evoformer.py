@@ -24,6 +24,8 @@ from evoformer_blocks import (
 )
 from evoformer_blocks.compat import load_openfold_state_dict, to_openfold_state_dict
 from evoformer_blocks.config import get_config
+from evoformer_blocks.ops import normalization as layer_norm_op
+from evoformer_blocks.ops import triangle as triangle_op
 
 F64 = torch.float64
 # A tiny stack: every width distinct, so a transposed or mixed-up dimension cannot pass silently.
@@ -240,18 +242,23 @@ def test_no_checkpointing_without_grad():
     assert len(calls) == 1
 
 
-def test_one_backend_reaches_every_attention(recording_backends):
-    calls, _ = recording_backends
+def test_one_backend_reaches_every_op(recording_backends):
+    calls, backends = recording_backends  # the attention op's spies record their name
+    block_calls = backends["spy_a"].block_calls  # the other ops' spies record the op's name
     stack = evoformer_stack(no_blocks=2, backend="spy_a", dtype=torch.float32)
     extra = extra_msa_stack(no_blocks=1, backend="spy_a", dtype=torch.float32)
-    attentions = [mod for mod in [*stack.modules(), *extra.modules()] if hasattr(mod, "backend")]
-    assert len(attentions) == 2 * 4 + 1 * 4 and all(mod.backend == "spy_a" for mod in attentions)
+    with_backend = [mod for mod in [*stack.modules(), *extra.modules()] if hasattr(mod, "backend")]
+    assert all(mod.backend == "spy_a" for mod in with_backend)
     m, z, msa_mask, pair_mask = inputs(dtype=torch.float32)
     stack.eval()(m, z, msa_mask, pair_mask)
     extra.eval()(m, z, msa_mask, pair_mask)
-    # Row, column, starting- and ending-node attention per block go through the op (the extra
-    # MSA block's global column attention is plain PyTorch).
+    # Per block: row, column, starting- and ending-node attention (the extra MSA block's global
+    # column attention is plain PyTorch); both triangle multiplications; and the layer norms of
+    # the row attention (m and z), the column attention, both transitions, the outer product mean
+    # and both triangle attentions (the triangle multiplications normalise inside their op).
     assert calls == ["spy_a"] * (2 * 4 + 3)
+    assert block_calls.count(triangle_op.OP) == 3 * 2
+    assert block_calls.count(layer_norm_op.OP) == 3 * 8
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The functional op ``evoformer_attention`` and its backends.
+"""The functional ops and their backends: ``evoformer_attention`` (the attention core of every
+Evoformer attention module), ``triangle_multiplication`` (the triangle multiplicative update) and
+``layer_norm``.
 
-Backends: ``"eager"`` (plain PyTorch, any device and float dtype), ``"cutlass"`` (the fused CUDA
-kernel, float16/bfloat16 on compute capability >= 8.0) and ``"auto"`` (cutlass where it can run,
-else eager). See :func:`evoformer_attention`.
+Backends, one setting for every op: ``"eager"`` (plain PyTorch, any device and float dtype),
+``"cutlass"`` (the fused CUDA kernels of csrc/cutlass_kernels, compute capability >= 8.0) and
+``"auto"`` (cutlass where it can run, else eager). See :func:`evoformer_attention`.
 """
 
 from . import cutlass as _cutlass  # noqa: F401  (registers the cutlass backend)
@@ -19,10 +21,14 @@ from ._dispatch import (
 )
 from ._inputs import AttentionInputs, validate
 from .functional import DS4Sci_EvoformerAttention, evoformer_attention
+from .normalization import layer_norm
+from .triangle import triangle_multiplication
 
 __all__ = [
     "evoformer_attention",
     "DS4Sci_EvoformerAttention",
+    "triangle_multiplication",
+    "layer_norm",
     "set_backend",
     "backend",
     "get_default_backend",

@@ -166,7 +166,7 @@ def triangle_multiplication(
     inputs = validate(z, mask, weights, direction, eps)
     if z.numel() == 0:
         return eager_triangle_multiplication(inputs)
-    return _dispatch.select(OP, inputs, backend).forward(inputs)
+    return _dispatch.select(OP, inputs, backend).forward(inputs, None)
 
 
 def eager_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
@@ -195,7 +195,7 @@ class EagerTriangleMultiplication(Backend):
     op = OP
     capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), device_types=())
 
-    def forward(self, inputs: TriangleInputs) -> Tensor:
+    def forward(self, inputs: TriangleInputs, chunk_size: Optional[int] = None) -> Tensor:
         return eager_triangle_multiplication(inputs)
 
 
@@ -315,7 +315,7 @@ class CutlassTriangleMultiplication(Backend):
             reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be at most {_MAX_CHANNELS}")
         return reasons + _fused.build_reasons()
 
-    def forward(self, inputs: TriangleInputs) -> Tensor:
+    def forward(self, inputs: TriangleInputs, chunk_size: Optional[int] = None) -> Tensor:
         return fused_triangle_multiplication(inputs)
 
 

@@ -92,7 +92,7 @@ def layer_norm(
     inputs = validate(x, weight, bias, eps)
     if x.numel() == 0:
         return _eager(inputs)
-    return _dispatch.select(OP, inputs, backend).forward(inputs)
+    return _dispatch.select(OP, inputs, backend).forward(inputs, None)
 
 
 def _eager(inputs: LayerNormInputs) -> Tensor:
@@ -107,7 +107,7 @@ class EagerLayerNorm(Backend):
     op = OP
     capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), device_types=())
 
-    def forward(self, inputs: LayerNormInputs) -> Tensor:
+    def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
         return _eager(inputs)
 
 
@@ -200,7 +200,7 @@ class CutlassLayerNorm(Backend):
             reasons.append(f"C={c} channels exceed the kernel's {_MAX_ROW_BYTES // size}")
         return reasons + _fused.build_reasons()
 
-    def forward(self, inputs: LayerNormInputs) -> Tensor:
+    def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
         x, weight, bias, eps = inputs.x, inputs.weight, inputs.bias, inputs.eps
         if torch.compiler.is_compiling():
             return layer_norm_fwd(x, weight, bias, eps)[0]

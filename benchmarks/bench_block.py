@@ -1,0 +1,279 @@
+"""One Evoformer block as users run it: forward and forward+backward time, peak memory and model
+TFLOP/s, with a per-module breakdown and module-level peers, all in one process.
+
+Cases: EvoformerBlock at AF2 sizes (c_m 256, c_z 128, MSA attention 8 x 32, pair attention 4 x 32,
+outer product mean 32, triangle multiplication 128, transitions x4) for (N_seq, N_res) = (128, 256),
+(512, 384), (128, 768), and ExtraMSABlock (c_e 64, MSA attention 8 x 8, global column attention)
+at (1024, 384). bf16 weights and inputs, dropout off (eval mode), masks with 5 % zeros; the loss is
+the sum of both outputs (random cotangents).
+
+Implementations of the whole block:
+    default     the block as a user builds it (backend auto, no compile)
+    compiled    torch.compile(block) (static shapes)
+    graphs      torch.compile(block, mode="reduce-overhead") (CUDA graphs), forward only
+    eager       the block on the eager backend (no fused kernels at all)
+With --breakdown, each of the nine sub-modules alone on inputs of the block's shapes (default
+backend), and, where `import cuequivariance_torch` works, its triangle multiplication and triangle
+attention as module-level peers of ours on the same weights.
+
+Model FLOPs (multiply-add = 2) come from `block_flops` below: every projection 2 * rows * in * out,
+attention cores 4 * rows * H * L^2 * C (q.k and p.v), the outer product 2 * S * R^2 * c^2, the
+triangle products 2 * R^3 * c; forward+backward counts 3x the forward for projections and products
+(the input and the weight gradient) and 3.5x for the attention cores (recomputation).
+
+    python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    H100_SXM, CommandLine, Impl, markdown_table, measure, optional_import, run_info_line, speedup, write_json, fmt,
+)
+
+import evoformer_blocks as eb  # noqa: E402
+from evoformer_blocks import ops  # noqa: E402
+from evoformer_blocks.config import get_config  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    n_seq: int
+    n_res: int
+    extra: bool = False  # ExtraMSABlock
+
+    def label(self) -> str:
+        return f"{self.name} N_seq {self.n_seq}, N_res {self.n_res}"
+
+
+CASES = [
+    Case("EvoformerBlock", 128, 256),
+    Case("EvoformerBlock", 512, 384),
+    Case("EvoformerBlock", 128, 768),
+    Case("ExtraMSABlock", 1024, 384, extra=True),
+]
+
+
+def block_args(extra: bool) -> dict:
+    """The constructor arguments of one block of the af2 preset, dropout off."""
+    cfg = get_config("af2")
+    section = dict(cfg.extra_msa_stack if extra else cfg.evoformer_stack)
+    for key in ("no_blocks", "blocks_per_ckpt", "c_s"):
+        section.pop(key, None)
+    return section
+
+
+def block_flops(args: dict, n_seq: int, n_res: int, extra: bool) -> tuple[float, float]:
+    """(forward, forward+backward) model FLOPs of one block (formulas in the module docstring)."""
+    s, r = n_seq, n_res
+    c_m, c_z, n = args["c_m"], args["c_z"], args["transition_n"]
+    hm, cm = args["no_heads_msa"], args["c_hidden_msa_att"]
+    hp, cp = args["no_heads_pair"], args["c_hidden_pair_att"]
+    c_opm, c_mul = args["c_hidden_opm"], args["c_hidden_mul"]
+    msa_rows, pair_rows = s * r, r * r
+    proj = 0.0  # projections and products: backward 2x
+    core = 0.0  # attention cores: backward 2.5x
+    # MSA row attention with pair bias
+    proj += 2 * msa_rows * c_m * hm * cm * 5 + 2 * pair_rows * c_z * hm
+    core += 4 * s * hm * r * r * cm
+    if extra:  # global column attention: per-head queries from the mean, one shared key/value head
+        proj += 2 * msa_rows * c_m * (2 * cm + 2 * hm * cm) + 2 * r * c_m * hm * cm
+        core += 4 * r * hm * s * cm
+    else:
+        proj += 2 * msa_rows * c_m * hm * cm * 5
+        core += 4 * r * hm * s * s * cm
+    proj += 2 * 2 * msa_rows * c_m * n * c_m  # MSA transition
+    proj += 2 * 2 * msa_rows * c_m * c_opm + 2 * s * pair_rows * c_opm**2 + 2 * pair_rows * c_opm**2 * c_z  # OPM
+    proj += 2 * (2 * pair_rows * c_z * (4 * c_mul + c_z) + 2 * r**3 * c_mul + 2 * pair_rows * c_mul * c_z)  # tri mul
+    proj += 2 * (2 * pair_rows * c_z * hp * cp * 5 + 2 * pair_rows * c_z * hp)  # tri attention projections
+    core += 2 * 4 * r * hp * r * r * cp
+    return proj + core, 3 * proj + 3.5 * core
+
+
+def pct_of_peak(tflops: float) -> float:
+    """TFLOP/s as a percentage of the H100's dense bf16 rate."""
+    return 100 * tflops * 1e12 / H100_SXM.dense_bf16_flops
+
+
+def randomized(module: torch.nn.Module) -> torch.nn.Module:
+    """Random weights: the zero-initialised output and gate layers would make updates vanish."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / max(1, p.shape[-1]) ** 0.5) + (p.dim() == 1) * 1.0)
+    return module
+
+
+def build(case: Case):
+    args = block_args(case.extra)
+    cls = eb.ExtraMSABlock if case.extra else eb.EvoformerBlock
+    block = randomized(cls(**args)).to("cuda", DTYPE).eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m = torch.randn(case.n_seq, case.n_res, args["c_m"], generator=gen, device="cuda").to(DTYPE)
+    z = torch.randn(case.n_res, case.n_res, args["c_z"], generator=gen, device="cuda").to(DTYPE)
+    msa_mask = (torch.rand(case.n_seq, case.n_res, generator=gen, device="cuda") > 0.05).to(DTYPE)
+    pair_mask = (torch.rand(case.n_res, case.n_res, generator=gen, device="cuda") > 0.05).to(DTYPE)
+    return args, block, m, z, msa_mask, pair_mask
+
+
+_compiled: dict = {}
+
+
+def compiled(block, mode=None):
+    key = (id(block), mode)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(block, mode=mode, dynamic=False)
+    return _compiled[key]
+
+
+def run_default(block, m, z, msa_mask, pair_mask):
+    return block(m, z, msa_mask, pair_mask)
+
+
+def run_compiled(block, m, z, msa_mask, pair_mask):
+    return compiled(block)(m, z, msa_mask, pair_mask)
+
+
+def run_graphs(block, m, z, msa_mask, pair_mask):
+    out = compiled(block, "reduce-overhead")(m, z, msa_mask, pair_mask)
+    return tuple(t.clone() for t in out)  # graph outputs are overwritten by the next replay
+
+
+def run_eager(block, m, z, msa_mask, pair_mask):
+    with ops.backend("eager"):
+        return block(m, z, msa_mask, pair_mask)
+
+
+IMPLS = {
+    "default": Impl("default", run_default),
+    "compiled": Impl("compiled", run_compiled),
+    "graphs": Impl("graphs", run_graphs),
+    "eager": Impl("eager", run_eager),
+}
+FORWARD_ONLY = {"graphs"}
+
+
+# ---- per-module breakdown and module-level peers --------------------------------------------------
+def submodules(block, m, z, msa_mask, pair_mask):
+    """(name, module, args, leaves) of the nine sub-modules on inputs of the block's shapes."""
+    mm, zz = m.detach().clone(), z.detach().clone()
+    def leaves(mod, *xs):
+        return [*xs, *mod.parameters()]
+    col = block.msa_att_col
+    return [
+        ("msa_att_row", block.msa_att_row, (mm, zz, msa_mask), leaves(block.msa_att_row, mm, zz)),
+        ("msa_att_col", col, (mm, msa_mask), leaves(col, mm)),
+        ("msa_transition", block.msa_transition, (mm, msa_mask), leaves(block.msa_transition, mm)),
+        ("outer_product_mean", block.outer_product_mean, (mm, msa_mask), leaves(block.outer_product_mean, mm)),
+        ("tri_mul_out", block.tri_mul_out, (zz, pair_mask), leaves(block.tri_mul_out, zz)),
+        ("tri_mul_in", block.tri_mul_in, (zz, pair_mask), leaves(block.tri_mul_in, zz)),
+        ("tri_att_start", block.tri_att_start, (zz, pair_mask), leaves(block.tri_att_start, zz)),
+        ("tri_att_end", block.tri_att_end, (zz, pair_mask), leaves(block.tri_att_end, zz)),
+        ("pair_transition", block.pair_transition, (zz, pair_mask), leaves(block.pair_transition, zz)),
+    ]
+
+
+def cueq_triangle_multiplication(module, z, mask):
+    """cuEquivariance's fused triangle multiplicative update on our module's weights."""
+    cueq = optional_import("cuequivariance_torch")
+    return cueq.triangle_multiplicative_update(
+        z[None], "outgoing" if module.outgoing else "incoming", mask[None],
+        norm_in_weight=module.layer_norm_in.weight, norm_in_bias=module.layer_norm_in.bias,
+        p_in_weight=torch.cat([module.linear_a_p.weight, module.linear_b_p.weight]),
+        p_in_bias=torch.cat([module.linear_a_p.bias, module.linear_b_p.bias]),
+        g_in_weight=torch.cat([module.linear_a_g.weight, module.linear_b_g.weight]),
+        g_in_bias=torch.cat([module.linear_a_g.bias, module.linear_b_g.bias]),
+        norm_out_weight=module.layer_norm_out.weight, norm_out_bias=module.layer_norm_out.bias,
+        p_out_weight=module.linear_z.weight, p_out_bias=module.linear_z.bias,
+        g_out_weight=module.linear_g.weight, g_out_bias=module.linear_g.bias,
+    )[0]
+
+
+def cueq_triangle_attention(module, z, mask):
+    """Our TriangleAttentionStartingNode with its attention core replaced by cuEquivariance's
+    triangle_attention (same layer norm, projections, gating and output)."""
+    cueq = optional_import("cuequivariance_torch")
+    h, c = module.no_heads, module.c_hidden
+    n = z.shape[0]
+    x = module.layer_norm_z(z)  # [I, J, c_z]
+    bias = torch.einsum("ijc,hc->hij", x, module.linear_z.weight).float()[None, None]  # [1, 1, H, J, K]
+    q, k, v = (lin(x).view(n, n, h, c).permute(0, 2, 1, 3)[None] for lin in (module.linear_q, module.linear_k, module.linear_v))
+    o = cueq.triangle_attention(q, k, v, bias, mask.bool()[None, :, None, None, :])  # [1, I, H, J, C]
+    o = o[0].permute(0, 2, 1, 3).reshape(n, n, h * c)  # [I, J, H * C]
+    return module.linear_o(torch.sigmoid(module.linear_g(x)) * o)
+
+
+def breakdown(block, m, z, msa_mask, pair_mask, args) -> list[dict]:
+    rows = []
+    for name, module, inputs, leaves in submodules(block, m, z, msa_mask, pair_mask):
+        ours = measure(Impl(name, lambda mod=module: mod(*inputs)), (), leaves, forward_only=args.forward_only)
+        row = {"module": name, "ours": ours.as_dict(), "cell": ours.cell()}
+        peer = None
+        if name.startswith("tri_mul"):
+            peer = Impl("cueq", lambda mod=module: cueq_triangle_multiplication(mod, inputs[0], inputs[1]),
+                        requires=("cuequivariance_torch",))
+        elif name == "tri_att_start":
+            peer = Impl("cueq", lambda mod=module: cueq_triangle_attention(mod, inputs[0], inputs[1]),
+                        requires=("cuequivariance_torch",))
+        if peer is not None:
+            theirs = measure(peer, (), leaves, forward_only=args.forward_only)
+            row.update(peer=theirs.as_dict(), peer_cell=theirs.cell(),
+                       ratio=f"fwd {speedup(theirs.fwd_ms, ours.fwd_ms)}, f+b {speedup(theirs.fwdbwd_ms, ours.fwdbwd_ms)}")
+        rows.append(row)
+        print(f"  {name}: {row['cell']}" + (f" | cuEquivariance {row['peer_cell']} ({row['ratio']})" if peer else ""),
+              flush=True)
+    return rows
+
+
+def main() -> None:
+    cli = CommandLine(__doc__, shapes=[c.label() for c in CASES], impls=list(IMPLS))
+    cli.add_argument("--breakdown", action="store_true", help="time the nine sub-modules and the module-level peers")
+    args = cli.parse()
+    print(run_info_line(), flush=True)
+    results = []
+    for index in args.shapes:
+        case = CASES[index]
+        cfg, block, m, z, msa_mask, pair_mask = build(case)
+        flops_f, flops_fb = block_flops(cfg, case.n_seq, case.n_res, case.extra)
+        leaves = [m, z, *block.parameters()]
+        print(f"\n## {case.label()} (model {flops_f / 1e12:.2f} TFLOP forward, {flops_fb / 1e12:.2f} forward+backward)",
+              flush=True)
+        row = {"case": case.label(), "flops": [flops_f, flops_fb], "impls": {}}
+        table = []
+        for name in args.impls:
+            result = measure(IMPLS[name], (block, m, z, msa_mask, pair_mask), leaves,
+                             forward_only=args.forward_only or name in FORWARD_ONLY)
+            row["impls"][name] = result.as_dict()
+            tf = flops_f / result.fwd_ms / 1e9 if result.ok else float("nan")
+            tfb = flops_fb / result.fwdbwd_ms / 1e9 if result.ok else float("nan")
+            table.append([name, result.cell(), fmt(result.peak_mib / 1024 if result.ok else None, 2),
+                          f"{fmt(tf, 0)} / {fmt(tfb, 0)}",
+                          f"{fmt(pct_of_peak(tf), 1)} / {fmt(pct_of_peak(tfb), 1)}"])
+            print(f"  {name}: {result.cell()}", flush=True)
+        print(markdown_table(["impl", "fwd / fwd+bwd ms", "peak GiB (f+b)", "TFLOP/s fwd / f+b",
+                              "% of dense bf16 fwd / f+b"], table), flush=True)
+        if "default" in row["impls"] and "compiled" in row["impls"]:
+            d, c = row["impls"]["default"], row["impls"]["compiled"]
+            print(f"compiled over default: fwd {speedup(d.get('fwd_ms'), c.get('fwd_ms'))}, "
+                  f"f+b {speedup(d.get('fwdbwd_ms'), c.get('fwdbwd_ms'))}", flush=True)
+        if args.breakdown:
+            print("per module (default backend), fwd / fwd+bwd ms:", flush=True)
+            row["breakdown"] = breakdown(block, m, z, msa_mask, pair_mask, args)
+        results.append(row)
+        del block, m, z
+        torch.cuda.empty_cache()
+    if args.json:
+        write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
