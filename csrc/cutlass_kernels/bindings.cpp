@@ -264,7 +264,7 @@ at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mas
               "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
               describe("q", q));
   const int64_t bm = m.size(0), nm = m.size(1), lk_pad = mask_lk_pad(p.Lk);
-  at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));
+  at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));  // [B|1, N|1, Lk_pad]
   const MaskLayout layout{kstride(m, 0), kstride(m, 1), m.stride(4), int(bm), int(nm), p.Lk, int(lk_pad)};
   auto launch = [&](auto element) {
     launch_prepare_mask<decltype(element)>(m.data_ptr(), layout, p.inv_scale, prepared.data_ptr<float>(),
@@ -333,8 +333,8 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
     return at::empty({0}, t.options());
   }
   const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
-  at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());
-  padded.narrow(3, 0, p.Lk).copy_(t);
+  at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());  // [B|1, H|1, Lq, Lk_pad]
+  padded.narrow(3, 0, p.Lk).copy_(t);  // keys past Lk stay zero
   pair_kind = use_pair(p, padded);
   return padded;
 }
@@ -433,8 +433,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   use_mask(p, mask_prepared, q);
   int pair_kind = kNoPair;
   if (pair_bias.has_value()) {
-    at::Tensor t = pair_view(*pair_bias, p, q);
-    if (pair_prepared.numel() > 0) {
+    at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
+    if (pair_prepared.numel() > 0) {  // the forward's copy [B|1, H|1, Lq, Lk_pad]
       TORCH_CHECK(pair_prepared.device() == q.device() && pair_prepared.scalar_type() == t.scalar_type() &&
                       pair_prepared.dim() == 4 && pair_prepared.size(0) == t.size(0) &&
                       pair_prepared.size(1) == t.size(1) && pair_prepared.size(2) == p.Lq &&
@@ -467,10 +467,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();
+  at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
-  at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();
+  at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();  // [chunks, B, H, Lq, Lk]
   for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
   p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();

@@ -15,7 +15,10 @@ namespace evoformer {
 // zero past Lk (the prepared mask of evoformer_attention.h), in one launch; one thread per output
 // element with a grid stride. T is cutlass::half_t, cutlass::bfloat16_t or float.
 template <typename T>
-__global__ void prepare_mask_kernel(const T* mask, MaskLayout layout, float inv_scale, float* out, int64_t total) {
+__global__ void prepare_mask_kernel(const T* mask,  // [Bm, Nm, 1, 1, Lk], strides in `layout`
+                                    MaskLayout layout, float inv_scale,
+                                    float* out,  // [Bm, Nm, Lk_pad] contiguous
+                                    int64_t total) {  // Bm * Nm * Lk_pad
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / layout.lk_pad;  // (b, n) flattened
     const int key = int(i - row * layout.lk_pad);
