@@ -70,7 +70,7 @@ def test_backward_runs_the_family_of_its_forward(kernel_family, monkeypatch):
 def test_unavailable_family_is_refused():
     q = torch.randn(1, 1, 8, 1, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="family"):
-        cutlass.attention_fwd(q, q, q, None, None, 0.25, "sm70", False)
+        cutlass.attention_fwd(q, q, q, None, None, 0.25, "sm70")
 
 
 def test_kernel_family_rejects_unknown_setting(monkeypatch):
@@ -118,16 +118,36 @@ def test_pair_needs_copy(make, needs_copy):
     assert cutlass.pair_needs_copy(make()) is needs_copy
 
 
+@pytest.mark.parametrize("len_k", [21, 24])  # the pair bias copied or read in place
+def test_compile_fullgraph_traces_the_fakes(len_k, monkeypatch):
+    # The custom ops' fakes carry torch.compile through forward and backward without a GPU (meta
+    # tensors; the sm80 setting keeps the family choice from asking the extension).
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm80")
+
+    def leaf(*shape, dtype=torch.bfloat16):
+        return meta(*shape, dtype=dtype).requires_grad_(True)
+
+    q, k, v = leaf(1, 2, 20, 2, 32), leaf(1, 2, len_k, 2, 32), leaf(1, 2, len_k, 2, 32)
+    mask_bias, pair_bias = leaf(1, 2, 1, 1, len_k), leaf(1, 1, 2, 20, len_k, dtype=torch.float32)
+    compiled = torch.compile(lambda *args: cutlass.attention(*args, 0.25) * 2, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, mask_bias, pair_bias)
+    out.float().sum().backward()
+    assert out.shape == q.shape
+    for t in (q, k, v, mask_bias, pair_bias):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
 @pytest.mark.parametrize("with_mask", [False, True])
-@pytest.mark.parametrize("pair_dtype,copy_pair", [(None, False), (torch.bfloat16, True), (torch.float32, False)])
-def test_fake_shapes(with_mask, pair_dtype, copy_pair):
-    q, k = meta(2, 3, 20, 4, 32), meta(2, 3, 21, 4, 32)
-    mask_bias = meta(1, 3, 1, 1, 21) if with_mask else None
-    pair_bias = meta(2, 1, 4, 20, 21, dtype=pair_dtype) if pair_dtype else None
-    out, stats, mask_prepared, pair_prepared = cutlass.attention_fwd(q, k, k, mask_bias, pair_bias, 0.25, "sm80", copy_pair)
+@pytest.mark.parametrize("pair_dtype,len_k", [(None, 21), (torch.bfloat16, 21), (torch.float32, 24)])
+def test_fake_shapes(with_mask, pair_dtype, len_k):
+    q, k = meta(2, 3, 20, 4, 32), meta(2, 3, len_k, 4, 32)
+    mask_bias = meta(1, 3, 1, 1, len_k) if with_mask else None
+    pair_bias = meta(2, 1, 4, 20, len_k, dtype=pair_dtype) if pair_dtype else None
+    copy_pair = pair_bias is not None and len_k % 8 != 0
+    out, stats, mask_prepared, pair_prepared = cutlass.attention_fwd(q, k, k, mask_bias, pair_bias, 0.25, "sm80")
     assert out.shape == q.shape and stats.shape == (2, 3, 4, 20, 2) and stats.dtype == torch.float32
     assert mask_prepared.dtype == torch.float32
-    assert mask_prepared.shape == ((1, 3, 24) if with_mask else (0,))  # Lk padded to 16-byte rows
+    assert mask_prepared.shape == ((1, 3, 24) if with_mask else (0,))  # Lk padded to whole 16-byte rows
     if pair_bias is not None and copy_pair:
         assert pair_prepared.shape == (2, 4, 20, 24) and pair_prepared.dtype == pair_dtype
     else:
@@ -137,7 +157,7 @@ def test_fake_shapes(with_mask, pair_dtype, copy_pair):
         q, q, k, k, out, stats, mask_prepared, pair_bias, pair_prepared, 0.25, "sm80", dmask_dtype, pair_bias is not None
     )
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, k.shape]
-    assert grads[3].shape == ((1, 3, 1, 1, 21) if with_mask else (0,))
+    assert grads[3].shape == ((1, 3, 1, 1, len_k) if with_mask else (0,))
     assert grads[3].dtype == (torch.float32 if with_mask else q.dtype)
     assert grads[4].shape == (pair_bias.shape if pair_bias is not None else (0,))
 
@@ -323,13 +343,13 @@ def test_opcheck(length):
     from evoformer_blocks.ops.cutlass import attention_bwd, attention_fwd
 
     q, k, v, mask_bias, pair_bias = make_inputs(1, 2, length, length, 2, 32, torch.bfloat16, "both")
-    family, copy_pair = cutlass.kernel_family(q.device), cutlass.pair_needs_copy(pair_bias)
-    assert copy_pair == (length == 20)
+    family = cutlass.kernel_family(q.device)
+    assert cutlass.pair_needs_copy(pair_bias) == (length == 20)
     for t in (q, k, v, mask_bias, pair_bias):
         t.requires_grad_(True)
-    torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25, family, copy_pair))
+    torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25, family))
     out, stats, mask_prepared, pair_prepared = attention_fwd(
-        q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25, family, copy_pair
+        q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25, family
     )
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, stats, mask_prepared, pair_bias.detach(),
             pair_prepared, 0.25, family, mask_bias.dtype, True)

@@ -1,6 +1,6 @@
-// The sm90 (Hopper, sm_90a) forward kernel: the same function and outputs as forward_sm80.cuh, with the two
-// products on the warpgroup tensor-core instructions (wgmma): S = Q.K^T reads Q and K from shared
-// memory, O += P.V takes P from registers and V from shared memory. The tensor cores run
+// The sm90 (Hopper, sm_90a) forward kernel: the same function and outputs as forward_sm80.cuh, with
+// the two products on the warpgroup tensor-core instructions (wgmma): S = Q.K^T reads Q and K from
+// shared memory, O += P.V takes P from registers and V from shared memory. The tensor cores run
 // asynchronously to the softmax of the other warpgroups on the SM, and no B fragments pass through
 // registers.
 //
@@ -9,9 +9,8 @@
 // block (K, V, the pair and mask tiles) arrive by TMA through the key-block pipeline
 // (sm90_pipeline.cuh, shared with the dQ kernel). Key step j: wait for block j, one CTA barrier
 // (every warp is done with the stages block j + 1 will overwrite), thread 0 starts block j + 1's
-// copies, start S at the biases (init_scores, the pair
-// tile read with ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only,
-// and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
+// copies, start S at the biases (init_scores, the pair tile read with ldmatrix), issue
+// S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
 // that, rescale O and keep P_j in registers for the next step. V is therefore read one step after
 // K: K, the pair and mask tiles live in a 2-stage ring, V in a 3-stage one. Q is copied once, with
 // cp.async.

@@ -19,9 +19,10 @@ The biases, from the op to the kernels (prepared once per forward, reused by the
   float32 ``[B|1, N|1, Lk_pad]``, divided by ``scale``, zero past Lk (Lk_pad: Lk rounded up to whole
   16-byte rows); ``[0]`` without a mask bias.
 - ``pair_bias`` ``[B|1, 1, H|1, Lq, Lk]`` in q's dtype or float32 is read in place when its rows are
-  in kernel layout; else (:func:`pair_needs_copy`, decided from metadata alone so that the fake
-  implementation knows the shapes) the forward makes one zero-padded copy ``pair_prepared``
-  ``[B|1, H|1, Lq, Lk_pad]``; ``[0]`` when it made none.
+  in kernel layout; else the forward makes one zero-padded copy ``pair_prepared``
+  ``[B|1, H|1, Lq, Lk_pad]``; ``[0]`` when it made none. :func:`pair_needs_copy` decides, from
+  metadata alone, both for the real op (which passes the decision to the extension) and for the
+  fake implementation, so that their shapes agree.
 
 Limits and instantiation lists come from ``csrc/cutlass_kernels/kernel_table.json``, the table the
 kernels' generated sources come from.
@@ -88,10 +89,14 @@ def _mask_prepared_like(q: Tensor, mask_bias: Optional[Tensor], len_k) -> Tensor
     return mask_bias.new_empty(shape, dtype=torch.float32)
 
 
-def _pair_prepared_like(q: Tensor, pair_bias: Optional[Tensor], copy_pair: bool) -> Tensor:
+def _copy_pair(pair_bias: Optional[Tensor]) -> bool:
+    return pair_bias is not None and pair_needs_copy(pair_bias)
+
+
+def _pair_prepared_like(q: Tensor, pair_bias: Optional[Tensor]) -> Tensor:
     if pair_bias is None:
         return q.new_empty(0)
-    if not copy_pair:
+    if not pair_needs_copy(pair_bias):
         return pair_bias.new_empty(0)
     batch, _, heads, len_q, len_k = pair_bias.shape
     return pair_bias.new_empty((batch, heads, len_q, _round_up(len_k, ROW_ALIGN_BYTES // pair_bias.element_size())))
@@ -106,22 +111,23 @@ def attention_fwd(
     pair_bias: Optional[Tensor],
     scale: float,
     family: str,
-    copy_pair: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (out [B, N, Lq, H, D], stats [B, N, H, Lq, 2] float32: row max, log2 row sum,
-    mask_prepared, pair_prepared) with the kernels of ``family``; ``copy_pair``: pair_needs_copy."""
-    out, stats, mask_prepared, pair_prepared = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, copy_pair)
+    mask_prepared, pair_prepared) with the kernels of ``family``."""
+    out, stats, mask_prepared, pair_prepared = _kernels().forward(
+        q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias)
+    )
     return out, stats, mask_prepared, pair_prepared
 
 
 @attention_fwd.register_fake
-def _(q, k, v, mask_bias, pair_bias, scale, family, copy_pair):
+def _(q, k, v, mask_bias, pair_bias, scale, family):
     batch, rows, len_q, heads, _ = q.shape
     return (
         q.new_empty(q.shape),
         q.new_empty((batch, rows, heads, len_q, 2), dtype=torch.float32),
         _mask_prepared_like(q, mask_bias, k.shape[2]),
-        _pair_prepared_like(q, pair_bias, copy_pair),
+        _pair_prepared_like(q, pair_bias),
     )
 
 
@@ -162,7 +168,7 @@ def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale,
 def _save(ctx, inputs, outputs) -> None:
     """What both paths keep for the backward: the forward's inputs less the caller's mask bias (its
     prepared form and dtype stand in for it), its outputs and its family."""
-    q, k, v, mask_bias, pair_bias, scale, family, _copy_pair = inputs
+    q, k, v, mask_bias, pair_bias, scale, family = inputs
     out, stats, mask_prepared, pair_prepared = outputs
     ctx.save_for_backward(q, k, v, pair_bias, out, stats, mask_prepared, pair_prepared)
     ctx.scale = scale
@@ -179,8 +185,8 @@ def _gradients(ctx, dout, backward):
         dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, ctx.scale, ctx.family,
         ctx.mask_dtype if need_dmask else None, need_dpair,
     )
-    # one gradient per forward input: q, k, v, mask_bias, pair_bias, scale, family, copy_pair
-    return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None, None, None
+    # one gradient per forward input: q, k, v, mask_bias, pair_bias, scale, family
+    return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None, None
 
 
 attention_fwd.register_autograd(
@@ -199,9 +205,9 @@ class _CutlassAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family, copy_pair):
-        outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, copy_pair)
-        _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family, copy_pair), outputs)
+    def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family):
+        outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias))
+        _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs)
         ctx.mark_non_differentiable(*outputs[1:])
         return tuple(outputs)
 
@@ -213,10 +219,9 @@ class _CutlassAttentionFunction(torch.autograd.Function):
 def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     """The fused attention output, differentiable in q, k, v and both biases."""
     family = _family(q.device.index)
-    copy_pair = pair_bias is not None and pair_needs_copy(pair_bias)
     if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family, copy_pair)[0]
-    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family, copy_pair)[0]
+        return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family)[0]
+    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)[0]
 
 
 @torch.compiler.assume_constant_result
