@@ -1,12 +1,14 @@
 """The fused CUDA backend against an fp32 reference, with the same-dtype eager backend as the bar.
 
-Every test here needs a CUDA GPU of compute capability >= 8.0 and is skipped without one.
-Outputs are poisoned with NaN before every kernel launch (EVOFORMER_BLOCKS_POISON=1), so an element
-a kernel fails to write shows up as NaN.
+The tests marked with @gpu need a CUDA GPU of compute capability >= 8.0 and are skipped without one;
+the others check, on any machine, what the Python side derives from csrc/cutlass_kernels/
+kernel_table.json and the fake implementations' shapes. Outputs are poisoned with NaN before every
+kernel launch (EVOFORMER_BLOCKS_POISON=1), so an element a kernel fails to write shows up as NaN.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,9 +21,16 @@ import torch
 os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 from evoformer_blocks import ops  # noqa: E402
+from evoformer_blocks.ops import cutlass  # noqa: E402
 from gpu import requires_sm80  # noqa: E402
 
-pytestmark = requires_sm80
+
+def gpu(test):
+    """Marks a test that needs a CUDA GPU of compute capability >= 8.0."""
+    for mark in requires_sm80:
+        test = mark(test)
+    return test
+
 
 # On a Hopper GPU every test runs twice: with the Hopper kernels (auto) and with the portable sm80
 # kernels (EVOFORMER_BLOCKS_KERNELS=sm80, forward and backward), which must keep passing there too.
@@ -34,11 +43,124 @@ def kernel_family(request, monkeypatch):
     return request.param
 
 
+@gpu
 def test_kernel_family_selection(kernel_family):
-    from evoformer_blocks.ops import cutlass
-
     expected = "sm90" if HOPPER and kernel_family == "auto" else "sm80"
     assert cutlass.kernel_family() == expected
+    assert expected in cutlass.available_kernel_families(torch.cuda.current_device())
+
+
+@gpu
+def test_backward_runs_the_family_of_its_forward(kernel_family, monkeypatch):
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 3, 40, 40, 2, 32, torch.bfloat16, "both")
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, mask_bias, pair_bias)]
+    out = cutlass.attention(*leaves, 0.25)
+    assert out.grad_fn.family == cutlass.kernel_family()
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm80" if kernel_family == "auto" else "auto")
+    out.backward(dout)
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", kernel_family)
+    again = [t.clone().requires_grad_(True) for t in (q, k, v, mask_bias, pair_bias)]
+    cutlass.attention(*again, 0.25).backward(dout)
+    for first, second in zip(leaves, again):
+        assert torch.equal(first.grad, second.grad)
+
+
+@gpu
+def test_unavailable_family_is_refused():
+    q = torch.randn(1, 1, 8, 1, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="family"):
+        cutlass.attention_fwd(q, q, q, None, None, 0.25, "sm70")
+
+
+def test_kernel_family_rejects_unknown_setting(monkeypatch):
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm90")
+    with pytest.raises(ValueError, match="EVOFORMER_BLOCKS_KERNELS"):
+        cutlass.kernel_family("cuda:0")
+
+
+def test_capabilities_come_from_the_kernel_table():
+    table = json.loads((Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels/kernel_table.json").read_text())
+    caps = ops.get_backend("cutlass").capabilities
+    assert caps.dtypes == tuple(getattr(torch, d["torch"]) for d in table["dtypes"])
+    assert (caps.head_dim_multiple, caps.max_head_dim) == (table["head_dim"]["multiple"], table["head_dim"]["max"])
+    assert caps.min_compute_capability == tuple(table["min_compute_capability"])
+    grid = table["grid"]
+    rows = 2 ** grid["max_x_log2"] // 2  # with 2 row tiles each: B * N * ceil(L / row_tile) = 2^max_x_log2
+    q = torch.empty(1, rows, grid["row_tile"] + 1, grid["max_heads"] + 1, 8, device="meta", dtype=torch.bfloat16)
+    reasons = ops.get_backend("cutlass").extra_reasons(ops.validate(q, q, q))
+    assert len(reasons) == 2 and "grid size" in reasons[0] and f"exceeds {grid['max_heads']}" in reasons[1]
+
+
+def test_generated_kernel_sources_are_current():
+    script = Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels/generate.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "make,needs_copy",
+    [
+        (lambda: meta(2, 1, 4, 20, 24), False),  # bf16 rows of 48 bytes
+        (lambda: meta(2, 1, 4, 20, 21), True),  # rows not a multiple of 16 bytes
+        (lambda: meta(2, 1, 4, 20, 4, dtype=torch.float32), False),
+        (lambda: meta(1, 1, 1, 20, 24).expand(2, 1, 4, 20, 24), False),  # broadcast: stride 0
+        (lambda: meta(2, 1, 4, 24, 24).transpose(3, 4), True),  # keys not contiguous
+        (lambda: meta(2, 1, 4, 20, 32)[..., 4:28], True),  # rows start 8 bytes off
+        (lambda: meta(2, 1, 4, 20, 32)[..., 8:32], False),
+    ],
+)
+def test_pair_needs_copy(make, needs_copy):
+    assert cutlass.pair_needs_copy(make()) is needs_copy
+
+
+@pytest.mark.parametrize("len_k", [21, 24])  # the pair bias copied or read in place
+def test_compile_fullgraph_traces_the_fakes(len_k, monkeypatch):
+    # The custom ops' fakes carry torch.compile through forward and backward without a GPU (meta
+    # tensors; the sm80 setting keeps the family choice from asking the extension).
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm80")
+
+    def leaf(*shape, dtype=torch.bfloat16):
+        return meta(*shape, dtype=dtype).requires_grad_(True)
+
+    q, k, v = leaf(1, 2, 20, 2, 32), leaf(1, 2, len_k, 2, 32), leaf(1, 2, len_k, 2, 32)
+    mask_bias, pair_bias = leaf(1, 2, 1, 1, len_k), leaf(1, 1, 2, 20, len_k, dtype=torch.float32)
+    compiled = torch.compile(lambda *args: cutlass.attention(*args, 0.25) * 2, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, mask_bias, pair_bias)
+    out.float().sum().backward()
+    assert out.shape == q.shape
+    for t in (q, k, v, mask_bias, pair_bias):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+@pytest.mark.parametrize("pair_dtype,len_k", [(None, 21), (torch.bfloat16, 21), (torch.float32, 24)])
+def test_fake_shapes(with_mask, pair_dtype, len_k):
+    q, k = meta(2, 3, 20, 4, 32), meta(2, 3, len_k, 4, 32)
+    mask_bias = meta(1, 3, 1, 1, len_k) if with_mask else None
+    pair_bias = meta(2, 1, 4, 20, len_k, dtype=pair_dtype) if pair_dtype else None
+    copy_pair = pair_bias is not None and len_k % 8 != 0
+    out, stats, mask_prepared, pair_prepared = cutlass.attention_fwd(q, k, k, mask_bias, pair_bias, 0.25, "sm80")
+    assert out.shape == q.shape and stats.shape == (2, 3, 4, 20, 2) and stats.dtype == torch.float32
+    assert mask_prepared.dtype == torch.float32
+    assert mask_prepared.shape == ((1, 3, 24) if with_mask else (0,))  # Lk padded to whole 16-byte rows
+    if pair_bias is not None and copy_pair:
+        assert pair_prepared.shape == (2, 4, 20, 24) and pair_prepared.dtype == pair_dtype
+    else:
+        assert pair_prepared.shape == (0,)
+    dmask_dtype = torch.float32 if with_mask else None
+    grads = cutlass.attention_bwd(
+        q, q, k, k, out, stats, mask_prepared, pair_bias, pair_prepared, 0.25, "sm80", dmask_dtype, pair_bias is not None
+    )
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, k.shape]
+    assert grads[3].shape == ((1, 3, 1, 1, len_k) if with_mask else (0,))
+    assert grads[3].dtype == (torch.float32 if with_mask else q.dtype)
+    assert grads[4].shape == (pair_bias.shape if pair_bias is not None else (0,))
+
 
 # Pass rule: error(fused) <= RATIO * error(eager, same dtype) + FLOOR[dtype, direction], errors as
 # ||x - ref|| / ||ref|| against the fp32 reference. Where the exact value is zero (at L = 1 softmax is
@@ -126,6 +248,7 @@ def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1):
     return report
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("variant", ["none", "mask", "pair", "both"])
@@ -136,6 +259,7 @@ def test_matches_reference(dtype, head_dim, variant, length):
     check_against_reference(*inputs)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("variant", ["mask", "pair", "both"])
 @pytest.mark.parametrize("head_dim", [32, 72])
@@ -144,11 +268,13 @@ def test_float32_biases(dtype, variant, head_dim):
     check_against_reference(*inputs)
 
 
+@gpu
 @pytest.mark.parametrize("len_q,len_k", [(33, 100), (130, 7)])
 def test_query_and_key_lengths_differ(len_q, len_k):
     check_against_reference(*make_inputs(1, 3, len_q, len_k, 2, 32, torch.bfloat16, "both"))
 
 
+@gpu
 def test_broadcast_biases():
     q, k, v, _, _ = make_inputs(2, 3, 40, 40, 4, 32, torch.bfloat16, "none")
     mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 40, device="cuda") > 0.2).float() - 1)).bfloat16()  # B broadcast
@@ -156,6 +282,7 @@ def test_broadcast_biases():
     check_against_reference(q, k, v, mask_bias, pair_bias)
 
 
+@gpu
 @pytest.mark.parametrize("mask_value", [-1e9, float("-inf")])
 def test_fully_masked_rows(mask_value):
     q, k, v, mask_bias, pair_bias = make_inputs(1, 4, 50, 50, 2, 32, torch.bfloat16, "both")
@@ -167,6 +294,7 @@ def test_fully_masked_rows(mask_value):
         assert (out[:, 1] == 0).all()  # a query with no key attends to nothing
 
 
+@gpu
 def test_non_contiguous_inputs():
     # q, k, v as views of one packed projection [B, N, L, 3, H, D], plus a transposed layout.
     packed = torch.randn(1, 3, 45, 3, 2, 40, device="cuda", dtype=torch.bfloat16)
@@ -180,11 +308,13 @@ def test_non_contiguous_inputs():
     check_against_reference(q_t, k, v, mask_strided, pair_bias)
 
 
+@gpu
 def test_grid_limits_batch_times_rows():
     # B * N > 65535 CTAs along one grid dimension.
     check_against_reference(*make_inputs(2, 33000, 5, 5, 1, 8, torch.bfloat16, "both"))
 
 
+@gpu
 def test_deterministic():
     q, k, v, mask_bias, pair_bias = make_inputs(1, 64, 200, 200, 4, 32, torch.bfloat16, "both")
     dout = torch.randn(q.shape, device="cuda")
@@ -196,6 +326,7 @@ def test_deterministic():
             assert torch.equal(first[1][name], again[1][name]), name
 
 
+@gpu
 def test_caller_tensors_untouched():
     inputs = make_inputs(1, 3, 30, 30, 2, 16, torch.bfloat16, "both")
     copies = [t.clone() for t in inputs]
@@ -206,19 +337,26 @@ def test_caller_tensors_untouched():
         assert torch.equal(before, after.detach())
 
 
-def test_opcheck():
+@gpu
+@pytest.mark.parametrize("length", [20, 24])  # the pair bias copied (rows of 40 bytes) or read in place
+def test_opcheck(length):
     from evoformer_blocks.ops.cutlass import attention_bwd, attention_fwd
 
-    q, k, v, mask_bias, pair_bias = make_inputs(1, 2, 20, 20, 2, 32, torch.bfloat16, "both")
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 2, length, length, 2, 32, torch.bfloat16, "both")
+    family = cutlass.kernel_family(q.device)
+    assert cutlass.pair_needs_copy(pair_bias) == (length == 20)
     for t in (q, k, v, mask_bias, pair_bias):
         t.requires_grad_(True)
-    torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25))
-    out, stats = attention_fwd(q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25)
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), out,
-            stats, 0.25, True, True)
+    torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25, family))
+    out, stats, mask_prepared, pair_prepared = attention_fwd(
+        q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25, family
+    )
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, stats, mask_prepared, pair_bias.detach(),
+            pair_prepared, 0.25, family, mask_bias.dtype, True)
     torch.library.opcheck(attention_bwd, args)
 
 
+@gpu
 def test_auto_falls_back_for_unsupported_inputs():
     q32 = torch.randn(1, 2, 10, 2, 16, device="cuda")  # float32: not supported by cutlass
     with pytest.raises(ValueError, match="float32"):
@@ -231,6 +369,7 @@ def test_auto_falls_back_for_unsupported_inputs():
     assert ops.get_backend("cutlass").not_supported_reasons(ops.validate(big_d, big_d, big_d))
 
 
+@gpu
 def test_compile_fullgraph():
     q, k, v, mask_bias, pair_bias = make_inputs(1, 2, 24, 24, 2, 32, torch.bfloat16, "both")
     q.requires_grad_(True)
@@ -246,6 +385,7 @@ def test_compile_fullgraph():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@gpu
 @pytest.mark.slow
 def test_more_than_2_pow_31_elements():
     # q, k, v of 2.3e9 elements each: offsets past 2^31 must use 64-bit arithmetic.
@@ -269,6 +409,7 @@ def test_more_than_2_pow_31_elements():
         assert rel_error(leaf.grad[:, tail], sub_leaf.grad) < 3e-2
 
 
+@gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer(tool):

@@ -1,6 +1,6 @@
-// Hopper (sm_90a) backward kernels: the same functions and outputs as backward_dkdv_kernel,
-// backward_dq_kernel and backward_dpair_kernel (backward_kernels.cuh), with every product on wgmma. Tiles stored once serve
-// both as the K-major operand of one product and, through their transposed GMMA view, as the
+// The sm90 (Hopper, sm_90a) backward kernels: the same functions and outputs as the sm80 dK/dV, dQ
+// and pair-bias-gradient kernels (backward_sm80.cuh), with every product on wgmma. Tiles stored once
+// serve both as the K-major operand of one product and, through their transposed GMMA view, as the
 // MN-major operand of another (RowTileLayouts).
 //
 // dK/dV: CTA = one warpgroup (128 threads) x 64 keys of one (b, n, h), on the sm80 kernel's
@@ -11,8 +11,9 @@
 // Q, dO, the pair tile and the statistics live in a 2-stage ring.
 //
 // dQ: CTA = one warpgroup x 64 query rows of one (b, n, h), on the sm80 dQ kernel's RowTileGrid.
-// Key step j: wait for block j's tiles (its transaction barrier), one CTA barrier, thread 0 starts
-// block j + 1's TMA copies (KeyBlockTma, as the forward; Q and dO come once by cp.async), start
+// Key step j: wait for block j's tiles, one CTA barrier, thread 0 starts block j + 1's TMA copies
+// (the key-block pipeline of sm90_pipeline.cuh, shared with the forward; Q and dO come once by
+// cp.async), start
 // S at the biases (init_scores) and dP at -delta, issue S and dP, then dQ += dS_{j-1}.K_{j-1}; wait
 // for S and dP only and form dS_j = P_j * (dP_j - delta) while the tensor cores still work on dQ;
 // then wait for that and keep dS_j in registers for the next step. K is therefore read one step
@@ -21,8 +22,15 @@
 // Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma.
 #pragma once
 
-#include "backward_kernels.cuh"
-#include "sm90_common.cuh"
+#include <type_traits>
+
+#include "epilogue.cuh"
+#include "mma_sm80.cuh"
+#include "preprocess.cuh"
+#include "sm90_layouts.cuh"
+#include "sm90_pipeline.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace evoformer {
 namespace sm90 {
@@ -64,7 +72,7 @@ struct DkdvConfig {
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    backward_dkdv_kernel(const AttentionParams p, const RowTileGrid grid) {
+    backward_sm90_dkdv_kernel(const AttentionParams p, const RowTileGrid grid) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -271,23 +279,24 @@ struct DqConfig {
   // dQ [64, D] += dS [64, kBlockN] . K [kBlockN, D]
   using MmaDq = RsMmaMN<Element, kHeadDim, kBlockN>;
 
-  // Shared memory (each wgmma or swizzled TMA tile 1024-byte aligned): Q, dO, three stages of K, two
-  // stages of {V, pair tile, mask tile}, then the two transaction barriers of the key blocks in flight.
+  // Shared memory (each wgmma or swizzled TMA tile 1024-byte aligned): Q, dO, three stages of K (read
+  // one step later), the pipeline's two stages of {V, pair tile, mask tile}, then its transaction
+  // barriers.
   static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);
   static constexpr int kPairBytes = Tma::kPairBytes;
   static constexpr int kMaskBytes = Tma::kMaskBytes;
   static constexpr int kVStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
-  static constexpr int kKStages = 3, kVStages = 2;
+  static constexpr int kKStages = Tma::kStages + 1, kVStages = Tma::kStages;
   static constexpr int kSmemBytes =
-      kSmemAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes + 2 * 8;
+      kSmemAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes + Tma::kBarrierBytes;
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    backward_dq_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ KeyBlockMaps maps) {
+    backward_sm90_dq_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ KeyBlockMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -309,7 +318,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   auto mask_smem = [&](int st) {  // [kBlockN]
     return reinterpret_cast<float*>(v_ring + st * Cfg::kVStageBytes + Cfg::kKVBytes + Cfg::kPairBytes);
   };
-  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kVStageBytes);  // [2]
+  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kVStageBytes);  // [Tma::kStages]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
   const int warp_row0 = (threadIdx.x / 32u) * 16;  // first of this warp's 16 rows in the CTA tile
@@ -323,22 +332,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, m0, h);
   const bool has_mask = p.mask_scaled != nullptr;
 
-  // Key block jb's tiles into their ring stages, issued by one thread; they complete on
-  // block_full[jb % 2].
+  // Key block jb's tiles into their ring stages (issued by one thread).
   auto issue_block = [&](int jb) {
     const int vs = jb % Cfg::kVStages;
-    Cfg::Tma::issue(maps, &block_full[jb % 2], p, b, n, h, m0, jb, k_smem(jb % Cfg::kKStages), v_smem(vs),
-                    pair_smem(vs), mask_smem(vs));
+    Cfg::Tma::issue(maps, block_full, p, b, n, h, m0, jb, k_smem(jb % Cfg::kKStages), v_smem(vs), pair_smem(vs),
+                    mask_smem(vs));
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  if (tid == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&block_full[0], 1);
-    cutlass::arch::ClusterTransactionBarrier::init(&block_full[1], 1);
-    cutlass::arch::fence_barrier_init();
-    issue_block(0);
-  }
-  {
+  Cfg::Tma::start(block_full, issue_block);
+  {  // Q and dO [kBlockM, kHeadDim] (LayoutQ)
     const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
         tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
     copy_q(q_smem, q, p.q_strides.l, rows_q, p.D);
@@ -349,9 +352,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   float2 stats_row[2];
   float delta_row[2];
   load_row_stats(stats_row, delta_row, p, bnh, m0 + warp_row0 + lane / 4);
-  cp_async_wait<0>();                        // this thread's part of Q and dO has landed
-  cutlass::arch::fence_view_async_shared();  // ... and is visible to the tensor cores
-  __syncthreads();                           // everyone's; the barriers are initialised
+  Cfg::Tma::finish_prologue();  // Q and dO in place for the tensor cores
 
   typename Cfg::MmaS mma_s;
   typename Cfg::MmaDq mma_dq;
@@ -392,11 +393,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   for (int jb = 0; jb < n_blocks; ++jb) {
     const int vs = jb % Cfg::kVStages;
     const int n0 = jb * kBlockN;
-    cutlass::arch::ClusterTransactionBarrier::wait(&block_full[jb % 2], (jb / 2) % 2);  // block jb landed
-    if (jb + 1 < n_blocks) {
-      __syncthreads();  // S_{jb-1}, dP_{jb-1} and dS_{jb-2}.K are done: their stages take block jb + 1
-      if (tid == 0) issue_block(jb + 1);
-    }
+    // block jb landed; jb + 1 issued once S_{jb-1}, dP_{jb-1} and dS_{jb-2}.K, whose stages it takes,
+    // are done
+    Cfg::Tma::begin_step(block_full, jb, n_blocks, issue_block);
 
     // S = (mask + pair) / scale + Q . K^T;  dP - delta = -delta + dO . V^T
     const PairT* sPair = pair_smem(vs);
@@ -451,6 +450,7 @@ struct DpairConfig {
   static constexpr int kBlockN = 64;  // keys of the tile
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kPairPitch = kBlockN + (kPair == kPairFloat ? 4 : 8);
+  static_assert(kBlockM == PairGradTile::kQueries && kBlockN == PairGradTile::kKeys, "the grid's tile");
 
   using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;  // Q and dO
   using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;  // K and V
@@ -473,7 +473,8 @@ struct DpairConfig {
 // (PairGradTile); per row n: S = Q.K^T and dP = dO.V^T on wgmma, dS = P * (dP - delta), summed in
 // registers over the chunk and written once. Row n + 1's tiles are copied during row n's math.
 template <typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_dpair_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
+    backward_sm90_dpair_kernel(const AttentionParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM) backward_
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
   const int warp_row0 = (threadIdx.x / 32u) * 16;
-  const PairGradTile tile(p, kBlockM, kBlockN);
+  const PairGradTile tile(p);
   const int64_t b = tile.b, h = tile.h;
 
   if constexpr (Cfg::kPair != kNoPair) {
@@ -602,28 +603,30 @@ template <typename Element, int kHeadDim, int kPair>
 void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Dkdv = sm90::DkdvConfig<Element, kHeadDim, kPair>;
   using Dq = sm90::DqConfig<Element, kHeadDim, kPair>;
-  launch_on_row_tiles(sm90::backward_dkdv_kernel<Dkdv>, p, p.Lk, Dkdv::kBlockN, Dkdv::kThreads, Dkdv::kSmemBytes,
-                      stream, "evoformer backward dK/dV sm90");
+  constexpr const char* kDqName = "evoformer backward dQ sm90";
+  launch_backward_delta<Element>(p, stream);
+  launch_on_row_tiles<Dkdv::kBlockN>(sm90::backward_sm90_dkdv_kernel<Dkdv>, p, p.Lk, Dkdv::kThreads, Dkdv::kSmemBytes,
+                                     stream, "evoformer backward dK/dV sm90");
   sm90::KeyBlockMaps dq_maps{};
-  Dq::Tma::encode(dq_maps, p, "evoformer backward dQ sm90");
-  launch_on_row_tiles(sm90::backward_dq_kernel<Dq>, p, p.Lq, Dq::kBlockM, Dq::kThreads, Dq::kSmemBytes, stream,
-                      "evoformer backward dQ sm90", dq_maps);
+  Dq::Tma::encode(dq_maps, p, kDqName);
+  launch_on_row_tiles<Dq::kBlockM>(sm90::backward_sm90_dq_kernel<Dq>, p, p.Lq, Dq::kThreads, Dq::kSmemBytes, stream,
+                                   kDqName, dq_maps);
   if constexpr (kPair != kNoPair) {
     using Dpair = sm90::DpairConfig<Element, kHeadDim, kPair>;
     if (p.dpair != nullptr)
-      launch_pair_grad(sm90::backward_dpair_kernel<Dpair>, p, Dpair::kBlockM, Dpair::kBlockN, Dpair::kThreads,
-                       Dpair::kSmemBytes, stream, "evoformer backward pair bias sm90");
+      launch_pair_grad(sm90::backward_sm90_dpair_kernel<Dpair>, p, Dpair::kThreads, Dpair::kSmemBytes, stream,
+                       "evoformer backward pair bias sm90");
   }
 }
 
 template <typename Element, int kHeadDim, int kPair>
-int backward_pair_grad_blocks_per_sm90() {
+int pair_grad_blocks_per_sm_sm90() {
   if constexpr (kPair == kNoPair) {
     return 0;
   } else {
     using Cfg = sm90::DpairConfig<Element, kHeadDim, kPair>;
-    return resident_ctas_per_sm<sm90::backward_dpair_kernel<Cfg>>(Cfg::kThreads, Cfg::kSmemBytes,
-                                                                  "evoformer backward pair bias sm90 (occupancy query)");
+    return resident_ctas_per_sm<sm90::backward_sm90_dpair_kernel<Cfg>>(
+        Cfg::kThreads, Cfg::kSmemBytes, "evoformer backward pair bias sm90 (occupancy query)");
   }
 }
 

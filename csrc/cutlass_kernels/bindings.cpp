@@ -1,25 +1,38 @@
-// TORCH_LIBRARY bindings of the fused Evoformer attention kernels: host-side checks, preparation of
-// the biases into the layouts the kernels read, dispatch to one instantiation, and the reductions
-// of the bias-gradient partials to the biases' broadcast shapes.
+// TORCH_LIBRARY bindings of the fused Evoformer attention kernels: the guards that keep direct
+// torch.ops calls memory-safe (the user-facing validation is Python's _inputs.validate), the biases'
+// preparation into the layouts the kernels read (once per forward; the backward reuses it),
+// dispatch to one instantiation of the family the caller chose, and the reductions of the
+// bias-gradient partials to the biases' broadcast shapes.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
-//   kernel_family(device) -> "sm90" | "sm80": the kernel family that runs on that device (sm90: the
-//       Hopper forward and backward kernels)
-//   forward(q, k, v, mask_bias?, pair_bias?, scale) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32)
-//   backward(dout, q, k, v, mask_bias?, pair_bias?, out, stats, scale, need_dmask, need_dpair)
-//       -> (dq, dk, dv, dmask_bias, dpair_bias); a bias gradient not asked for is an empty tensor.
+//   available_kernel_families(int device) -> str[]: the families this build can run on that device
+//       ("sm80": compute capability >= 8.0; "sm90": also a build with sm_90a code and a 9.0 device).
+//   forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family,
+//           bool copy_pair) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32, mask_prepared, pair_prepared)
+//       mask_prepared: the prepared mask float32 [B|1, N|1, Lk_pad] (evoformer_attention.h), [0] without
+//       a mask bias. pair_prepared: with copy_pair, the pair bias copied into kernel layout
+//       [B|1, H|1, Lq, Lk_pad] (zero-padded); else [0], and pair_bias itself must be in kernel layout.
+//   backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared,
+//            Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype,
+//            bool need_dpair) -> (dq, dk, dv, dmask_bias, dpair_bias)
+//       takes the forward's prepared tensors (and the caller's pair bias, read when pair_prepared is
+//       [0]); dmask_dtype: the mask bias's dtype when its gradient is wanted, else None. The bias
+//       gradients come in their biases' broadcast shapes and dtypes; one not asked for is [0].
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include <cutlass/numeric_types.h>
 
@@ -29,83 +42,15 @@ namespace evoformer {
 namespace {
 
 using Launcher = void (*)(const AttentionParams&, cudaStream_t);
-using BlocksQuery = int (*)(bool);
+using BlocksQuery = int (*)();
 
-int head_dim_bucket(int head_dim) {
-  int bucket = 0;
-  for (int b : kHeadDimBuckets)
-    if (bucket == 0 && head_dim <= b) bucket = b;
-  TORCH_CHECK(bucket != 0, "evoformer attention: head dim ", head_dim, " exceeds the largest bucket");
-  return bucket;
-}
+enum class Family { kSm80, kSm90 };
 
-// The one place that maps (dtype, head dim, pair kind) to an instantiation: returns
-// pick(Element{}, integral_constant<head-dim bucket>, integral_constant<pair kind>), which names a
-// function of that instantiation (every branch must return the same pointer type).
-template <typename Pick>
-auto for_instantiation(at::ScalarType dtype, int head_dim, int pair, Pick&& pick) {
-  using std::integral_constant;
-  const int bucket = head_dim_bucket(head_dim);
-  auto by_pair = [&](auto element, auto dim) {
-    return pair == kNoPair      ? pick(element, dim, integral_constant<int, kNoPair>{})
-           : pair == kPairInput ? pick(element, dim, integral_constant<int, kPairInput>{})
-                                : pick(element, dim, integral_constant<int, kPairFloat>{});
-  };
-  auto by_bucket = [&](auto element) {
-    return bucket == 32   ? by_pair(element, integral_constant<int, 32>{})
-           : bucket == 64 ? by_pair(element, integral_constant<int, 64>{})
-                          : by_pair(element, integral_constant<int, 128>{});
-  };
-  return dtype == at::kBFloat16 ? by_bucket(cutlass::bfloat16_t{}) : by_bucket(cutlass::half_t{});
-}
-
-enum class Direction { kForward, kForwardSm90, kBackward };
-
-Launcher launcher_for(Direction direction, at::ScalarType dtype, int head_dim, int pair) {
-  return for_instantiation(dtype, head_dim, pair, [direction](auto element, auto dim, auto kind) -> Launcher {
-    using E = decltype(element);
-    constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
-    switch (direction) {
-      case Direction::kForward: return &launch_forward<E, D, P>;
-      case Direction::kForwardSm90: return &launch_forward_sm90<E, D, P>;
-      default: return &launch_backward<E, D, P>;
-    }
-  });
-}
-
-// Whether the Hopper kernels run (forward and backward): the build holds sm_90a code (EVOFORMER_SM90A, set by
-// the JIT build when it compiles for 9.0a), the device has compute capability 9.0, and
-// EVOFORMER_BLOCKS_KERNELS is unset or "auto" ("sm80" keeps the portable kernels; read on every call
-// so that one process can time both).
-bool use_sm90(int device) {
-  const char* env = std::getenv("EVOFORMER_BLOCKS_KERNELS");
-  const std::string choice = env == nullptr || env[0] == '\0' ? "auto" : env;
-  TORCH_CHECK(choice == "auto" || choice == "sm80",
-              "evoformer attention: EVOFORMER_BLOCKS_KERNELS must be `auto` or `sm80`, got `", choice, "`");
-#ifdef EVOFORMER_SM90A
-  if (choice == "sm80") return false;
-  static int capability[64] = {};  // major * 10 + minor per device, 0 until asked
-  TORCH_CHECK(device >= 0 && device < 64, "evoformer attention: device index ", device, " out of range");
-  if (capability[device] == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    capability[device] = major * 10 + minor;
-  }
-  return capability[device] == 90;
-#else
-  (void)device;
-  return false;
-#endif
-}
-
-// CTAs of the pair-bias-gradient kernel (its Hopper one with sm90) resident per SM for this dtype /
-// head dim / pair kind.
-int pair_grad_blocks_per_sm(at::ScalarType dtype, int head_dim, int pair, bool sm90) {
-  return for_instantiation(dtype, head_dim, pair, [](auto element, auto dim, auto kind) -> BlocksQuery {
-    return &backward_pair_grad_blocks_per_sm<decltype(element), decltype(dim)::value, decltype(kind)::value>;
-  })(sm90);
-}
+// One instantiation's entry points in one family.
+struct Kernels {
+  Launcher forward, backward;
+  BlocksQuery pair_grad_blocks_per_sm;
+};
 
 std::string describe(const char* name, const at::Tensor& t) {
   std::ostringstream os;
@@ -114,13 +59,106 @@ std::string describe(const char* name, const at::Tensor& t) {
   return os.str();
 }
 
-// Every tensor argument must be on one CUDA device.
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+bool kernel_dtype(at::ScalarType dtype) {
+#define EVOFORMER_DTYPE_CASE(scalar, element) \
+  if (dtype == at::k##scalar) return true;
+  EVOFORMER_KERNEL_ELEMENTS(EVOFORMER_DTYPE_CASE)
+#undef EVOFORMER_DTYPE_CASE
+  return false;
+}
+
+int head_dim_bucket(int64_t head_dim) {
+  for (int bucket : limits::kHeadDimBuckets)
+    if (head_dim <= bucket) return bucket;
+  TORCH_CHECK(false, "evoformer attention: head dim ", head_dim, " exceeds the largest bucket");
+  return 0;
+}
+
+// pick(integral_constant<kHeadDimBuckets[i]>) for the bucket `bucket` (one of them).
+template <typename R, size_t I = 0, typename Pick>
+R by_bucket(int bucket, Pick&& pick) {
+  constexpr int kBucket = limits::kHeadDimBuckets[I];
+  if constexpr (I + 1 == std::size(limits::kHeadDimBuckets)) {
+    return pick(std::integral_constant<int, kBucket>{});
+  } else {
+    return bucket == kBucket ? pick(std::integral_constant<int, kBucket>{}) : by_bucket<R, I + 1>(bucket, pick);
+  }
+}
+
+// pick(integral_constant<kPairKinds[i]>) for the pair kind `pair` (one of them).
+template <typename R, size_t I = 0, typename Pick>
+R by_pair_kind(int pair, Pick&& pick) {
+  constexpr int kKind = limits::kPairKinds[I];
+  if constexpr (I + 1 == std::size(limits::kPairKinds)) {
+    return pick(std::integral_constant<int, kKind>{});
+  } else {
+    return pair == kKind ? pick(std::integral_constant<int, kKind>{}) : by_pair_kind<R, I + 1>(pair, pick);
+  }
+}
+
+// The one place that maps (family, dtype, head dim, pair kind) to an instantiation's entry points.
+Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair) {
+  const int bucket = head_dim_bucket(head_dim);
+  auto entries = [family](auto element, auto dim, auto kind) -> Kernels {
+    using E = decltype(element);
+    constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
+    if (family == Family::kSm90)
+      return {&launch_forward_sm90<E, D, P>, &launch_backward_sm90<E, D, P>, &pair_grad_blocks_per_sm_sm90<E, D, P>};
+    return {&launch_forward_sm80<E, D, P>, &launch_backward_sm80<E, D, P>, &pair_grad_blocks_per_sm_sm80<E, D, P>};
+  };
+#define EVOFORMER_DTYPE_CASE(scalar, element)                                                    \
+  if (dtype == at::k##scalar)                                                                    \
+    return by_bucket<Kernels>(bucket, [&](auto dim) {                                            \
+      return by_pair_kind<Kernels>(pair, [&](auto kind) { return entries(element{}, dim, kind); }); \
+    });
+  EVOFORMER_KERNEL_ELEMENTS(EVOFORMER_DTYPE_CASE)
+#undef EVOFORMER_DTYPE_CASE
+  TORCH_CHECK(false, "evoformer attention: no kernels for dtype ", dtype);
+  return Kernels{};
+}
+
+// Compute capability of `device` as major * 10 + minor, asked once per device.
+int compute_capability(int64_t device) {
+  constexpr int kCachedDevices = 64;
+  static int capability[kCachedDevices] = {};  // 0 until asked
+  TORCH_CHECK(device >= 0 && device < kCachedDevices, "evoformer attention: `device` index ", device,
+              " must be in [0, ", kCachedDevices, ")");
+  if (capability[device] == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, int(device)));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, int(device)));
+    capability[device] = major * 10 + minor;
+  }
+  return capability[device];
+}
+
+std::vector<std::string> available_kernel_families(int64_t device) {
+  const int capability = compute_capability(device);
+  std::vector<std::string> families;
+  if (capability >= limits::kMinComputeCapability) families.push_back("sm80");
+#ifdef EVOFORMER_SM90A
+  if (capability == limits::kSm90ComputeCapability) families.push_back("sm90");
+#endif
+  return families;
+}
+
+// The family named by the caller, which must be available on `device`.
+Family family_on(const std::string& family, int64_t device) {
+  const std::vector<std::string> available = available_kernel_families(device);
+  TORCH_CHECK(std::find(available.begin(), available.end(), family) != available.end(),
+              "evoformer attention: `family` must be one of the kernel families this build runs on device ", device,
+              " (", c10::Join(", ", available), "), got `", family, "`");
+  return family == "sm90" ? Family::kSm90 : Family::kSm80;
+}
+
+// The guards forward and backward share, for q, k, v: one CUDA device, an instantiated dtype, rank 5
+// with k, v [B, N, Lk, H, D] matching q [B, N, Lq, H, D], D within the kernels' limits, and the grids
+// within theirs.
+void guard_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
-    TORCH_CHECK(t.is_cuda(), "evoformer attention: `", name, "` must be a CUDA tensor; ", describe(name, t));
-    TORCH_CHECK(t.dim() == 5, "evoformer attention: `", name, "` must be [B, N, L, H, D]; ", describe(name, t));
-    TORCH_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
-                "evoformer attention: `", name, "` must be float16 or bfloat16; ", describe(name, t));
+    TORCH_CHECK(t.is_cuda() && t.dim() == 5 && kernel_dtype(t.scalar_type()),
+                "evoformer attention: `", name, "` must be a float16 or bfloat16 CUDA tensor [B, N, L, H, D]; ",
+                describe(name, t));
     TORCH_CHECK(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
                 "evoformer attention: q, k, v must share dtype and device; ", describe(name, t));
   }
@@ -129,13 +167,30 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(4) == k.size(4),
               "evoformer attention: k must be [B, N, Lk, H, D] with q's B, N, H, D; ", describe("q", q), "; ",
               describe("k", k));
+  TORCH_CHECK(q.numel() > 0 && k.numel() > 0, "evoformer attention: every dimension of q and k must be at least 1; ",
+              describe("q", q), "; ", describe("k", k));
   const int64_t d = q.size(4);
-  TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 128, "evoformer attention: head dim D must be a multiple of 8 in [8, 128]; ",
-              describe("q", q));
-  const int64_t blocks = (std::max(q.size(2), k.size(2)) + 63) / 64;  // the kernels' smallest tile is 64
-  TORCH_CHECK(q.size(0) * q.size(1) * blocks < (int64_t(1) << 31) && q.size(3) <= 65535,
-              "evoformer attention: B * N * ceil(L / 64) must be < 2^31 and H <= 65535; ", describe("q", q));
+  TORCH_CHECK(d % limits::kHeadDimMultiple == 0 && d <= limits::kMaxHeadDim,
+              "evoformer attention: head dim D must be a multiple of ", limits::kHeadDimMultiple, " and at most ",
+              limits::kMaxHeadDim, "; ", describe("q", q));
+  const int64_t tiles = (std::max(q.size(2), k.size(2)) + limits::kRowTile - 1) / limits::kRowTile;
+  TORCH_CHECK(q.size(0) * q.size(1) * tiles < (int64_t(1) << limits::kMaxGridXLog2) && q.size(3) <= limits::kMaxHeads,
+              "evoformer attention: B * N * ceil(L / ", limits::kRowTile, ") must be below 2^", limits::kMaxGridXLog2,
+              " and H at most ", limits::kMaxHeads, "; ", describe("q", q));
 }
+
+// `t` (dout, out) must be a CUDA tensor of q's dtype, shape and device.
+void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == q.scalar_type() && t.sizes() == q.sizes(),
+              "evoformer attention backward: `", name, "` must match q's shape, dtype and device; ", describe(name, t),
+              "; ", describe("q", q));
+}
+
+void check_scale(double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // A stride the kernel can use: 0 for a size-1 dimension (never stepped over).
 int64_t kstride(const at::Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
@@ -143,8 +198,9 @@ int64_t kstride(const at::Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.
 // q/k/v/out/dout as the kernels read them: D contiguous, every row 16-byte aligned. Copies only
 // when the given layout does not allow that.
 at::Tensor kernel_layout(const at::Tensor& t) {
-  bool ok = t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 4; ++d) ok = ok && kstride(t, d) % 8 == 0;
+  const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
+  bool ok = t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % limits::kRowAlignBytes == 0;
+  for (int d = 0; d < 4; ++d) ok = ok && kstride(t, d) % per_chunk == 0;
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
@@ -153,63 +209,91 @@ RowStrides row_strides(const at::Tensor& t) {
   return RowStrides{kstride(t, 0), kstride(t, 1), kstride(t, 2), kstride(t, 3)};
 }
 
-void set_qkv(AttentionParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_strides = row_strides(q);
-  p.k_strides = row_strides(k);
-  p.v_strides = row_strides(v);
-  p.B = int(q.size(0)), p.N = int(q.size(1)), p.Lq = int(q.size(2)), p.Lk = int(k.size(2));
-  p.H = int(q.size(3)), p.D = int(q.size(4));
+// The parameters every launch shares: q, k, v in kernel layout (kept alive by the caller), the
+// sizes and the scale.
+struct Operands {
+  at::Tensor q, k, v;  // [B, N, Lq, H, D], [B, N, Lk, H, D] x 2
+  AttentionParams p{};
+};
+Operands operands(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double scale) {
+  Operands r;
+  r.q = kernel_layout(q_in), r.k = kernel_layout(k_in), r.v = kernel_layout(v_in);
+  AttentionParams& p = r.p;
+  p.q = r.q.data_ptr(), p.k = r.k.data_ptr(), p.v = r.v.data_ptr();
+  p.q_strides = row_strides(r.q), p.k_strides = row_strides(r.k), p.v_strides = row_strides(r.v);
+  p.B = int(r.q.size(0)), p.N = int(r.q.size(1)), p.Lq = int(r.q.size(2)), p.Lk = int(r.k.size(2));
+  p.H = int(r.q.size(3)), p.D = int(r.q.size(4));
+  p.scale = float(scale), p.inv_scale = float(1.0 / scale), p.scale_log2 = float(scale * M_LOG2E);
+  return r;
 }
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Keys of the prepared mask: Lk rounded up to whole 16-byte float32 rows.
+int64_t mask_lk_pad(int64_t lk) { return round_up(lk, limits::kRowAlignBytes / int64_t(sizeof(float))); }
 
-// mask_bias [B|1, N|1, 1, 1, Lk] -> float32 [B|1, N|1, Lk_pad] divided by scale (one small launch).
-// Needs p.Lk and p.inv_scale set.
-at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mask_bias, const at::Tensor& q) {
+// Points p at a prepared mask (float32 [B|1, N|1, Lk_pad] contiguous, guarded here) or, for [0], at none.
+void use_mask(AttentionParams& p, const at::Tensor& prepared, const at::Tensor& q) {
   p.mask_scaled = nullptr;
   p.mask_stride_b = p.mask_stride_n = 0;
-  if (!mask_bias.has_value()) return at::Tensor();
+  if (prepared.numel() == 0) return;
+  const int64_t lk_pad = mask_lk_pad(p.Lk);
+  TORCH_CHECK(prepared.device() == q.device() && prepared.scalar_type() == at::kFloat && prepared.dim() == 3 &&
+                  (prepared.size(0) == p.B || prepared.size(0) == 1) &&
+                  (prepared.size(1) == p.N || prepared.size(1) == 1) && prepared.size(2) == lk_pad &&
+                  prepared.is_contiguous(),
+              "evoformer attention: `mask_prepared` must be the forward's contiguous float32 [B|1, N|1, ", lk_pad,
+              "] on q's device, or [0]; ", describe("mask_prepared", prepared));
+  p.mask_scaled = prepared.data_ptr<float>();
+  p.mask_stride_b = prepared.size(0) == 1 ? 0 : prepared.size(1) * lk_pad;
+  p.mask_stride_n = prepared.size(1) == 1 ? 0 : lk_pad;
+}
+
+// The prepared mask (evoformer_attention.h) of mask_bias [B|1, N|1, 1, 1, Lk] in one launch, or [0]
+// without one; points p at it. Needs p's sizes and scale set.
+at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mask_bias, const at::Tensor& q) {
+  if (!mask_bias.has_value()) {
+    use_mask(p, at::Tensor(), q);
+    return at::empty({0}, q.options().dtype(at::kFloat));
+  }
   const at::Tensor& m = *mask_bias;
-  TORCH_CHECK(m.device() == q.device() && m.is_floating_point(),
-              "evoformer attention: `mask_bias` must be a floating tensor on q's device; ", describe("mask_bias", m));
+  TORCH_CHECK(m.device() == q.device() &&
+                  (m.scalar_type() == at::kHalf || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kFloat),
+              "evoformer attention: `mask_bias` must be a float16, bfloat16 or float32 tensor on q's device; ",
+              describe("mask_bias", m));
   TORCH_CHECK(m.dim() == 5 && (m.size(0) == p.B || m.size(0) == 1) && (m.size(1) == p.N || m.size(1) == 1) &&
                   m.size(2) == 1 && m.size(3) == 1 && m.size(4) == p.Lk,
               "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
               describe("q", q));
-  const int64_t bm = m.size(0), nm = m.size(1), lk_pad = round_up(p.Lk, 4);
-  at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));
+  const int64_t bm = m.size(0), nm = m.size(1), lk_pad = mask_lk_pad(p.Lk);
+  at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));  // [B|1, N|1, Lk_pad]
   const MaskLayout layout{kstride(m, 0), kstride(m, 1), m.stride(4), int(bm), int(nm), p.Lk, int(lk_pad)};
   auto launch = [&](auto element) {
     launch_prepare_mask<decltype(element)>(m.data_ptr(), layout, p.inv_scale, prepared.data_ptr<float>(),
                                            c10::cuda::getCurrentCUDAStream());
   };
-  switch (m.scalar_type()) {
-    case at::kHalf: launch(cutlass::half_t{}); break;
-    case at::kBFloat16: launch(cutlass::bfloat16_t{}); break;
-    case at::kFloat: launch(float{}); break;
-    default:
-      TORCH_CHECK(false, "evoformer attention: `mask_bias` must be float16, bfloat16 or float32; ",
-                  describe("mask_bias", m));
-  }
-  p.mask_scaled = prepared.data_ptr<float>();
-  p.mask_stride_b = bm == 1 ? 0 : nm * lk_pad;
-  p.mask_stride_n = nm == 1 ? 0 : lk_pad;
+  if (m.scalar_type() == at::kHalf)
+    launch(cutlass::half_t{});
+  else if (m.scalar_type() == at::kBFloat16)
+    launch(cutlass::bfloat16_t{});
+  else
+    launch(float{});
+  use_mask(p, prepared, q);
   return prepared;
 }
 
-// pair_bias [B|1, 1, H|1, Lq, Lk] -> [B|1, H|1, Lq, Lk(_pad)] with keys contiguous and every row
-// 16-byte aligned and readable to a multiple of 16 bytes; copies (zero-padded) only when needed.
-// Returns the tensor the kernel reads and sets the pair kind.
-at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<at::Tensor>& pair_bias,
-                        const at::Tensor& q) {
-  p.pair = nullptr;
-  p.pair_stride_b = p.pair_stride_h = p.pair_stride_q = 0;
-  pair_kind = kNoPair;
-  if (!pair_bias.has_value()) return at::Tensor();
-  const at::Tensor& pb = *pair_bias;
+// Whether t [B|1, H|1, Lq, Lk(_pad)] is in the kernels' pair-bias layout: keys contiguous, every row
+// 16-byte aligned and readable to a multiple of 16 bytes. The metadata part mirrors Python's
+// pair_needs_copy (ops/cutlass.py), which decides for the caller; the pointer is checked here too.
+bool pair_in_kernel_layout(const at::Tensor& t) {
+  const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
+  bool ok = t.stride(3) == 1 && t.size(3) % per_chunk == 0 &&
+            reinterpret_cast<uintptr_t>(t.data_ptr()) % limits::kRowAlignBytes == 0;
+  for (int d = 0; d < 3; ++d) ok = ok && kstride(t, d) % per_chunk == 0;
+  return ok;
+}
+
+// pair_bias [B|1, 1, H|1, Lq, Lk] on q's device, q's dtype or float32 (guarded here), as the
+// [B|1, H|1, Lq, Lk] view the kernels read.
+at::Tensor pair_view(const at::Tensor& pb, const AttentionParams& p, const at::Tensor& q) {
   TORCH_CHECK(pb.device() == q.device() && (pb.scalar_type() == q.scalar_type() || pb.scalar_type() == at::kFloat),
               "evoformer attention: `pair_bias` must be on q's device with q's dtype or float32; ",
               describe("pair_bias", pb), "; ", describe("q", q));
@@ -217,21 +301,42 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
                   (pb.size(2) == p.H || pb.size(2) == 1) && pb.size(3) == p.Lq && pb.size(4) == p.Lk,
               "evoformer attention: `pair_bias` must be [B|1, 1, H|1, Lq, Lk]; ", describe("pair_bias", pb), "; ",
               describe("q", q));
-  pair_kind = pb.scalar_type() == at::kFloat ? kPairFloat : kPairInput;
-  at::Tensor t = pb.select(1, 0);  // [B|1, H|1, Lq, Lk]
-  const int64_t per_chunk = 16 / t.element_size();
-  bool ok = t.stride(3) == 1 && p.Lk % per_chunk == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 3; ++d) ok = ok && kstride(t, d) % per_chunk == 0;
-  if (!ok) {
-    at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());
-    padded.narrow(3, 0, p.Lk).copy_(t);
-    t = padded;
-  }
+  return pb.select(1, 0);
+}
+
+// Points p at the pair-bias tensor the kernels read (t [B|1, H|1, Lq, Lk(_pad)] in kernel layout)
+// and returns its pair kind.
+int use_pair(AttentionParams& p, const at::Tensor& t) {
   p.pair = t.data_ptr();
   p.pair_stride_b = kstride(t, 0);
   p.pair_stride_h = kstride(t, 1);
   p.pair_stride_q = t.stride(2);
-  return t;
+  return t.scalar_type() == at::kFloat ? kPairFloat : kPairInput;
+}
+
+// The forward's pair bias: with copy_pair a zero-padded copy in kernel layout (returned, read by the
+// kernels); else pair_bias itself, which must be in kernel layout ([0] returned). Sets p and the
+// pair kind.
+at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<at::Tensor>& pair_bias,
+                        bool copy_pair, const at::Tensor& q) {
+  p.pair = nullptr;
+  p.pair_stride_b = p.pair_stride_h = p.pair_stride_q = 0;
+  pair_kind = kNoPair;
+  if (!pair_bias.has_value()) return at::empty({0}, q.options());
+  const at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
+  if (!copy_pair) {
+    TORCH_CHECK(pair_in_kernel_layout(t),
+                "evoformer attention: `pair_bias` must have contiguous keys and 16-byte aligned rows of a multiple of "
+                "16 bytes when `copy_pair` is false; ",
+                describe("pair_bias", *pair_bias));
+    pair_kind = use_pair(p, t);
+    return at::empty({0}, t.options());
+  }
+  const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
+  at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());  // [B|1, H|1, Lq, Lk_pad]
+  padded.narrow(3, 0, p.Lk).copy_(t);  // keys past Lk stay zero
+  pair_kind = use_pair(p, padded);
+  return padded;
 }
 
 // EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
@@ -247,37 +352,20 @@ void maybe_poison(at::Tensor& t) {
   if (poison_outputs() && t.defined() && t.numel() > 0) t.fill_(std::nan(""));
 }
 
-// Everything forward and backward share: checks, the kernel layouts of q/k/v, the prepared biases
-// and the parameters describing them. Call under the device guard.
-struct Prepared {
-  at::Tensor q, k, v, mask, pair;
-  AttentionParams p{};
-  int pair_kind = kNoPair;
-};
-Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                 const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias, double scale) {
-  Prepared r;
-  r.q = kernel_layout(q_in), r.k = kernel_layout(k_in), r.v = kernel_layout(v_in);
-  set_qkv(r.p, r.q, r.k, r.v);
-  r.p.scale = float(scale), r.p.inv_scale = float(1.0 / scale), r.p.scale_log2 = float(scale * M_LOG2E);
-  r.mask = prepare_mask(r.p, mask_bias, r.q);
-  r.pair = prepare_pair(r.p, r.pair_kind, pair_bias, r.q);
-  return r;
-}
-
-void check_scale(double scale) {
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
-}
-
-std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                           const std::optional<at::Tensor>& mask_bias,
-                                           const std::optional<at::Tensor>& pair_bias, double scale) {
-  check_qkv(q_in, k_in, v_in);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& mask_bias,
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair) {
+  guard_qkv(q_in, k_in, v_in);
   check_scale(scale);
+  const Family fam = family_on(family, q_in.get_device());
   const c10::cuda::CUDAGuard guard(q_in.device());
-  Prepared prep = prepare(q_in, k_in, v_in, mask_bias, pair_bias, scale);
-  AttentionParams& p = prep.p;
-  const at::Tensor& q = prep.q;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Operands ops = operands(q_in, k_in, v_in, scale);
+  AttentionParams& p = ops.p;
+  const at::Tensor& q = ops.q;
+  at::Tensor mask_prepared = prepare_mask(p, mask_bias, q);
+  int pair_kind = kNoPair;
+  at::Tensor pair_prepared = prepare_pair(p, pair_kind, pair_bias, copy_pair, q);
 
   at::Tensor out = at::empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
   at::Tensor stats = at::empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
@@ -286,10 +374,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
   p.out = out.data_ptr();
   p.o_strides = row_strides(out);
   p.stats = stats.data_ptr<float>();
-  p.sm90 = use_sm90(q.get_device());
-  const Direction direction = p.sm90 ? Direction::kForwardSm90 : Direction::kForward;
-  launcher_for(direction, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
-  return {out, stats};
+  kernels_for(fam, q.scalar_type(), p.D, pair_kind).forward(p, stream);
+  return {out, stats, mask_prepared, pair_prepared};
 }
 
 // Rows n summed by one CTA of the pair-bias gradient kernel. Its grid is ctas_per_chunk CTAs per
@@ -297,13 +383,14 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q_in, const at::Ten
 // as waves * (rows per chunk + a per-CTA overhead of about two rows). The count that (nearly)
 // minimises this is taken, so the last wave is not left mostly empty; each chunk costs a
 // [B, H, Lq, Lk] fp32 partial, 256 MiB in all at most.
-int choose_n_chunk_size(const AttentionParams& p, int block_q, int block_k, int blocks_per_sm) {
+int choose_n_chunk_size(const AttentionParams& p, int blocks_per_sm) {
+  constexpr int kBlockQ = limits::kPairGradTileQueries, kBlockK = limits::kPairGradTileKeys;
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t slots = int64_t(sms) * std::max(blocks_per_sm, 1);
   const int64_t ctas_per_chunk =
-      int64_t(p.B) * p.H * ((p.Lq + block_q - 1) / block_q) * ((p.Lk + block_k - 1) / block_k);
+      int64_t(p.B) * p.H * ((p.Lq + kBlockQ - 1) / kBlockQ) * ((p.Lk + kBlockK - 1) / kBlockK);
   const int64_t slab_bytes = int64_t(p.B) * p.H * p.Lq * p.Lk * 4;
   const int64_t budget_chunks = std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(slab_bytes, 1));
   // Beyond ~16 waves the last wave's waste is small; no need to search further.
@@ -323,58 +410,81 @@ int choose_n_chunk_size(const AttentionParams& p, int block_q, int block_k, int 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias, const at::Tensor& out_in,
-    const at::Tensor& stats_in, double scale, bool need_dmask, bool need_dpair) {
-  check_qkv(q_in, k_in, v_in);
+    const at::Tensor& out_in, const at::Tensor& stats_in, const at::Tensor& mask_prepared,
+    const std::optional<at::Tensor>& pair_bias, const at::Tensor& pair_prepared, double scale,
+    const std::string& family, std::optional<at::ScalarType> dmask_dtype, bool need_dpair) {
+  guard_qkv(q_in, k_in, v_in);
   check_scale(scale);
-  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && dout_in.scalar_type() == q_in.scalar_type() &&
-                  out_in.sizes() == q_in.sizes() && out_in.scalar_type() == q_in.scalar_type(),
-              "evoformer attention backward: `dout` and `out` must match q; ", describe("dout", dout_in), "; ",
-              describe("out", out_in), "; ", describe("q", q_in));
-  TORCH_CHECK(stats_in.scalar_type() == at::kFloat && stats_in.dim() == 5 && stats_in.size(0) == q_in.size(0) &&
-                  stats_in.size(1) == q_in.size(1) && stats_in.size(2) == q_in.size(3) &&
-                  stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
-              "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2]; ", describe("stats", stats_in));
+  guard_like_q("dout", dout_in, q_in);
+  guard_like_q("out", out_in, q_in);
+  TORCH_CHECK(stats_in.device() == q_in.device() && stats_in.scalar_type() == at::kFloat && stats_in.dim() == 5 &&
+                  stats_in.size(0) == q_in.size(0) && stats_in.size(1) == q_in.size(1) &&
+                  stats_in.size(2) == q_in.size(3) && stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
+              "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2] on q's device; ",
+              describe("stats", stats_in));
+  const Family fam = family_on(family, q_in.get_device());
   const c10::cuda::CUDAGuard guard(q_in.device());
-  Prepared prep = prepare(q_in, k_in, v_in, mask_bias, pair_bias, scale);
-  AttentionParams& p = prep.p;
-  const at::Tensor &q = prep.q, &k = prep.k, &v = prep.v;
-  const at::Tensor out = kernel_layout(out_in), dout = kernel_layout(dout_in), stats = stats_in.contiguous();
-  need_dmask = need_dmask && prep.mask.defined();
-  need_dpair = need_dpair && prep.pair.defined();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  Operands ops = operands(q_in, k_in, v_in, scale);
+  AttentionParams& p = ops.p;
+  const at::Tensor &q = ops.q, &k = ops.k, &v = ops.v;
 
+  // The forward's prepared biases.
+  use_mask(p, mask_prepared, q);
+  int pair_kind = kNoPair;
+  if (pair_bias.has_value()) {
+    at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
+    if (pair_prepared.numel() > 0) {  // the forward's copy [B|1, H|1, Lq, Lk_pad]
+      TORCH_CHECK(pair_prepared.device() == q.device() && pair_prepared.scalar_type() == t.scalar_type() &&
+                      pair_prepared.dim() == 4 && pair_prepared.size(0) == t.size(0) &&
+                      pair_prepared.size(1) == t.size(1) && pair_prepared.size(2) == p.Lq &&
+                      pair_prepared.size(3) >= p.Lk,
+                  "evoformer attention backward: `pair_prepared` must be the forward's copy of `pair_bias` or [0]; ",
+                  describe("pair_prepared", pair_prepared), "; ", describe("pair_bias", *pair_bias));
+      t = pair_prepared;
+    }
+    TORCH_CHECK(pair_in_kernel_layout(t),
+                "evoformer attention backward: the pair bias the kernels read must be in kernel layout (the forward's "
+                "`pair_prepared` when it made a copy); ",
+                describe("pair_bias", *pair_bias), "; ", describe("pair_prepared", pair_prepared));
+    pair_kind = use_pair(p, t);
+  } else {
+    TORCH_CHECK(pair_prepared.numel() == 0, "evoformer attention backward: `pair_prepared` without `pair_bias`; ",
+                describe("pair_prepared", pair_prepared));
+  }
+  const bool need_dmask = dmask_dtype.has_value() && p.mask_scaled != nullptr;
+  need_dpair = need_dpair && pair_kind != kNoPair;
+
+  const at::Tensor out = kernel_layout(out_in), dout = kernel_layout(dout_in), stats = stats_in.contiguous();
   p.out = out.data_ptr();
   p.o_strides = row_strides(out);
   p.dout = dout.data_ptr();
   p.do_strides = row_strides(dout);
   p.stats = const_cast<float*>(stats.data_ptr<float>());
 
+  const Kernels kernels = kernels_for(fam, q.scalar_type(), p.D, pair_kind);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();
-  p.sm90 = use_sm90(q.get_device());
-  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, /*block_q=*/64, /*block_k=*/64,
-                                                    pair_grad_blocks_per_sm(q.scalar_type(), p.D, prep.pair_kind, p.sm90))
-                              : p.N;
+  at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
+  p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
-  at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();
+  at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();  // [chunks, B, H, Lq, Lk]
   for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
   p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
   p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
-  launcher_for(Direction::kBackward, q.scalar_type(), p.D, prep.pair_kind)(p, c10::cuda::getCurrentCUDAStream());
+  kernels.backward(p, stream);
 
-  // Reduce the partials to the biases' own (broadcast) shapes; fixed-order torch sums.
+  // Reduce the partials to the biases' own (broadcast) shapes and dtypes; fixed-order torch sums.
   at::Tensor dmask = at::empty({0}, q.options()), dpair = at::empty({0}, q.options());
   if (need_dmask) {
-    const at::Tensor& m = *mask_bias;
     at::Tensor r = dmask_part.sum(2);  // [B, N, Lk]
-    if (m.size(0) == 1) r = r.sum(0, /*keepdim=*/true);
-    if (m.size(1) == 1) r = r.sum(1, /*keepdim=*/true);
-    dmask = r.view({m.size(0), m.size(1), 1, 1, p.Lk}).to(m.scalar_type());
+    if (mask_prepared.size(0) == 1) r = r.sum(0, /*keepdim=*/true);
+    if (mask_prepared.size(1) == 1) r = r.sum(1, /*keepdim=*/true);
+    dmask = r.view({mask_prepared.size(0), mask_prepared.size(1), 1, 1, p.Lk}).to(*dmask_dtype);  // [B|1, N|1, 1, 1, Lk]
   }
   if (need_dpair) {
     const at::Tensor& pb = *pair_bias;
@@ -386,18 +496,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dmask, dpair};
 }
 
-// Which kernels run on `device` now: "sm90" (Hopper wgmma) or "sm80" (see use_sm90).
-std::string kernel_family(int64_t device) { return use_sm90(int(device)) ? "sm90" : "sm80"; }
-
 }  // namespace
 }  // namespace evoformer
 
 TORCH_LIBRARY(evoformer_blocks_cuda, m) {
-  m.def("kernel_family(int device) -> str", &evoformer::kernel_family);
-  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale) -> (Tensor, Tensor)");
+  m.def("available_kernel_families(int device) -> str[]", &evoformer::available_kernel_families);
   m.def(
-      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, Tensor out, "
-      "Tensor stats, float scale, bool need_dmask, bool need_dpair) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "
+      "bool copy_pair) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
+      "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

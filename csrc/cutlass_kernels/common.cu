@@ -1,9 +1,9 @@
-// Code shared by every instantiation: the launch check, the mask-bias preparation and the
-// backward's delta pass.
+// Host code shared by every instantiation: the launch check, the TMA map encoding, and the launches
+// of the mask-bias preparation and the backward's delta pass (preprocess.cuh).
 #include <stdexcept>
 #include <string>
 
-#include "backward_kernels.cuh"
+#include "preprocess.cuh"
 
 namespace evoformer {
 
@@ -18,19 +18,6 @@ void check_launch(const char* kernel_name) {
 static unsigned grid_stride_blocks(int64_t total, int threads) {
   const int64_t blocks = (total + threads - 1) / threads;
   return unsigned(blocks < (int64_t(1) << 20) ? blocks : (int64_t(1) << 20));
-}
-
-// mask_bias [Bm, Nm, 1, 1, Lk] (any strides) -> float32 [Bm, Nm, Lk_pad] divided by the scale,
-// zero past Lk: one launch where zeros + copy + multiply took three.
-template <typename T>
-__global__ void prepare_mask_kernel(const T* mask, MaskLayout layout, float inv_scale, float* out, int64_t total) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / layout.lk_pad;  // (b, n) flattened
-    const int key = int(i - row * layout.lk_pad);
-    const int64_t b = row / layout.Nm, n = row - b * layout.Nm;
-    out[i] = key < layout.Lk ? float(mask[b * layout.stride_b + n * layout.stride_n + key * layout.stride_k]) * inv_scale
-                             : 0.f;
-  }
 }
 
 template <typename T>
@@ -48,7 +35,9 @@ template void launch_prepare_mask<cutlass::bfloat16_t>(const void*, const MaskLa
 template void launch_prepare_mask<float>(const void*, const MaskLayout&, float, float*, cudaStream_t);
 
 void encode_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes, const void* base,
-                     const TileMapDim* dims, int rank, CUtensorMapSwizzle swizzle, const char* what) {
+                     const TileMapDim* dims, int rank, CUtensorMapSwizzle swizzle, const char* kernel,
+                     const char* tensor) {
+  auto what = [&] { return std::string(kernel) + " (" + tensor + " tensor map)"; };  // only on failure
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -61,7 +50,7 @@ void encode_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_byt
       fn = nullptr;
     return reinterpret_cast<Encode>(fn);
   }();
-  if (encode == nullptr) throw std::runtime_error(std::string(what) + ": the driver lacks cuTensorMapEncodeTiled");
+  if (encode == nullptr) throw std::runtime_error(what() + ": the driver lacks cuTensorMapEncodeTiled");
   cuuint64_t extent[5], stride[4];
   cuuint32_t box[5], step[5];
   for (int i = 0; i < rank; ++i) {
@@ -76,8 +65,7 @@ void encode_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_byt
                             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    throw std::runtime_error(std::string(what) + ": cuTensorMapEncodeTiled failed with CUresult " +
-                             std::to_string(int(r)));
+    throw std::runtime_error(what() + ": cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)));
 }
 
 template <typename Element>

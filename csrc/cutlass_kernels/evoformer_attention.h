@@ -3,7 +3,18 @@
 // Dimension legend: B batch, N rows sharing the pair bias, Lq / Lk query / key length, H heads,
 // D head dim. Every pointer below is laid out as its comment says; strides are in elements and the
 // last dimension of every tensor is contiguous. Host code (bindings.cpp) prepares the tensors so
-// that every row a kernel reads with 16-byte copies starts on a 16-byte boundary.
+// that every row a kernel reads with 16-byte copies starts on a 16-byte boundary
+// (limits::kRowAlignBytes).
+//
+// The mask bias has one form from the op to the kernels: the op takes mask_bias
+// [B|1, N|1, 1, 1, Lk], additive, in q's dtype or float32; the forward prepares it once
+// (launch_prepare_mask) into float32 [B|1, N|1, Lk_pad] divided by `scale`, zero past Lk, with Lk_pad
+// the multiple of 4 at or above Lk (16-byte rows), and the backward reads that same prepared tensor.
+//
+// Kernel families (the one choice is made in Python, evoformer_blocks/ops/cutlass.py): sm80, the
+// portable kernels (mma.sync, ldmatrix, cp.async; forward_sm80.cuh, backward_sm80.cuh) for every
+// device of compute capability >= 8.0; sm90, the Hopper kernels (wgmma, TMA; forward_sm90.cuh,
+// backward_sm90.cuh), code only in builds for sm_90a (EVOFORMER_SM90A) and run on 9.0 devices.
 #pragma once
 
 #include <cstdint>
@@ -11,14 +22,9 @@
 #include <cuda.h>  // CUtensorMap (types only: the driver entry point is looked up at run time)
 #include <cuda_runtime.h>
 
-namespace evoformer {
+#include "kernel_limits.h"  // PairKind, limits:: (generated from kernel_table.json)
 
-// Which pair bias a kernel instantiation reads.
-enum PairKind : int {
-  kNoPair = 0,    // no pair bias
-  kPairInput = 1, // pair bias in the dtype of q
-  kPairFloat = 2, // pair bias in float32
-};
+namespace evoformer {
 
 // Strides in elements of a [B, N, L, H, D] tensor whose D is contiguous (0 along a size-1 dimension).
 struct RowStrides {
@@ -36,8 +42,8 @@ struct AttentionParams {
   const void* v;  // [B, N, Lk, H, D]
   RowStrides q_strides, k_strides, v_strides;
 
-  // Mask bias divided by `scale`, float32: [B|1, N|1, Lk_pad] (Lk_pad % 4 == 0); a stride of 0
-  // broadcasts. nullptr: no mask bias.
+  // The prepared mask bias (see above): float32 [B|1, N|1, Lk_pad] = mask_bias / scale, zero past
+  // Lk; a stride of 0 broadcasts. nullptr: no mask bias.
   const float* mask_scaled;
   int64_t mask_stride_b, mask_stride_n;
 
@@ -76,39 +82,33 @@ struct AttentionParams {
   // The kernels start each score accumulator at (mask + pair) / scale, add q.k with the tensor
   // cores, and take logits in log2 units from S * scale_log2 (the forward folds the row maximum into
   // that multiply, one FFMA per score); keys past Lk start at -inf.
-
-  bool sm90;  // the backward runs its Hopper kernels (dK/dV, dQ, pair bias); set by the bindings
 };
 
-// One instantiation per (direction, element type, head-dim bucket, pair kind); the element type
-// is cutlass::half_t or cutlass::bfloat16_t. Each launcher checks its launch.
-template <typename Element, int kHeadDim, int kPair>
-void launch_forward(const AttentionParams& params, cudaStream_t stream);
+// One instantiation per (direction, family, element type, head-dim bucket, pair kind) (generate.py);
+// the element type is cutlass::half_t or cutlass::bfloat16_t. Each launcher checks its launches.
+// The sm90 launchers hold code only in builds for sm_90a; the bindings call them only on a 9.0 device.
 
-// The Hopper forward (forward_sm90.cuh): the same outputs as launch_forward, with wgmma. Holds code
-// only in builds for sm_90a (EVOFORMER_SM90A); the bindings launch it only there, on a 9.0 device.
+// The forward: out and stats.
+template <typename Element, int kHeadDim, int kPair>
+void launch_forward_sm80(const AttentionParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& params, cudaStream_t stream);
 
-// The backward: delta, dK/dV, dQ and (when params.dpair is set) the pair-bias gradient. With
-// params.sm90 the dK/dV, dQ and pair-bias passes run launch_backward_sm90.
+// The backward: delta, dK/dV (and the mask-bias gradient partial when params.dmask is set), dQ and,
+// when params.dpair is set, the pair-bias gradient partials.
 template <typename Element, int kHeadDim, int kPair>
-void launch_backward(const AttentionParams& params, cudaStream_t stream);
-
-// The Hopper dK/dV, dQ and pair-bias passes (backward_sm90.cuh): the same outputs as the sm80 kernels, with
-// wgmma. Hold code only in builds for sm_90a, like launch_forward_sm90.
+void launch_backward_sm80(const AttentionParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward_sm90(const AttentionParams& params, cudaStream_t stream);
 
-// CTAs of the pair-bias-gradient kernel of a backward instantiation (its Hopper one with sm90)
-// that fit on one SM at once (0 for instantiations without a pair bias); sizes that kernel's grid
-// (see choose_n_chunk_size).
+// CTAs of a family's pair-bias-gradient kernel that fit on one SM at once (0 for instantiations
+// without a pair bias); sizes that kernel's grid (choose_n_chunk_size in bindings.cpp).
 template <typename Element, int kHeadDim, int kPair>
-int backward_pair_grad_blocks_per_sm(bool sm90);
+int pair_grad_blocks_per_sm_sm80();
 template <typename Element, int kHeadDim, int kPair>
-int backward_pair_grad_blocks_per_sm90();
+int pair_grad_blocks_per_sm_sm90();
 
-// delta = rowsum(dout * out) in float32 (shared by every backward instantiation).
+// delta = rowsum(dout * out) in float32 (common.cu; the first pass of every backward launcher).
 template <typename Element>
 void launch_backward_delta(const AttentionParams& params, cudaStream_t stream);
 
@@ -119,13 +119,10 @@ struct MaskLayout {
   int Bm, Nm, Lk, lk_pad;
 };
 
-// mask_scaled (see AttentionParams) from the caller's mask bias in one launch: float32
-// [Bm, Nm, Lk_pad], mask * inv_scale, zero past Lk. T is cutlass::half_t, cutlass::bfloat16_t or float.
+// The prepared mask (see above) from the caller's mask bias in one launch into `out`
+// ([Bm, Nm, Lk_pad] float32). T is cutlass::half_t, cutlass::bfloat16_t or float.
 template <typename T>
 void launch_prepare_mask(const void* mask, const MaskLayout& layout, float inv_scale, float* out, cudaStream_t stream);
-
-// Head-dim buckets with an instantiation; D is padded with zeros up to its bucket.
-constexpr int kHeadDimBuckets[] = {32, 64, 128};
 
 // Throws std::runtime_error naming the kernel when the last launch failed.
 void check_launch(const char* kernel_name);
@@ -139,8 +136,9 @@ struct TileMapDim {
 };
 // Encodes `map` for TMA copies of boxes of a tensor of `rank` (<= 5) dimensions, innermost (dims[0],
 // contiguous) first, of `element_bytes`-byte values (2: float16 / bfloat16 as `type`, 4: float32).
-// Throws std::runtime_error naming `what` when the driver rejects it.
+// Throws std::runtime_error naming `kernel` and `tensor` when the driver rejects it.
 void encode_tile_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes, const void* base,
-                     const TileMapDim* dims, int rank, CUtensorMapSwizzle swizzle, const char* what);
+                     const TileMapDim* dims, int rank, CUtensorMapSwizzle swizzle, const char* kernel,
+                     const char* tensor);
 
 }  // namespace evoformer

@@ -1,17 +1,16 @@
-// Hopper (sm_90a) forward kernel: the same function and outputs as forward_kernel.cuh, with the two
-// products on the warpgroup tensor-core instructions (wgmma): S = Q.K^T reads Q and K from shared
-// memory, O += P.V takes P from registers and V from shared memory. The tensor cores run
+// The sm90 (Hopper, sm_90a) forward kernel: the same function and outputs as forward_sm80.cuh, with
+// the two products on the warpgroup tensor-core instructions (wgmma): S = Q.K^T reads Q and K from
+// shared memory, O += P.V takes P from registers and V from shared memory. The tensor cores run
 // asynchronously to the softmax of the other warpgroups on the SM, and no B fragments pass through
 // registers.
 //
 // CTA = EVOFORMER_SM90_WARPGROUPS warpgroups (default 1: 128 threads, 4 CTAs per SM) x 64 query
 // rows each, of one (b, n, h), on the same RowTileGrid as the sm80 kernel. The tiles of each key
-// block (K, V, the pair and mask tiles) arrive by TMA: one thread issues the copies and they
-// complete on the block's transaction barrier, so the copies cost the other threads nothing. Key
-// step j: wait for block j's barrier, one CTA barrier (every warp is done with the stages block j + 1
-// will overwrite), thread 0 starts block j + 1's copies, start S at the biases (init_scores, the pair
-// tile read with ldmatrix), issue S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only,
-// and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
+// block (K, V, the pair and mask tiles) arrive by TMA through the key-block pipeline
+// (sm90_pipeline.cuh, shared with the dQ kernel). Key step j: wait for block j, one CTA barrier
+// (every warp is done with the stages block j + 1 will overwrite), thread 0 starts block j + 1's
+// copies, start S at the biases (init_scores, the pair tile read with ldmatrix), issue
+// S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
 // that, rescale O and keep P_j in registers for the next step. V is therefore read one step after
 // K: K, the pair and mask tiles live in a 2-stage ring, V in a 3-stage one. Q is copied once, with
 // cp.async.
@@ -22,11 +21,16 @@
 // 128-byte-swizzled tile of bias_tile_offset.
 #pragma once
 
-#include "sm90_common.cuh"
+#include "epilogue.cuh"
+#include "mma_sm80.cuh"
+#include "sm90_layouts.cuh"
+#include "sm90_pipeline.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
-// Warpgroups per CTA (64 query rows each); an A/B knob like the sm80 kernel's tiling macros. One
-// warpgroup per CTA at 4 CTAs per SM measured faster than two at 2 per SM on 5 of the 6 suite shapes
-// (benchmarks/RESULTS.md): the per-step barrier then spans 4 warps instead of 8.
+// Warpgroups per CTA (64 query rows each); a build-time knob like the sm80 kernel's tiling macros.
+// One warpgroup per CTA at 4 CTAs per SM measured faster than two at 2 per SM on most shapes of the
+// benchmark suite (see benchmarks/DESIGN.md): the per-step barrier then spans 4 warps instead of 8.
 #ifndef EVOFORMER_SM90_WARPGROUPS
 #define EVOFORMER_SM90_WARPGROUPS 1
 #endif
@@ -64,17 +68,17 @@ struct ForwardConfig {
   using MmaO = RsMmaMN<Element, kHeadDim, kBlockN>;
 
   // Shared memory (each wgmma or swizzled TMA tile 1024-byte aligned, as the swizzles require): Q,
-  // then two stages of {K, pair tile, mask tile}, then three of V, the ones tile and the two stages'
-  // transaction barriers.
+  // then the pipeline's two stages of {K, pair tile, mask tile}, then three of V (read one step
+  // later), the ones tile and the pipeline's transaction barriers.
   static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kKVBytes = smem_align(kBlockN * kHeadDim * 2);  // K or V, one stage
   static constexpr int kPairBytes = Tma::kPairBytes;
   static constexpr int kMaskBytes = Tma::kMaskBytes;
   static constexpr int kKStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
-  static constexpr int kKStages = 2, kVStages = 3;
+  static constexpr int kKStages = Tma::kStages, kVStages = Tma::kStages + 1;
   static constexpr int kOnesBytes = smem_align(8 * kBlockN * 2);
   static constexpr int kSmemBytes = kSmemAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes +
-                                    kOnesBytes + kKStages * 8;  // + base alignment
+                                    kOnesBytes + Tma::kBarrierBytes;  // + base alignment
   // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
@@ -83,7 +87,7 @@ struct ForwardConfig {
 
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    forward_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ KeyBlockMaps maps) {
+    forward_sm90_kernel(const AttentionParams p, const RowTileGrid grid, const __grid_constant__ KeyBlockMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
   auto v_smem = [&](int st) { return reinterpret_cast<Element*>(v_ring + st * Cfg::kKVBytes); };
   Element* ones_smem = reinterpret_cast<Element*>(v_ring + Cfg::kVStages * Cfg::kKVBytes);  // [8, kBlockN] of 1
-  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kKVBytes + Cfg::kOnesBytes);  // [kKStages]
+  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kKVBytes + Cfg::kOnesBytes);  // [Tma::kStages]
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{});  // [kBlockM, kHeadDim]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
@@ -120,28 +124,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, n, m0, h);  // [Lq, D] from m0
   const bool has_mask = p.mask_scaled != nullptr;
 
-  // Key block jb's tiles into their ring stages, issued by one thread; they complete on
-  // block_full[jb % kKStages].
+  // Key block jb's tiles into their ring stages (issued by one thread).
   auto issue_block = [&](int jb) {
     const int ks = jb % Cfg::kKStages;
-    Cfg::Tma::issue(maps, &block_full[ks], p, b, n, h, m0, jb, k_smem(ks), v_smem(jb % Cfg::kVStages), pair_smem(ks),
+    Cfg::Tma::issue(maps, block_full, p, b, n, h, m0, jb, k_smem(ks), v_smem(jb % Cfg::kVStages), pair_smem(ks),
                     mask_smem(ks));
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  if (tid == 0) {
-#pragma unroll
-    for (int st = 0; st < Cfg::kKStages; ++st) cutlass::arch::ClusterTransactionBarrier::init(&block_full[st], 1);
-    cutlass::arch::fence_barrier_init();
-    issue_block(0);
-  }
+  Cfg::Tma::start(block_full, issue_block);
   for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);
   SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
-      q_smem, q, p.q_strides.l, rows_q, p.D);
+      q_smem, q, p.q_strides.l, rows_q, p.D);  // [kBlockM, kHeadDim] (LayoutQ)
   cp_async_commit();
-  cp_async_wait<0>();                        // this thread's part of Q has landed
-  cutlass::arch::fence_view_async_shared();  // ... and, with the ones tile, is visible to the tensor cores
-  __syncthreads();                           // everyone's; the barriers are initialised
+  Cfg::Tma::finish_prologue();  // Q (and the ones tile) in place for the tensor cores
 
   // This warpgroup's operands: Q rows [64 wg, 64 wg + 64), K / V of each stage.
   typename Cfg::MmaS mma_s;
@@ -194,11 +190,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   for (int jb = 0; jb < n_blocks; ++jb) {
     const int ks = jb % Cfg::kKStages;
     const int n0 = jb * kBlockN;
-    cutlass::arch::ClusterTransactionBarrier::wait(&block_full[ks], (jb / Cfg::kKStages) % 2);  // block jb landed
-    if (jb + 1 < n_blocks) {
-      __syncthreads();  // every warpgroup has finished S_{jb-1} and P_{jb-2}.V, whose stages block jb + 1 takes
-      if (tid == 0) issue_block(jb + 1);
-    }
+    // block jb landed; jb + 1 issued once every warpgroup has finished S_{jb-1} and P_{jb-2}.V, whose
+    // stages it takes
+    Cfg::Tma::begin_step(block_full, jb, n_blocks, issue_block);
 
     // S = (mask + pair) / scale + Q . K^T
     const PairT* sPair = pair_smem(ks);
@@ -253,10 +247,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm90::ForwardConfig<Element, kHeadDim, kPair>;
+  constexpr const char* kName = "evoformer forward sm90";
   sm90::KeyBlockMaps maps{};
-  Cfg::Tma::encode(maps, p, "evoformer forward sm90");
-  launch_on_row_tiles(sm90::forward_kernel<Cfg>, p, p.Lq, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream,
-                      "evoformer forward sm90", maps);
+  Cfg::Tma::encode(maps, p, kName);
+  launch_on_row_tiles<Cfg::kBlockM>(sm90::forward_sm90_kernel<Cfg>, p, p.Lq, Cfg::kThreads, Cfg::kSmemBytes, stream,
+                                    kName, maps);
 }
 
 }  // namespace evoformer

@@ -1,24 +1,61 @@
 """The "cutlass" backend: the fused CUDA kernels of csrc/cutlass_kernels as torch custom ops.
 
-``evoformer_blocks::cutlass_attention_fwd`` returns the output and the softmax statistics of each
-query row (max score and log2 row sum);
-``evoformer_blocks::cutlass_attention_bwd`` recomputes the probabilities from it and returns the
+``evoformer_blocks::cutlass_attention_fwd`` returns the output, the softmax statistics of each
+query row (max score and log2 row sum) and the biases as the kernels read them;
+``evoformer_blocks::cutlass_attention_bwd`` recomputes the probabilities from them and returns the
 gradients of q, k, v and of each bias that needs one. Both have fake (meta) implementations, and
 autograd connects them, so the op works under torch.compile(fullgraph=True). Outside torch.compile
-an autograd.Function calls the same kernels directly, for less host time per call.
+:class:`_CutlassAttentionFunction` calls the same kernels directly, for less host time per call; both
+paths share one save and one gradient function.
+
+Kernel families: ``"sm80"``, the portable kernels (any GPU of compute capability >= 8.0), and
+``"sm90"``, the Hopper kernels (a 9.0 GPU and a build holding sm_90a code). :func:`kernel_family` is
+the one place that chooses; a forward passes its choice to the kernels and saves it for its backward,
+so one call's forward and backward always run the same family.
+
+The biases, from the op to the kernels (prepared once per forward, reused by the backward):
+
+- ``mask_bias`` ``[B|1, N|1, 1, 1, Lk]``, additive, in q's dtype or float32 -> ``mask_prepared``,
+  float32 ``[B|1, N|1, Lk_pad]``, divided by ``scale``, zero past Lk (Lk_pad: Lk rounded up to whole
+  16-byte rows); ``[0]`` without a mask bias.
+- ``pair_bias`` ``[B|1, 1, H|1, Lq, Lk]`` in q's dtype or float32 is read in place when its rows are
+  in kernel layout; else the forward makes one zero-padded copy ``pair_prepared``
+  ``[B|1, H|1, Lq, Lk_pad]``; ``[0]`` when it made none. :func:`pair_needs_copy` decides, from
+  metadata alone, both for the real op (which passes the decision to the extension) and for the
+  fake implementation, so that their shapes agree.
+
+Limits and instantiation lists come from ``csrc/cutlass_kernels/kernel_table.json``, the table the
+kernels' generated sources come from.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional
 
 import torch
 
 from . import _build
 from ._dispatch import Backend, Capabilities, register
-from ._inputs import LOW_PRECISION, AttentionInputs
+from ._inputs import AttentionInputs
 
 Tensor = torch.Tensor
+
+KERNELS_ENV = "EVOFORMER_BLOCKS_KERNELS"
+TABLE_PATH = _build.SOURCE_DIR / "kernel_table.json"
+
+
+def _load_table() -> Optional[dict]:
+    """kernel_table.json, or None where the kernel sources are not installed."""
+    try:
+        return json.loads(TABLE_PATH.read_text())
+    except FileNotFoundError:
+        return None
+
+
+TABLE = _load_table()
+ROW_ALIGN_BYTES: Optional[int] = TABLE["row_align_bytes"]["value"] if TABLE else None  # None: nothing runs
 
 
 def _kernels():
@@ -26,19 +63,72 @@ def _kernels():
     return getattr(torch.ops, _build.OP_NAMESPACE)
 
 
+def _round_up(x, multiple: int):
+    return (x + multiple - 1) // multiple * multiple
+
+
+def pair_needs_copy(pair_bias: Tensor) -> bool:
+    """Whether the kernels need a zero-padded copy of ``pair_bias`` [B|1, 1, H|1, Lq, Lk]: they read it
+    in place only when its keys are contiguous and every row starts on a 16-byte boundary and is
+    readable to a multiple of 16 bytes. Decided from metadata alone (dtype, sizes, strides, storage
+    offset), so fake tensors get the answer real ones do; the storage itself is taken to start
+    16-byte aligned (CUDA allocations do), which the C++ op checks."""
+    element = pair_bias.element_size()
+    per_chunk = ROW_ALIGN_BYTES // element
+    batch, _, heads, len_q, len_k = pair_bias.shape
+    stride_b, _, stride_h, stride_q, stride_k = pair_bias.stride()
+    if stride_k != 1 or len_k % per_chunk or (pair_bias.storage_offset() * element) % ROW_ALIGN_BYTES:
+        return True
+    return any(size != 1 and stride % per_chunk for size, stride in ((batch, stride_b), (heads, stride_h), (len_q, stride_q)))
+
+
+def _mask_prepared_like(q: Tensor, mask_bias: Optional[Tensor], len_k) -> Tensor:
+    if mask_bias is None:
+        return q.new_empty(0, dtype=torch.float32)
+    shape = (mask_bias.shape[0], mask_bias.shape[1], _round_up(len_k, ROW_ALIGN_BYTES // 4))
+    return mask_bias.new_empty(shape, dtype=torch.float32)
+
+
+def _copy_pair(pair_bias: Optional[Tensor]) -> bool:
+    return pair_bias is not None and pair_needs_copy(pair_bias)
+
+
+def _pair_prepared_like(q: Tensor, pair_bias: Optional[Tensor]) -> Tensor:
+    if pair_bias is None:
+        return q.new_empty(0)
+    if not pair_needs_copy(pair_bias):
+        return pair_bias.new_empty(0)
+    batch, _, heads, len_q, len_k = pair_bias.shape
+    return pair_bias.new_empty((batch, heads, len_q, _round_up(len_k, ROW_ALIGN_BYTES // pair_bias.element_size())))
+
+
 @torch.library.custom_op("evoformer_blocks::cutlass_attention_fwd", mutates_args=(), device_types="cuda")
 def attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, mask_bias: Optional[Tensor], pair_bias: Optional[Tensor], scale: float
-) -> tuple[Tensor, Tensor]:
-    """Returns (out [B, N, Lq, H, D], stats [B, N, H, Lq, 2] float32: row max, log2 row sum)."""
-    out, stats = _kernels().forward(q, k, v, mask_bias, pair_bias, scale)
-    return out, stats
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_bias: Optional[Tensor],
+    pair_bias: Optional[Tensor],
+    scale: float,
+    family: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (out [B, N, Lq, H, D], stats [B, N, H, Lq, 2] float32: row max, log2 row sum,
+    mask_prepared, pair_prepared) with the kernels of ``family``."""
+    out, stats, mask_prepared, pair_prepared = _kernels().forward(
+        q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias)
+    )
+    return out, stats, mask_prepared, pair_prepared
 
 
 @attention_fwd.register_fake
-def _(q, k, v, mask_bias, pair_bias, scale):
+def _(q, k, v, mask_bias, pair_bias, scale, family):
     batch, rows, len_q, heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, rows, heads, len_q, 2), dtype=torch.float32)
+    return (
+        q.new_empty(q.shape),
+        q.new_empty((batch, rows, heads, len_q, 2), dtype=torch.float32),
+        _mask_prepared_like(q, mask_bias, k.shape[2]),
+        _pair_prepared_like(q, pair_bias),
+    )
 
 
 @torch.library.custom_op("evoformer_blocks::cutlass_attention_bwd", mutates_args=(), device_types="cuda")
@@ -47,80 +137,91 @@ def attention_bwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask_bias: Optional[Tensor],
-    pair_bias: Optional[Tensor],
     out: Tensor,
     stats: Tensor,
+    mask_prepared: Tensor,
+    pair_bias: Optional[Tensor],
+    pair_prepared: Tensor,
     scale: float,
-    need_dmask: bool,
+    family: str,
+    dmask_dtype: Optional[torch.dtype],
     need_dpair: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, d mask_bias, d pair_bias); an unwanted bias gradient is an empty tensor."""
+    """Returns (dq, dk, dv, d mask_bias, d pair_bias) from the forward's outputs; the mask-bias
+    gradient comes in ``dmask_dtype`` (None: not wanted); an unwanted bias gradient is an empty tensor."""
     dq, dk, dv, dmask, dpair = _kernels().backward(
-        dout, q, k, v, mask_bias, pair_bias, out, stats, scale, need_dmask, need_dpair
+        dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair
     )
     return dq, dk, dv, dmask, dpair
 
 
 @attention_bwd.register_fake
-def _(dout, q, k, v, mask_bias, pair_bias, out, stats, scale, need_dmask, need_dpair):
-    dmask = mask_bias.new_empty(mask_bias.shape) if need_dmask and mask_bias is not None else q.new_empty(0)
+def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair):
+    if dmask_dtype is not None and mask_prepared.numel() > 0:
+        dmask = q.new_empty((mask_prepared.shape[0], mask_prepared.shape[1], 1, 1, k.shape[2]), dtype=dmask_dtype)
+    else:
+        dmask = q.new_empty(0)
     dpair = pair_bias.new_empty(pair_bias.shape) if need_dpair and pair_bias is not None else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dpair
 
 
-def _save(ctx, q, k, v, mask_bias, pair_bias, scale, out, stats) -> None:
-    ctx.save_for_backward(q, k, v, mask_bias, pair_bias, out, stats)
+def _save(ctx, inputs, outputs) -> None:
+    """What both paths keep for the backward: the forward's inputs less the caller's mask bias (its
+    prepared form and dtype stand in for it), its outputs and its family."""
+    q, k, v, mask_bias, pair_bias, scale, family = inputs
+    out, stats, mask_prepared, pair_prepared = outputs
+    ctx.save_for_backward(q, k, v, pair_bias, out, stats, mask_prepared, pair_prepared)
     ctx.scale = scale
+    ctx.family = family
+    ctx.mask_dtype = None if mask_bias is None else mask_bias.dtype
 
 
 def _gradients(ctx, dout, backward):
-    """The autograd backward of both paths below; ``backward`` runs the backward kernels."""
-    q, k, v, mask_bias, pair_bias, out, stats = ctx.saved_tensors
-    need_dmask = mask_bias is not None and ctx.needs_input_grad[3]
+    """The autograd backward of both paths; ``backward`` runs the backward kernels."""
+    q, k, v, pair_bias, out, stats, mask_prepared, pair_prepared = ctx.saved_tensors
+    need_dmask = ctx.mask_dtype is not None and ctx.needs_input_grad[3]
     need_dpair = pair_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dmask, dpair = backward(
-        dout, q, k, v, mask_bias, pair_bias, out, stats, ctx.scale, need_dmask, need_dpair
+        dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, ctx.scale, ctx.family,
+        ctx.mask_dtype if need_dmask else None, need_dpair,
     )
-    return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None
-
-
-def _setup_context(ctx, inputs, output):
-    _save(ctx, *inputs, *output)
+    # one gradient per forward input: q, k, v, mask_bias, pair_bias, scale, family
+    return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None, None
 
 
 attention_fwd.register_autograd(
-    lambda ctx, dout, _dstats: _gradients(ctx, dout, attention_bwd), setup_context=_setup_context
+    lambda ctx, dout, *_unused: _gradients(ctx, dout, attention_bwd),
+    setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output),
 )
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The same kernels and autograd as the custom ops, called without the custom-op layers.
+class _CutlassAttentionFunction(torch.autograd.Function):
+    """The autograd.Function that calls the cutlass kernels without the custom-op layers: the same
+    kernels, save and gradients as the custom ops above.
 
     Outside torch.compile this path saves about 0.15 ms of host time per forward+backward
     (benchmarks/host_overhead.py), which decides the speed of small shapes; under torch.compile the
-    custom ops above (with their fake implementations) are used instead.
+    custom ops (with their fake implementations) are used instead.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask_bias, pair_bias, scale):
-        out, stats = _kernels().forward(q, k, v, mask_bias, pair_bias, scale)
-        _save(ctx, q, k, v, mask_bias, pair_bias, scale, out, stats)
-        ctx.mark_non_differentiable(stats)
-        return out, stats
+    def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family):
+        outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias))
+        _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, dout, _dstats):
+    def backward(ctx, dout, *_unused):
         return _gradients(ctx, dout, _kernels().backward)
 
 
 def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     """The fused attention output, differentiable in q, k, v and both biases."""
+    family = _family(q.device.index)
     if torch.compiler.is_compiling():
-        out, _ = attention_fwd(q, k, v, mask_bias, pair_bias, scale)
-    else:
-        out, _ = _EagerAttention.apply(q, k, v, mask_bias, pair_bias, scale)
-    return out
+        return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family)[0]
+    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)[0]
 
 
 @torch.compiler.assume_constant_result
@@ -129,34 +230,72 @@ def _extension_error() -> str:
     return _build.load_error() or ""
 
 
+_available: dict[int, tuple[str, ...]] = {}
+
+
+def available_kernel_families(index: int) -> tuple[str, ...]:
+    """The kernel families this build can run on CUDA device ``index`` (asked from the extension once
+    per device; builds the kernels on first use)."""
+    families = _available.get(index)
+    if families is None:
+        families = _available[index] = tuple(_kernels().available_kernel_families(index))
+    return families
+
+
+@torch.compiler.assume_constant_result
+def _family(index: int) -> str:
+    """kernel_family of CUDA device ``index`` (a constant to torch.compile: the choice made when a
+    graph is traced stays with that graph)."""
+    choice = os.environ.get(KERNELS_ENV, "") or "auto"
+    if choice not in ("auto", "sm80"):
+        raise ValueError(f"environment variable {KERNELS_ENV} must be unset, `auto` or `sm80`, got {choice!r}")
+    if choice == "auto" and "sm90" in available_kernel_families(index):
+        return "sm90"
+    return "sm80"
+
+
 def kernel_family(device: Optional[torch.device] = None) -> str:
     """The kernels the cutlass backend runs on ``device`` (default: the current CUDA device), forward
-    and backward alike: ``"sm90"`` (the Hopper wgmma kernels: a 9.0 GPU and ``EVOFORMER_BLOCKS_KERNELS``
-    unset or ``auto``) or ``"sm80"`` (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80`` forces
-    them). The variable is read on every forward and every backward call. Builds the kernels on first
-    use."""
+    and backward alike: ``"sm90"`` (the Hopper kernels) where the device has compute capability 9.0,
+    the build holds sm_90a code and ``EVOFORMER_BLOCKS_KERNELS`` is unset or ``auto``, else ``"sm80"``
+    (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80`` forces them). Any other value of the
+    variable raises ValueError. The variable is read at every forward (a backward runs the family of
+    its forward). Builds the kernels on first use."""
     index = torch.device(device if device is not None else "cuda").index
-    return _kernels().kernel_family(torch.cuda.current_device() if index is None else index)
+    return _family(torch.cuda.current_device() if index is None else index)
+
+
+def _capabilities(table: Optional[dict]) -> Capabilities:
+    if table is None:  # no kernel sources: nothing to run (extra_reasons says why)
+        return Capabilities(dtypes=(), device_types=("cuda",))
+    head_dim = table["head_dim"]
+    return Capabilities(
+        dtypes=tuple(getattr(torch, dtype["torch"]) for dtype in table["dtypes"]),
+        device_types=("cuda",),
+        head_dim_multiple=head_dim["multiple"],
+        max_head_dim=head_dim["max"],
+        min_compute_capability=tuple(table["min_compute_capability"]),
+        deterministic=True,
+    )
 
 
 class CutlassBackend(Backend):
     name = "cutlass"
-    capabilities = Capabilities(
-        dtypes=LOW_PRECISION,
-        device_types=("cuda",),
-        head_dim_multiple=8,
-        max_head_dim=128,
-        min_compute_capability=(8, 0),
-        deterministic=True,
-    )
+    capabilities = _capabilities(TABLE)
 
     def extra_reasons(self, inputs: AttentionInputs) -> list[str]:
+        if TABLE is None:
+            return [f"the kernel sources are not installed ({TABLE_PATH} not found)"]
+        grid = TABLE["grid"]
         reasons = []
-        blocks = -(-max(inputs.len_q, inputs.len_k) // 64)
-        if inputs.batch * inputs.rows * blocks >= 2**31:
-            reasons.append(f"B * N * ceil(L / 64) = {inputs.batch * inputs.rows * blocks} must be below 2^31 (grid size)")
-        if inputs.heads > 65535:
-            reasons.append(f"H = {inputs.heads} exceeds 65535")
+        tiles = -(-max(inputs.len_q, inputs.len_k) // grid["row_tile"])
+        if inputs.batch * inputs.rows * tiles >= 2 ** grid["max_x_log2"]:
+            reasons.append(
+                f"B * N * ceil(L / {grid['row_tile']}) = {inputs.batch * inputs.rows * tiles} must be below "
+                f"2^{grid['max_x_log2']} (grid size)"
+            )
+        if inputs.heads > grid["max_heads"]:
+            reasons.append(f"H = {inputs.heads} exceeds {grid['max_heads']}")
         return reasons
 
     def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:

@@ -1,0 +1,117 @@
+// Epilogues: how a warp's 16-row accumulator tiles (mma.sync's C layout, which the Hopper kernels'
+// wgmma fragments share) leave the kernels of both families: the forward's output and row
+// statistics, dQ, dK / dV with the mask-bias gradient, and the pair-bias-gradient partials.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "evoformer_attention.h"
+#include "mma_sm80.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
+
+namespace evoformer {
+
+// Forward epilogue of one 16-row tile: o / rowsum into out[row][0..D) (rows g and g + 8 of the tile
+// are `row` and `row + 8`, written when < Lq; out is the [Lq, D] slice of this (b, n, h), rows
+// `o_stride` apart) and the row statistics (max, log2 rowsum) into stats[row]; rows whose keys are
+// all -inf get (0, +inf), so the backward's exp2(... - inf) gives P = 0 there.
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], const float (&row_sum)[2],
+                                                  const float (&row_max_s)[2], float scale_log2, Element* out,
+                                                  int64_t o_stride, float2* stats, int row, int Lq, int D,
+                                                  int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r, row += 8) {
+    const float sum = row_sum[r];
+    const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 2^-64: the row maximum contributes 2^delta
+    if (row < Lq) {
+      Element* orow = out + int64_t(row) * o_stride;
+      auto store = [&](auto check_d) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int d = dt * 8 + 2 * t;
+          if (!decltype(check_d)::value || d < D)
+            *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        }
+      };
+      if (D == kDTiles * 8)
+        store(std::false_type{});  // D fills its bucket: no per-column test
+      else
+        store(std::true_type{});
+      // (m, log2 of sum_i exp2((S_i - m) * scale_log2)), the form the backward recomputes P from:
+      // the probabilities summed here carry 2^delta (softmax_step), which log2(sum) - delta removes
+      const float m_log2 = log2_row_max(row_max_s[r], scale_log2);
+      const float delta = fmaf(row_max_s[r], scale_log2, -m_log2);
+      if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(sum) - delta) : make_float2(0.f, kInf);
+    }
+  }
+}
+
+// Stores rows g and g + 8 of a warp's 16-row accumulator tile, times `scale`, into out[row][0..D)
+// (`row` is the tile's row g; rows `row_stride` apart, written when < `rows`).
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_scaled_rows(const float (&acc)[kDTiles][4], Element* out, int64_t row_stride,
+                                                  int row, int rows, int D, float scale, int lane) {
+  const int t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + 8 * r;
+    if (i < rows) {
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int d = dt * 8 + 2 * t;
+        if (d < D)
+          *reinterpret_cast<uint32_t*>(out + i * row_stride + d) =
+              pack2<Element>(acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
+      }
+    }
+  }
+}
+
+// dK/dV epilogue of a warp's 16 keys (rows g and g + 8 of its accumulator tiles; `key` is row g's
+// index): dK * scale and dV into their [B, N, Lk, H, D] tensors, and the per-key mask-bias
+// gradient of (b, n, h) (the quad-summed dmask_acc) when it is wanted; keys past Lk are skipped.
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_dkdv_rows(const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4],
+                                                const float (&dmask_acc)[2], const AttentionParams& p, int64_t b,
+                                                int64_t n, int64_t h, int key, int lane) {
+  const int64_t row_stride = int64_t(p.H) * p.D;
+  Element* dk_out = static_cast<Element*>(p.dk) + (b * p.N + n) * p.Lk * row_stride + h * p.D;  // [Lk, D]
+  Element* dv_out = static_cast<Element*>(p.dv) + (b * p.N + n) * p.Lk * row_stride + h * p.D;
+  store_scaled_rows<Element, kDTiles>(dk, dk_out, row_stride, key, p.Lk, p.D, p.scale, lane);
+  store_scaled_rows<Element, kDTiles>(dv, dv_out, row_stride, key, p.Lk, p.D, 1.f, lane);
+  const int64_t bnh = (b * p.N + n) * p.H + h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r, key += 8) {
+    const float dm = quad_sum(dmask_acc[r]);
+    if (key < p.Lk && p.dmask != nullptr && lane % 4 == 0) p.dmask[bnh * p.Lk + key] = dm;
+  }
+}
+
+// A warp's 16-row tile (rows g and g + 8 from `row`, keys from col0) of the chunk's partial pair-bias
+// gradient: [Lq, Lk] fp32 of (chunk, b, h), each element written once.
+template <int kNTiles>
+__device__ __forceinline__ void store_pair_partial(const float (&acc)[kNTiles][4], const AttentionParams& p,
+                                                   const PairGradTile& tile, int row, int col0, int lane) {
+  float* out = p.dpair + ((tile.chunk * p.B + tile.b) * p.H + tile.h) * int64_t(p.Lq) * p.Lk;
+  const bool lk_even = (p.Lk % 2) == 0;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = row + 8 * r, j = col0 + nt * 8 + 2 * (lane % 4);
+      if (i >= p.Lq || j >= p.Lk) continue;
+      float* ptr = out + int64_t(i) * p.Lk + j;
+      if (lk_even) {
+        *reinterpret_cast<float2*>(ptr) = make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
+      } else {
+        ptr[0] = acc[nt][2 * r];
+        if (j + 1 < p.Lk) ptr[1] = acc[nt][2 * r + 1];
+      }
+    }
+}
+
+}  // namespace evoformer

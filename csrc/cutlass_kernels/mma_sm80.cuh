@@ -1,0 +1,275 @@
+// The sm80 tensor-core building blocks (mma.sync m16n8k16, ldmatrix, cp.async through CuTe's SM80
+// atoms), wrapped for the fragment layouts used here, with the conversions and fast math around them.
+// The sm80 kernels are built from them; the Hopper kernels use the conversions, the cp.async copies
+// and the accumulator-to-A-fragment repacking.
+//
+// Fragment layouts of mma.sync m16n8k16 (g = lane / 4, t = lane % 4):
+//   A (16x16, row-major)  a0: (g, 2t..2t+1)  a1: (g+8, 2t..)  a2: (g, 2t+8..)  a3: (g+8, 2t+8..)
+//   B (16x8, k x n)       b0: (k 2t..2t+1, n g)               b1: (k 2t+8.., n g)
+//   C (16x8, fp32)        c0,c1: (g, 2t..2t+1)                c2,c3: (g+8, 2t..2t+1)
+// Two C tiles side by side (16 columns) therefore hold exactly an A fragment's 16x16 values, which
+// is how probabilities move from one product to the next without leaving registers.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace evoformer {
+
+constexpr float kInf = __builtin_huge_valf();
+
+template <typename Element>
+struct MmaAtom;
+template <>
+struct MmaAtom<cutlass::bfloat16_t> {
+  using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN;
+};
+template <>
+struct MmaAtom<cutlass::half_t> {
+  using Op = cute::SM80_16x8x16_F32F16F16F32_TN;
+};
+
+// acc += a * b on one 16x8x16 tile, fp32 accumulation.
+template <typename Element>
+__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  MmaAtom<Element>::Op::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b0, b1, acc[0], acc[1],
+                            acc[2], acc[3]);
+}
+
+// Two floats -> two Elements in one register (first in the low half).
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&r);
+  } else {
+    __half2 r = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
+}
+
+// Two Elements in one register -> two floats.
+template <typename Element>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+}
+
+// 1 / x in one MUFU op (no denormal handling: x >= 1 where it is used, a softmax row sum).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 2^x in one MUFU op (no denormal results).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ldmatrix.x4: lane l addresses row (l % 8) of 8x8 matrix (l / 8); register r_i holds matrix i.
+__device__ __forceinline__ void ldsm_x4(const void* smem, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r0, r1, r2, r3);
+}
+// The same, each 8x8 matrix transposed.
+__device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                              uint32_t& r3) {
+  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r0, r1, r2, r3);
+}
+
+// 16-byte global -> shared copy; zero-fills the destination when !pred (a source size of 0: src is
+// then not read, so it may point past the tensor).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(gmem),
+                                                              *reinterpret_cast<cute::uint128_t*>(smem), pred);
+}
+__device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  cute::cp_async_wait<kPending>();
+}
+
+// Copies [kRows, kCols] tiles of 2- or 4-byte values (rows `row_stride` apart in global memory,
+// 16-byte aligned) into shared memory with row pitch kPitch, 16 bytes per cp.async. A thread
+// always copies the same column chunk of rows row0, row0 + kRowStep, ... (fixed at construction),
+// so each copy costs one predicate and one address per chunk.
+// Rows >= valid_rows and chunks starting at or past valid_cols are zero-filled.
+template <typename T, int kRows, int kCols, int kPitch, int kThreads>
+struct TileCopy {
+  static constexpr int kPerChunk = 16 / sizeof(T);
+  static constexpr int kChunksPerRow = kCols / kPerChunk;
+  static_assert(kCols % kPerChunk == 0, "tile width must be a whole number of 16-byte chunks");
+  static_assert(kThreads % kChunksPerRow == 0, "each thread must keep one column chunk");
+  static constexpr int kRowStep = kThreads / kChunksPerRow;
+  static constexpr int kIters = (kRows + kRowStep - 1) / kRowStep;
+
+  int row0, col;
+
+  __device__ __forceinline__ explicit TileCopy(int tid)
+      : row0(int(unsigned(tid) / kChunksPerRow)), col(int(unsigned(tid) % kChunksPerRow) * kPerChunk) {}
+
+  __device__ __forceinline__ void operator()(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
+                                             int valid_cols) const {
+    const bool col_ok = col < valid_cols;
+    T* s = smem + row0 * kPitch + col;
+    const T* g = gmem + row0 * row_stride + col;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = row0 + it * kRowStep;
+      if (kRows % kRowStep == 0 || r < kRows) {
+        const bool pred = col_ok && r < valid_rows;
+        cp_async_16(s + it * kRowStep * kPitch, g + it * kRowStep * row_stride, pred);  // !pred: nothing is read
+      }
+    }
+  }
+};
+
+// One-off copy of a tile (see TileCopy).
+template <typename T, int kRows, int kCols, int kPitch, int kThreads>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
+                                                int valid_cols, int tid) {
+  TileCopy<T, kRows, kCols, kPitch, kThreads>{tid}(smem, gmem, row_stride, valid_rows, valid_cols);
+}
+
+// Loads A fragments of a [16 * kMTiles, 16 * kKTiles] row-major tile in shared memory whose first
+// row is `row0` (pitch kPitch elements): frag[m][k] is the A operand of rows m*16.., cols k*16...
+template <int kMTiles, int kKTiles, int kPitch, typename Element>
+__device__ __forceinline__ void load_a_frags(uint32_t (&frag)[kMTiles][kKTiles][4], const Element* smem, int row0,
+                                             int lane) {
+  const int mat = lane / 8;
+  const int row = row0 + (mat % 2) * 8 + lane % 8;
+  const int col = (mat / 2) * 8;
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m)
+#pragma unroll
+    for (int k = 0; k < kKTiles; ++k)
+      ldsm_x4(smem + (row + m * 16) * kPitch + col + k * 16, frag[m][k][0], frag[m][k][1], frag[m][k][2],
+              frag[m][k][3]);
+}
+
+// B fragments from a tile stored with the n index along rows and k along columns ("n-major", e.g.
+// K[key][d] for S = Q.K^T): for 16 consecutive n starting at n0 and 16 k starting at k0, returns
+// {b0, b1} of the n8 tile at n0 and of the n8 tile at n0 + 8.
+template <int kPitch, typename Element>
+__device__ __forceinline__ void load_b_frags_nmajor(uint32_t (&b)[2][2], const Element* smem, int n0, int k0,
+                                                    int lane) {
+  const int mat = lane / 8;
+  const int row = n0 + (mat / 2) * 8 + lane % 8;
+  const int col = k0 + (mat % 2) * 8;
+  ldsm_x4(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+}
+
+// B fragments from a tile stored with the k index along rows and n along columns ("k-major", e.g.
+// V[key][d] for O = P.V): for 16 k starting at k0 and 16 n starting at n0, returns {b0, b1} of the
+// n8 tile at n0 and of the n8 tile at n0 + 8.
+template <int kPitch, typename Element>
+__device__ __forceinline__ void load_b_frags_kmajor(uint32_t (&b)[2][2], const Element* smem, int k0, int n0,
+                                                    int lane) {
+  const int mat = lane / 8;
+  const int row = k0 + (mat % 2) * 8 + lane % 8;
+  const int col = n0 + (mat / 2) * 8;
+  ldsm_x4_trans(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+}
+
+// A fragment for k-chunk `kc` (16 columns) built from fp32 C tiles 2kc and 2kc+1 of one m16 row
+// tile.
+template <typename Element, int kNTiles>
+__device__ __forceinline__ void c_to_a_frag(uint32_t (&a)[4], const float (&c)[kNTiles][4], int kc) {
+  a[0] = pack2<Element>(c[2 * kc][0], c[2 * kc][1]);
+  a[1] = pack2<Element>(c[2 * kc][2], c[2 * kc][3]);
+  a[2] = pack2<Element>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+  a[3] = pack2<Element>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+}
+
+// One m16n8k16 A operand held in registers.
+struct AFrag {
+  uint32_t r[4];
+};
+
+// acc[nt] += A . B for one warp's 16 rows: k runs over kKSteps * 16, A's fragment for k-step kk
+// comes from a_frag(kk), and B is an n-major shared-memory tile (smem[n][k], pitch kPitch) whose
+// n covers kNTiles * 8 columns. E.g. S = Q.K^T (smem = K) or dP = dO.V^T (smem = V).
+template <typename Element, int kNTiles, int kKSteps, int kPitch, typename AFragFn>
+__device__ __forceinline__ void mma_a_by_nmajor(float (&acc)[kNTiles][4], AFragFn&& a_frag, const Element* smem,
+                                                int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    const AFrag a = a_frag(kk);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; nt += 2) {
+      uint32_t bf[2][2];
+      load_b_frags_nmajor<kPitch>(bf, smem, nt * 8, kk * 16, lane);
+      mma<Element>(acc[nt], a.r, bf[0][0], bf[0][1]);
+      mma<Element>(acc[nt + 1], a.r, bf[1][0], bf[1][1]);
+    }
+  }
+}
+
+// acc[dt] += C . B for one warp's 16 rows: C is an fp32 accumulator tile [16, kCTiles * 8] (e.g.
+// probabilities or dS, rounded to Element as the A operand) and B a k-major shared-memory tile
+// (smem[k][n], pitch kPitch) whose n covers kDTiles * 8 columns. E.g. O += P.V or dQ += dS.K.
+// With kRowSums, also row_sums += C . ones (16 x 8): every column of that tile is the row sum of the
+// rounded C (rows g and g + 8 in elements 0-1 and 2-3), one tensor-core op per 16 columns instead
+// of a chain of adds.
+template <typename Element, int kCTiles, int kDTiles, int kPitch, bool kRowSums = false>
+__device__ __forceinline__ void mma_c_by_kmajor(float (&acc)[kDTiles][4], const float (&c)[kCTiles][4],
+                                                const Element* smem, int lane, float (*row_sums)[4] = nullptr) {
+#pragma unroll
+  for (int kc = 0; kc < kCTiles / 2; ++kc) {
+    uint32_t a[4];
+    c_to_a_frag<Element>(a, c, kc);
+    if constexpr (kRowSums) {
+      const uint32_t ones = pack2<Element>(1.f, 1.f);
+      mma<Element>(*row_sums, a, ones, ones);
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; dt += 2) {
+      uint32_t bf[2][2];
+      load_b_frags_kmajor<kPitch>(bf, smem, kc * 16, dt * 8, lane);
+      mma<Element>(acc[dt], a, bf[0][0], bf[0][1]);
+      mma<Element>(acc[dt + 1], a, bf[1][0], bf[1][1]);
+    }
+  }
+}
+
+// The A fragment of k-step kk of a warp's 16 rows: from registers when `frags` holds them, else
+// read from the row-major shared-memory tile smem[row][k] (pitch kPitch) starting at row0.
+template <int kKSteps, int kPitch, bool kInRegs, typename Element>
+__device__ __forceinline__ AFrag a_frag_of(const uint32_t (&frags)[kKSteps][4], const Element* smem, int row0, int kk,
+                                           int lane) {
+  AFrag f;
+  if constexpr (kInRegs) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f.r[i] = frags[kk][i];
+  } else {
+    uint32_t tmp[1][1][4];
+    load_a_frags<1, 1, kPitch>(tmp, smem + kk * 16, row0, lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f.r[i] = tmp[0][0][i];
+  }
+  return f;
+}
+
+// Max / sum over the four lanes of a quad (the lanes that share rows g and g + 8 of a C tile).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+}  // namespace evoformer
