@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles every CUDA source in csrc/ to object files for sm_80, sm_90 and sm_90a (the Hopper
-# kernels' wgmma code exists only there), and bindings.cpp (with and without EVOFORMER_SM90A) against
+# kernels' wgmma code exists only there), and the bindings (with and without EVOFORMER_SM90A) against
 # torch's headers, on a machine without a GPU. Fails if any does not compile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +37,10 @@ import torch.utils.cpp_extension as ce
 print(' '.join('-I' + p for p in ce.include_paths()))")
 # shellcheck disable=SC2086
 for define in "" -DEVOFORMER_SM90A; do
-  g++ -std=c++17 -O1 -fPIC -w $define $TORCH_INC -I"$OBJ/shim" -I"$CUDA_INC" -I"$CUTLASS_INC" -I"$SRC" \
-    -c "$SRC/bindings.cpp" -o "$OBJ/bindings$define.o"
+  for cpp in bindings block_bindings; do
+    g++ -std=c++17 -O1 -fPIC -w $define $TORCH_INC -I"$OBJ/shim" -I"$CUDA_INC" -I"$CUTLASS_INC" -I"$SRC" \
+      -c "$SRC/$cpp.cpp" -o "$OBJ/$cpp$define.o"
+  done
 done
 count=$(find "$OBJ" -name '*.o' | wc -l)
 echo "compile_kernels: $count objects (sm_80 + sm_90 + sm_90a) in $(( $(date +%s) - start )) s"

@@ -36,8 +36,8 @@ from typing import Optional
 
 import torch
 
-from . import _build
-from ._dispatch import Backend, Capabilities, register
+from . import _build, _fused
+from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
 from ._inputs import AttentionInputs
 
 Tensor = torch.Tensor
@@ -58,9 +58,7 @@ TABLE = _load_table()
 ROW_ALIGN_BYTES: Optional[int] = TABLE["row_align_bytes"]["value"] if TABLE else None  # None: nothing runs
 
 
-def _kernels():
-    _build.load()
-    return getattr(torch.ops, _build.OP_NAMESPACE)
+_kernels = _fused.kernels
 
 
 def _round_up(x, multiple: int):
@@ -224,12 +222,6 @@ def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)[0]
 
 
-@torch.compiler.assume_constant_result
-def _extension_error() -> str:
-    """'' when the kernels are built (building them on first call), else why not."""
-    return _build.load_error() or ""
-
-
 _available: dict[int, tuple[str, ...]] = {}
 
 
@@ -280,6 +272,7 @@ def _capabilities(table: Optional[dict]) -> Capabilities:
 
 
 class CutlassBackend(Backend):
+    op = ATTENTION_OP
     name = "cutlass"
     capabilities = _capabilities(TABLE)
 
@@ -296,16 +289,8 @@ class CutlassBackend(Backend):
             )
         if inputs.heads > grid["max_heads"]:
             reasons.append(f"H = {inputs.heads} exceeds {grid['max_heads']}")
-        return reasons
-
-    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
-        reasons = super().not_supported_reasons(inputs)
         # Only inputs the kernels could run are worth a (first-use) build of the extension.
-        if not reasons:
-            error = _extension_error()
-            if error:
-                reasons.append(error)
-        return reasons
+        return reasons or _fused.build_reasons()
 
     def forward(self, inputs: AttentionInputs, chunk_size: Optional[int]) -> Tensor:
         return attention(inputs.q, inputs.k, inputs.v, inputs.mask_bias, inputs.pair_bias, inputs.scale)
