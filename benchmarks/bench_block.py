@@ -10,7 +10,7 @@ the sum of both outputs (random cotangents).
 Implementations of the whole block:
     default     the block as a user builds it (backend auto, no compile)
     compiled    torch.compile(block) (static shapes)
-    graphs      torch.compile(block, mode="reduce-overhead") (CUDA graphs), forward only
+    graphs      torch.compile(block, mode="reduce-overhead") (CUDA graphs)
     eager       the block on the eager backend (no fused kernels at all)
 With --breakdown, each of the nine sub-modules alone on inputs of the block's shapes (default
 backend), and, where `import cuequivariance_torch` works, its triangle multiplication and triangle
@@ -159,7 +159,6 @@ IMPLS = {
     "graphs": Impl("graphs", run_graphs),
     "eager": Impl("eager", run_eager),
 }
-FORWARD_ONLY = {"graphs"}
 
 
 # ---- per-module breakdown and module-level peers --------------------------------------------------
@@ -251,7 +250,7 @@ def main() -> None:
         table = []
         for name in args.impls:
             result = measure(IMPLS[name], (block, m, z, msa_mask, pair_mask), leaves,
-                             forward_only=args.forward_only or name in FORWARD_ONLY)
+                             forward_only=args.forward_only)
             row["impls"][name] = result.as_dict()
             tf = flops_f / result.fwd_ms / 1e9 if result.ok else float("nan")
             tfb = flops_fb / result.fwdbwd_ms / 1e9 if result.ok else float("nan")

@@ -52,6 +52,49 @@ def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) 
     check_backend(owner, backend)
 
 
+class _StackedProjection(torch.autograd.Function):
+    """``x [..., c_in] -> (x W_1^T, ..., x W_k^T + bias)``: several projections of one input, only
+    the last with a bias, as ONE GEMM (x is read once); the outputs are views of its result.
+
+    The backward accumulates dx with one GEMM per projection into one buffer and computes each
+    weight's gradient on its own, so the per-projection gradients are never concatenated (autograd's
+    backward of a split would copy them all into one tensor first).
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, *weights):
+        width = weights[0].shape[0]
+        stacked = torch.cat(weights)  # [k * width, c_in]
+        stacked_bias = torch.cat([bias.new_zeros((len(weights) - 1) * width), bias])  # [k * width]
+        y = F.linear(x, stacked, stacked_bias)  # [..., k * width]
+        ctx.save_for_backward(x, *weights)
+        ctx.bias_dtype = bias.dtype
+        return y.split(width, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        dx, dweights = None, []
+        x2 = None
+        for i, (grad, weight) in enumerate(zip(grads, weights)):
+            if grad is None:
+                dweights.append(None)
+                continue
+            g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
+            w = weight.to(g2.dtype)
+            dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)  # [rows, c_in]
+            if ctx.needs_input_grad[2 + i]:
+                x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype) if x2 is None else x2
+                dweights.append(torch.mm(g2.t(), x2).to(weight.dtype))  # [width, c_in]
+            else:
+                dweights.append(None)
+        dbias = None
+        if ctx.needs_input_grad[1] and grads[-1] is not None:
+            dbias = grads[-1].reshape(-1, grads[-1].shape[-1]).sum(0).to(ctx.bias_dtype)
+        dx = None if dx is None else dx.view(x.shape).to(x.dtype)
+        return (dx, dbias, *dweights)
+
+
 class _GatedAttention(nn.Module):
     """Gated multi-head self-attention along the second-to-last axis of ``[*, N, L, c_in]``.
 
@@ -95,13 +138,6 @@ class _GatedAttention(nn.Module):
         self.linear_g = Linear(c_in, hidden, init="gating")
         self.linear_o = Linear(hidden, c_in, init="final")
 
-    def _projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``linear_q/k/v/g`` as one projection: weight [4 * H * C, c_in], bias [4 * H * C] (zeros for
-        q, k and v, which have none), so that the four run as one GEMM."""
-        weight = torch.cat([self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight])
-        bias = self.linear_g.bias
-        return weight, torch.cat([bias.new_zeros(3 * bias.shape[0]), bias])
-
     def _attend(
         self,
         x: torch.Tensor,
@@ -123,8 +159,9 @@ class _GatedAttention(nn.Module):
         batch_shape = x.shape[:-3]
         x = rearrange(x, "... a b c -> (...) a b c")  # [B, A, B', c_in] in x's layout
         heads, hidden = self.no_heads, self.no_heads * self.c_hidden
-        qkvg = F.linear(x, *self._projections())  # [B, A, B', 4 * H * C]: one GEMM
-        q, k, v, g = qkvg.split(hidden, dim=-1)  # views [B, A, B', H * C]
+        q, k, v, g = _StackedProjection.apply(
+            x, self.linear_g.bias, self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight
+        )  # views [B, A, B', H * C] of one GEMM's output
         to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
         q, k, v = (rearrange(t, to_heads, h=heads) for t in (q, k, v))  # strided views [B, N, L, H, C]
 

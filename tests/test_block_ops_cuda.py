@@ -139,10 +139,9 @@ def test_triangle_custom_ops_pass_opcheck():
 
     z = torch.randn(1, 9, 9, 32, device=DEV, dtype=torch.bfloat16)
     mask = (torch.rand(1, 9, 9, device=DEV) > 0.2).to(torch.bfloat16)
-    w = {k: v.to(DEV) for k, v in triangle_weights(32, 16, torch.bfloat16).items()}
-    args = (z, mask, w["proj_weight"], w["proj_bias"].float(), w["gate_weight"], w["gate_bias"], w["out_weight"],
-            w["out_bias"], 1e-5, True)
-    torch.library.opcheck(tri.triangle_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    w = triangle_weights(32, 16, torch.bfloat16)
+    weights = [w[name].to(DEV) for name in tri._WEIGHTS]
+    torch.library.opcheck(tri.triangle_fwd, (z, mask, weights, 1e-5, True), test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(5, 7, 64, device=DEV, dtype=torch.bfloat16)
     from evoformer_blocks.ops import normalization as ln
 

@@ -5,14 +5,13 @@
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
 //   layer_norm_fwd(x [..., C], weight?, bias?, eps) -> (y [..., C], mean [M], rstd [M])
 //   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine) -> (dx, dweight [C] fp32, dbias [C] fp32)
-//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], w_ab [4 c, c_z], b_ab [4 c] fp32,
-//       w_g [c_z, c_z], b_g [c_z], w_z [c_z, c], b_z [c_z], eps, outgoing)
+//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z])
-//   triangle_multiplication_bwd(dout, z, mask?, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat,
-//       rstd_out, g, y, eps, outgoing) -> (dz, dw_ab, db_ab fp32, dw_g, db_g fp32, dw_z, db_z fp32)
-// M = B * N * N positions; c = the hidden width of the a / b edges. The triangle op's projection
-// weights come with the layer norms' affine parameters folded in (see
-// evoformer_blocks/ops/triangle_multiplication.py), so its layer norms are plain normalisations.
+//   triangle_multiplication_bwd(dout, z, mask?, weights[10], mean_in, rstd_in, a, b, n_hat, rstd_out, g, y,
+//       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
+// M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
+// them. The layer norms' affine parameters are folded into the projections that follow them
+// (fold()), so the kernels normalise without parameters.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -202,7 +201,7 @@ at::Tensor triangle_product(const at::Tensor& a, const at::Tensor& b, bool outgo
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
+triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
                             const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing) {
   const char* op = "triangle multiplication";
@@ -244,7 +243,7 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, const std::optional<at::Tensor>& mask,
+triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const std::optional<at::Tensor>& mask,
                             const at::Tensor& w_ab, const at::Tensor& b_ab, const at::Tensor& w_g,
                             const at::Tensor& w_z, const at::Tensor& mean_in, const at::Tensor& rstd_in,
                             const at::Tensor& a, const at::Tensor& b, const at::Tensor& n_hat,
@@ -333,6 +332,76 @@ triangle_multiplication_bwd(const at::Tensor& dout_in, const at::Tensor& z, cons
   return {dz.view(z.sizes()), dw_ab.view({4 * s.c, s.cz}), db_ab.view({4 * s.c}), dw_g, db_g, dw_z, db_z};
 }
 
+// The parameters of the triangle op, in the schema's order: layer norm in (weight, bias), the
+// stacked a/b projections and gates (weight [4 c, c_z], bias), the output gate (weight, bias), layer
+// norm out (weight, bias), the output projection (weight [c_z, c], bias).
+enum TriangleWeight { kNormInW, kNormInB, kProjW, kProjB, kGateW, kGateB, kNormOutW, kNormOutB, kOutW, kOutB, kWeights };
+
+// The projections with the layer norms' affine parameters folded in, in float32 then rounded to z's
+// dtype (the gates' bias b_ab stays float32: the gate kernel reads it so):
+// LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c).
+struct FoldedWeights {
+  at::Tensor w_ab, b_ab, w_g, b_g, w_z, b_z;
+};
+
+std::vector<at::Tensor> as_float(at::TensorList weights) {
+  TORCH_CHECK(weights.size() == kWeights, "triangle multiplication: `weights` must hold ", int(kWeights),
+              " tensors, got ", weights.size());
+  std::vector<at::Tensor> f;
+  for (const at::Tensor& t : weights) f.push_back(t.to(at::kFloat));
+  return f;
+}
+
+FoldedWeights fold(const std::vector<at::Tensor>& w, at::ScalarType dtype) {
+  FoldedWeights f;
+  f.w_ab = (w[kProjW] * w[kNormInW]).to(dtype);
+  f.b_ab = at::addmv(w[kProjB], w[kProjW], w[kNormInB]);
+  f.w_g = (w[kGateW] * w[kNormInW]).to(dtype);
+  f.b_g = at::addmv(w[kGateB], w[kGateW], w[kNormInB]).to(dtype);
+  f.w_z = (w[kOutW] * w[kNormOutW]).to(dtype);
+  f.b_z = at::addmv(w[kOutB], w[kOutW], w[kNormOutB]).to(dtype);
+  return f;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
+                            at::TensorList weights, double eps, bool outgoing) {
+  check_cuda(z, "z", "triangle multiplication");
+  const c10::cuda::CUDAGuard guard(z.device());
+  const FoldedWeights f = fold(as_float(weights), z.scalar_type());
+  return triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing);
+}
+
+// Gradients of every parameter from those of the folded projections (W' = W diag(w),
+// b' = W b + c): dW = dW' diag(w) + db' b^T, dw = colsum(dW' * W), db = W^T db', dc = db'.
+std::vector<at::Tensor> triangle_multiplication_bwd(
+    const at::Tensor& dout, const at::Tensor& z, const std::optional<at::Tensor>& mask,
+    at::TensorList weights, const at::Tensor& mean_in, const at::Tensor& rstd_in, const at::Tensor& a,
+    const at::Tensor& b, const at::Tensor& n_hat, const at::Tensor& rstd_out, const at::Tensor& g, const at::Tensor& y,
+    double eps, bool outgoing) {
+  check_cuda(z, "z", "triangle multiplication backward");
+  const c10::cuda::CUDAGuard guard(z.device());
+  const std::vector<at::Tensor> w = as_float(weights);
+  const FoldedWeights f = fold(w, z.scalar_type());
+  auto [dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z] = triangle_backward_folded(
+      dout, z, mask, f.w_ab, f.b_ab, f.w_g, f.w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing);
+  const at::Tensor d_ab = dw_ab.to(at::kFloat), d_g = dw_g.to(at::kFloat), d_z = dw_z.to(at::kFloat);  // dW'
+  std::vector<at::Tensor> grads(kWeights);
+  grads[kProjW] = d_ab * w[kNormInW] + at::outer(db_ab, w[kNormInB]);
+  grads[kProjB] = db_ab;
+  grads[kGateW] = d_g * w[kNormInW] + at::outer(db_g, w[kNormInB]);
+  grads[kGateB] = db_g;
+  grads[kNormInW] = (d_ab * w[kProjW]).sum(0) + (d_g * w[kGateW]).sum(0);
+  grads[kNormInB] = at::mv(w[kProjW].t(), db_ab) + at::mv(w[kGateW].t(), db_g);
+  grads[kOutW] = d_z * w[kNormOutW] + at::outer(db_z, w[kNormOutB]);
+  grads[kOutB] = db_z;
+  grads[kNormOutW] = (d_z * w[kOutW]).sum(0);
+  grads[kNormOutB] = at::mv(w[kOutW].t(), db_z);
+  std::vector<at::Tensor> out{dz};
+  for (int i = 0; i < kWeights; ++i) out.push_back(grads[i].to(weights[i].scalar_type()));
+  return out;
+}
+
 }  // namespace
 }  // namespace block
 }  // namespace evoformer
@@ -343,13 +412,12 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine) "
       "-> (Tensor, Tensor, Tensor)");
   m.def(
-      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor w_ab, Tensor b_ab, Tensor w_g, Tensor b_g, "
-      "Tensor w_z, Tensor b_z, float eps, bool outgoing) "
+      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor w_ab, Tensor b_ab, Tensor w_g, "
-      "Tensor w_z, Tensor mean_in, Tensor rstd_in, Tensor a, Tensor b, Tensor n_hat, Tensor rstd_out, Tensor g, "
-      "Tensor y, float eps, bool outgoing) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor mean_in, "
+      "Tensor rstd_in, Tensor a, Tensor b, Tensor n_hat, Tensor rstd_out, Tensor g, Tensor y, float eps, "
+      "bool outgoing) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

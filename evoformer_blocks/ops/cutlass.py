@@ -100,6 +100,14 @@ def _pair_prepared_like(q: Tensor, pair_bias: Optional[Tensor]) -> Tensor:
     return pair_bias.new_empty((batch, heads, len_q, _round_up(len_k, ROW_ALIGN_BYTES // pair_bias.element_size())))
 
 
+def _check_family(family: str, device: torch.device) -> None:
+    """ValueError unless the extension can run ``family`` on ``device`` (the extension checks it too,
+    but an error raised in C++ is no substitute for a clear one here)."""
+    available = available_kernel_families(device.index if device.index is not None else torch.cuda.current_device())
+    if family not in available:
+        raise ValueError(f"evoformer attention: invalid `family`: must be one of {list(available)} on {device}, got {family!r}")
+
+
 @torch.library.custom_op("evoformer_blocks::cutlass_attention_fwd", mutates_args=(), device_types="cuda")
 def attention_fwd(
     q: Tensor,
@@ -112,6 +120,7 @@ def attention_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (out [B, N, Lq, H, D], stats [B, N, H, Lq, 2] float32: row max, log2 row sum,
     mask_prepared, pair_prepared) with the kernels of ``family``."""
+    _check_family(family, q.device)
     out, stats, mask_prepared, pair_prepared = _kernels().forward(
         q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias)
     )
@@ -147,6 +156,7 @@ def attention_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv, d mask_bias, d pair_bias) from the forward's outputs; the mask-bias
     gradient comes in ``dmask_dtype`` (None: not wanted); an unwanted bias gradient is an empty tensor."""
+    _check_family(family, q.device)
     dq, dk, dv, dmask, dpair = _kernels().backward(
         dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair
     )

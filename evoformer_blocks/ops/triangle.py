@@ -6,9 +6,10 @@ products in a channel-major layout, so no transpose is ever materialised), chose
 backend setting as :func:`evoformer_blocks.ops.evoformer_attention`.
 
 The fused path folds the affine parameters of both layer norms into the projections that follow
-them (``LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c)``, with ``x_hat`` the plain normalisation),
-in float32 and differentiably, so its kernels normalise without parameters and every weight
-gradient flows back through that folding.
+them (``LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c)``, with ``x_hat`` the plain normalisation;
+in float32, in the extension), so its kernels normalise without parameters; the backward maps the
+folded projections' gradients back onto every parameter. One custom op each way, so a call costs
+two launches of Python-level work.
 """
 
 from __future__ import annotations
@@ -204,17 +205,17 @@ class EagerTriangleMultiplication(Backend):
 
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_fwd", mutates_args=(), device_types="cuda")
 def triangle_fwd(
-    z: Tensor, mask: Optional[Tensor], w_ab: Tensor, b_ab: Tensor, w_g: Tensor, b_g: Tensor, w_z: Tensor,
-    b_z: Tensor, eps: float, outgoing: bool,
+    z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """z [B, N, N, c_z] and the folded weights -> (out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y)."""
-    return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing))
+    """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order ->
+    (out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y): the output and what the backward reuses."""
+    return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, weights, eps, outgoing))
 
 
 @triangle_fwd.register_fake
-def _(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing):
+def _(z, mask, weights, eps, outgoing):
     batch, n, _, c_z = z.shape
-    m, c = batch * n * n, w_ab.shape[0] // 4
+    m, c = batch * n * n, weights[2].shape[0] // 4
     stat = z.new_empty(m, dtype=torch.float32)
     return (z.new_empty(z.shape), stat, stat.new_empty(m), z.new_empty(c, m), z.new_empty(c, m), z.new_empty(m, c),
             stat.new_empty(m), z.new_empty(m, c_z), z.new_empty(m, c_z))
@@ -222,81 +223,72 @@ def _(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing):
 
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_bwd", mutates_args=(), device_types="cuda")
 def triangle_bwd(
-    dout: Tensor, z: Tensor, mask: Optional[Tensor], w_ab: Tensor, b_ab: Tensor, w_g: Tensor, w_z: Tensor,
-    mean_in: Tensor, rstd_in: Tensor, a: Tensor, b: Tensor, n_hat: Tensor, rstd_out: Tensor, g: Tensor, y: Tensor,
-    eps: float, outgoing: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (dz, dw_ab, db_ab float32, dw_g, db_g float32, dw_z, db_z float32)."""
-    return tuple(_fused.kernels().triangle_multiplication_bwd(
-        dout, z, mask, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing
+    dout: Tensor, z: Tensor, mask: Optional[Tensor], weights: list[Tensor], mean_in: Tensor, rstd_in: Tensor,
+    a: Tensor, b: Tensor, n_hat: Tensor, rstd_out: Tensor, g: Tensor, y: Tensor, eps: float, outgoing: bool,
+) -> list[Tensor]:
+    """-> [dz, the gradient of each parameter in its own dtype]."""
+    return list(_fused.kernels().triangle_multiplication_bwd(
+        dout, z, mask, weights, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing
     ))
 
 
 @triangle_bwd.register_fake
-def _(dout, z, mask, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing):
-    f32 = torch.float32
-    return (z.new_empty(z.shape), w_ab.new_empty(w_ab.shape), w_ab.new_empty(w_ab.shape[0], dtype=f32),
-            w_g.new_empty(w_g.shape), w_g.new_empty(w_g.shape[0], dtype=f32), w_z.new_empty(w_z.shape),
-            w_z.new_empty(w_z.shape[0], dtype=f32))
+def _(dout, z, mask, weights, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing):
+    return [z.new_empty(z.shape)] + [w.new_empty(w.shape) for w in weights]
 
 
-def _save(ctx, z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing, saved) -> None:
-    ctx.save_for_backward(z, mask, w_ab, b_ab, w_g, w_z, *saved)
-    ctx.eps, ctx.outgoing = eps, outgoing
-    ctx.bias_dtypes = (b_g.dtype, b_z.dtype)
+def _save(ctx, z, mask, weights, eps, outgoing, saved) -> None:
+    ctx.save_for_backward(z, mask, *weights, *saved)
+    ctx.eps, ctx.outgoing, ctx.n_weights = eps, outgoing, len(weights)
 
 
 def _gradients(ctx, dout, backward):
-    z, mask, w_ab, b_ab, w_g, w_z, *saved = ctx.saved_tensors
-    dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z = backward(
-        dout.contiguous(), z, mask, w_ab, b_ab, w_g, w_z, *saved, ctx.eps, ctx.outgoing
-    )
-    g_dtype, z_dtype = ctx.bias_dtypes
-    return dz, None, dw_ab, db_ab, dw_g, db_g.to(g_dtype), dw_z, db_z.to(z_dtype), None, None
+    """(dz, d weights): the backward of the op's autograd (both paths)."""
+    z, mask, *rest = ctx.saved_tensors
+    weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights:]
+    dz, *dweights = backward(dout.contiguous(), z, mask, list(weights), *saved, ctx.eps, ctx.outgoing)
+    return dz, dweights
 
 
 def _setup_context(ctx, inputs, output):
-    _save(ctx, *inputs, output[1:])
+    z, mask, weights, eps, outgoing = inputs
+    _save(ctx, z, mask, weights, eps, outgoing, output[1:])
 
 
-triangle_fwd.register_autograd(lambda ctx, dout, *_: _gradients(ctx, dout, triangle_bwd), setup_context=_setup_context)
+def _custom_op_backward(ctx, dout, *_):
+    dz, dweights = _gradients(ctx, dout, triangle_bwd)
+    return dz, None, dweights, None, None
+
+
+triangle_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
 
 
 class _FusedTriangleFunction(torch.autograd.Function):
     """The fused forward and backward with the custom ops' autograd, called without the custom-op
-    layers (less host time per call outside torch.compile)."""
+    layers (less host time per call outside torch.compile); weights come as separate arguments."""
 
     @staticmethod
-    def forward(ctx, z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing):
-        out, *saved = _fused.kernels().triangle_multiplication_fwd(z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing)
-        _save(ctx, z, mask, w_ab, b_ab, w_g, b_g, w_z, b_z, eps, outgoing, saved)
+    def forward(ctx, z, mask, eps, outgoing, *weights):
+        out, *saved = _fused.kernels().triangle_multiplication_fwd(z, mask, list(weights), eps, outgoing)
+        _save(ctx, z, mask, weights, eps, outgoing, saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        return _gradients(ctx, dout, _fused.kernels().triangle_multiplication_bwd)
-
-
-def _fold(weight: Tensor, bias: Tensor, norm_weight: Tensor, norm_bias: Tensor) -> tuple[Tensor, Tensor]:
-    """(W diag(w), W b + c) in float32 for a projection (W, c) that follows a layer norm (w, b)."""
-    w32 = weight.float()
-    return w32 * norm_weight.float(), torch.addmv(bias.float(), w32, norm_bias.float())
+        dz, dweights = _gradients(ctx, dout, _fused.kernels().triangle_multiplication_bwd)
+        return (dz, None, None, None, *dweights)
 
 
 def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
-    """The ``cutlass`` backend's computation (differentiable)."""
-    z, dt, w = inputs.z, inputs.z.dtype, inputs.weights
-    n, c_z = z.shape[-2], inputs.c_z
-    zb = z.reshape(-1, n, n, c_z)  # [B, N, N, c_z]
+    """The ``cutlass`` backend's computation (differentiable in z and every parameter)."""
+    z, n = inputs.z, inputs.z.shape[-2]
+    zb = z.reshape(-1, n, n, inputs.c_z)  # [B, N, N, c_z]
     mask = None if inputs.mask is None else inputs.mask.reshape(-1, n, n)  # [B, N, N]
-    w_ab, b_ab = _fold(w["proj_weight"], w["proj_bias"], w["norm_in_weight"], w["norm_in_bias"])
-    w_g, b_g = _fold(w["gate_weight"], w["gate_bias"], w["norm_in_weight"], w["norm_in_bias"])
-    w_z, b_z = _fold(w["out_weight"], w["out_bias"], w["norm_out_weight"], w["norm_out_bias"])
-    args = (zb, mask, w_ab.to(dt), b_ab, w_g.to(dt), b_g.to(dt), w_z.to(dt), b_z.to(dt), inputs.eps, inputs.outgoing)
+    weights = [inputs.weights[name] for name in _WEIGHTS]
     if torch.compiler.is_compiling():
-        out = triangle_fwd(*args)[0]
+        out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing)[0]
     else:
-        out = _FusedTriangleFunction.apply(*args)
+        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, *weights)
     return out.reshape(z.shape)  # [*, N, N, c_z]
 
 
