@@ -131,6 +131,11 @@ _compiled: dict = {}
 def compiled(block, mode=None):
     key = (id(block), mode)
     if key not in _compiled:
+        # Every case and grad mode compiles the same forward code again: lift dynamo's recompile
+        # limit, or later cases silently run uncompiled.
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 4096)
         _compiled[key] = torch.compile(block, mode=mode, dynamic=False)
     return _compiled[key]
 
