@@ -51,9 +51,17 @@ class OpInputs(Protocol):
     def tensors(self) -> dict[str, Optional[torch.Tensor]]: ...
 
 
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
 @torch.compiler.assume_constant_result
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    """The compute capability of CUDA device ``index``, asked once per device (every op call
+    selects a backend, and the driver query costs tens of microseconds)."""
+    capability = _capabilities.get(index)
+    if capability is None:
+        capability = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return capability
 
 
 @dataclass(frozen=True)
