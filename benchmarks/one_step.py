@@ -3,7 +3,7 @@ compute-sanitizer (benchmarks/profile.sh runs it under ncu).
 
     python benchmarks/one_step.py [SHAPE_INDEX] [IMPL] [fwd|fwdbwd]
     python benchmarks/one_step.py --shapes 0 --impls cutlass-sm80 --forward-only
-    ncu --kernel-name regex:forward_kernel --launch-skip 3 --launch-count 1 python benchmarks/one_step.py 0
+    ncu --kernel-name regex:forward_sm90 --launch-skip 3 --launch-count 1 python benchmarks/one_step.py 0
 """
 
 import harness

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: ncu throughput and warp-stall breakdown of one kernel of one suite shape.
 #   bash benchmarks/profile.sh SHAPE_INDEX KERNEL_REGEX [IMPL] [fwd|fwdbwd]
-#   (e.g. 0 forward_kernel; 0 triton_tem flex fwd for FlexAttention's forward kernel)
+#   (e.g. 0 forward_sm90; 0 triton_tem flex fwd for FlexAttention's forward kernel)
 set -u
 shape=${1:-0}
-kernel=${2:-forward_kernel}
+kernel=${2:-forward_sm90}
 impl=${3:-cutlass}
 mode=${4:-fwdbwd}
 stalls=""
