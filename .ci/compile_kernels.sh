@@ -12,10 +12,12 @@ fi
 # nvcc may be a wrapper script: take the toolkit's include dir from nvcc's own dry run.
 CUDA_INC=$("$NVCC" --dryrun -x cu -c /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)/include
 [ -f "$CUDA_INC/cuda_runtime.h" ] || CUDA_INC=${CUDA_HOME:-/usr/local/cuda}/include
+# _build.py loaded on its own: the package (and its dependencies) need not be installed yet.
 CUTLASS_INC=$(python3 -c "
-import sys; sys.path.insert(0, '.')
-from evoformer_blocks.ops._build import cutlass_include_dir
-print(cutlass_include_dir())")
+import importlib.util
+spec = importlib.util.spec_from_file_location('evoformer_build', 'evoformer_blocks/ops/_build.py')
+build = importlib.util.module_from_spec(spec); spec.loader.exec_module(build)
+print(build.cutlass_include_dir())")
 SRC=csrc/cutlass_kernels
 OBJ=$(mktemp -d)
 trap 'rm -rf "$OBJ"' EXIT
