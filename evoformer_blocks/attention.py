@@ -158,7 +158,7 @@ class _GatedAttention(nn.Module):
         """
         batch_shape = x.shape[:-3]
         x = rearrange(x, "... a b c -> (...) a b c")  # [B, A, B', c_in] in x's layout
-        heads, hidden = self.no_heads, self.no_heads * self.c_hidden
+        heads = self.no_heads
         q, k, v, g = _StackedProjection.apply(
             x, self.linear_g.bias, self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight
         )  # views [B, A, B', H * C] of one GEMM's output

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 import evoformer_blocks as eb
 from evoformer_blocks import ops
-from evoformer_blocks.ops import triangle as tri
 
 
 def triangle_weights(c_z: int, c: int, dtype=torch.float64, scale: float = 0.3, requires_grad: bool = False) -> dict:
