@@ -18,12 +18,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <tuple>
 
 #include <cutlass/numeric_types.h>
 
+#include "bindings_common.h"
 #include "block_ops.h"
 
 namespace evoformer {
@@ -46,12 +45,8 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 // A new output tensor; filled with NaN first when EVOFORMER_BLOCKS_POISON is set, so that a test sees
 // any element a kernel fails to write.
 at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  static const bool poison = [] {
-    const char* env = std::getenv("EVOFORMER_BLOCKS_POISON");
-    return env != nullptr && env[0] != '\0' && env[0] != '0';
-  }();
   at::Tensor t = at::empty(sizes, options);
-  if (poison && t.numel() > 0) t.fill_(std::nan(""));
+  maybe_poison(t);
   return t;
 }
 
@@ -72,18 +67,11 @@ int row_threads_for(int64_t C, int64_t element_size) {
   return t;
 }
 
-int sm_count() {
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // CTAs of a row-norm launch: one per group of rows, at most four per SM (the backward's affine
 // partials have one row per CTA).
 int row_norm_ctas(int64_t M, int row_threads) {
   const int64_t groups = (M + kBlockOpThreads / row_threads - 1) / (kBlockOpThreads / row_threads);
-  return int(std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(4) * sm_count())));
+  return int(std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(4) * current_sm_count())));
 }
 
 void check_cuda(const at::Tensor& t, const char* name, const char* op) {
@@ -314,7 +302,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     at::Tensor dab = output({4 * k, s.M}, z.options());
     const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
     const int chunks = int(std::max<int64_t>(
-        1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * sm_count() / (2 * k) + 1)));
+        1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * current_sm_count() / (2 * k) + 1)));
     at::Tensor bias_part = output({4 * k, chunks}, f32);
     const GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
                                     mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),

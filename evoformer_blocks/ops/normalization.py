@@ -17,13 +17,13 @@ import torch.nn.functional as F
 
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
-from ._inputs import describe
+from ._inputs import FLOAT_DTYPES, describe
 
 Tensor = torch.Tensor
 OP = "layer_norm"
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_ROW_BYTES = 32 * 4 * 16  # a row spread over one warp, four 16-byte chunks per lane
+MAX_ROW_BYTES = 32 * 4 * 16  # a row spread over one warp, four 16-byte chunks per lane
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _eager(inputs: LayerNormInputs) -> Tensor:
 class EagerLayerNorm(Backend):
     name = "eager"
     op = OP
-    capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), device_types=())
+    capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=())
 
     def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
         return _eager(inputs)
@@ -196,8 +196,8 @@ class CutlassLayerNorm(Backend):
         c, size = inputs.x.shape[-1], inputs.x.element_size()
         if (c * size) % 16:
             reasons.append(f"C={c} channels are not a whole number of 16-byte chunks")
-        if c * size > _MAX_ROW_BYTES:
-            reasons.append(f"C={c} channels exceed the kernel's {_MAX_ROW_BYTES // size}")
+        if c * size > MAX_ROW_BYTES:
+            reasons.append(f"C={c} channels exceed the kernel's {MAX_ROW_BYTES // size}")
         return reasons + _fused.build_reasons()
 
     def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from . import _dispatch, _fused
+from .normalization import MAX_ROW_BYTES
 from ._dispatch import Backend, Capabilities
-from ._inputs import LOW_PRECISION, describe
+from ._inputs import FLOAT_DTYPES, LOW_PRECISION, describe
 
 Tensor = torch.Tensor
 OP = "triangle_multiplication"
 DIRECTIONS = ("outgoing", "incoming")
-_MAX_CHANNELS = 1024  # half-precision rows of the layer-norm kernels (one warp, four 16-byte chunks per lane)
+_MAX_CHANNELS = MAX_ROW_BYTES // 2  # half-precision rows of the layer-norm kernels
 
 _WEIGHTS = (
     "norm_in_weight", "norm_in_bias", "proj_weight", "proj_bias", "gate_weight", "gate_bias",
@@ -194,7 +195,7 @@ def eager_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
 class EagerTriangleMultiplication(Backend):
     name = "eager"
     op = OP
-    capabilities = Capabilities(dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), device_types=())
+    capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=())
 
     def forward(self, inputs: TriangleInputs, chunk_size: Optional[int] = None) -> Tensor:
         return eager_triangle_multiplication(inputs)
