@@ -4,14 +4,18 @@
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
 //   layer_norm_fwd(x [..., C], weight?, bias?, eps) -> (y [..., C], mean [M], rstd [M])
-//   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine) -> (dx, dweight [C] fp32, dbias [C] fp32)
+//   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine)
+//       -> (dx, [2, C] fp32: the gradients of weight and bias, or [0] without need_affine)
+//   (weight and bias: contiguous float16, bfloat16 or float32, read in their own dtype)
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing)
-//       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z])
-//   triangle_multiplication_bwd(dout, z, mask?, weights[10], mean_in, rstd_in, a, b, n_hat, rstd_out, g, y,
+//       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z],
+//           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c])
+//   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
 // them. The layer norms' affine parameters are folded into the projections that follow them
-// (fold()), so the kernels normalise without parameters.
+// (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
+// forward's folded weights.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -80,8 +84,28 @@ void check_cuda(const at::Tensor& t, const char* name, const char* op) {
 
 // ---- layer norm -------------------------------------------------------------------------------
 
+constexpr ParamTensor kNoParam{nullptr, kParamFloat};
+
+ParamTensor param_tensor(const at::Tensor& t) {
+  const int dtype = t.scalar_type() == at::kHalf       ? kParamHalf
+                    : t.scalar_type() == at::kBFloat16 ? kParamBFloat16
+                                                       : kParamFloat;
+  return ParamTensor{t.data_ptr(), dtype};
+}
+
+// An optional [C] affine parameter as the kernels read it (absent: {nullptr}); the Python op passes
+// contiguous float16/bfloat16/float32 tensors, checked here for direct calls.
+ParamTensor optional_param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
+  if (!t.has_value()) return kNoParam;
+  TORCH_CHECK(t->device() == x.device() && t->is_contiguous() && t->numel() == x.size(-1) &&
+                  (t->scalar_type() == at::kHalf || t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat),
+              "layer norm: `", name, "` must be a contiguous float16, bfloat16 or float32 [C] tensor on x's device, got ",
+              t->sizes(), " ", t->scalar_type());
+  return param_tensor(*t);
+}
+
 // y = layer_norm(rows of x); x must have C % (16 bytes / element) == 0 (the op routes others to eager).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const float* weight, const float* bias,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, ParamTensor weight, ParamTensor bias,
                                                          double eps) {
   const int64_t C = x.size(-1);
   at::Tensor rows = as_rows(x, C);  // [M, C]
@@ -97,10 +121,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, co
   return {y, mean, rstd};
 }
 
-// dx (and, when weight_grad, the float32 sums of dy * x_hat and dy over rows) of norm_rows.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, const at::Tensor& x_in,
-                                                                  const float* weight, const at::Tensor& mean,
-                                                                  const at::Tensor& rstd, bool affine_grad) {
+// dx and, when affine_grad, the float32 sums over rows of dy * x_hat and of dy as one [2, C] tensor
+// (else [0]) of norm_rows.
+std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                      ParamTensor weight, const at::Tensor& mean,
+                                                      const at::Tensor& rstd, bool affine_grad) {
   const int64_t C = x_in.size(-1);
   at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
   const int64_t M = x.size(0);
@@ -108,25 +133,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(const at::Tens
   const auto f32 = x.options().dtype(at::kFloat);
   const int row_threads = row_threads_for(C, x.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
-  at::Tensor dw_part, db_part;
-  if (affine_grad) dw_part = output({ctas, C}, f32), db_part = output({ctas, C}, f32);
+  at::Tensor part = affine_grad ? output({ctas, 2, C}, f32) : at::Tensor();  // [ctas, (dweight, dbias), C]
   RowNormBackwardParams p{x.data_ptr(), dy.data_ptr(), dx.data_ptr(), weight, mean.data_ptr<float>(),
-                          rstd.data_ptr<float>(), affine_grad ? dw_part.data_ptr<float>() : nullptr,
-                          affine_grad ? db_part.data_ptr<float>() : nullptr, M, M > 1 ? x.stride(0) : C,
-                          M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
+                          rstd.data_ptr<float>(), affine_grad ? part.data_ptr<float>() : nullptr, M,
+                          M > 1 ? x.stride(0) : C, M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
   by_dtype(x.scalar_type(), "layer norm backward", [&](auto element) {
     launch_layer_norm_rows_backward<decltype(element)>(p, ctas, c10::cuda::getCurrentCUDAStream());
   });
   // the CTAs' partials summed in a fixed order
-  at::Tensor dw = affine_grad ? (M > 0 ? dw_part.sum(0) : at::zeros({C}, f32)) : at::empty({0}, f32);
-  at::Tensor db = affine_grad ? (M > 0 ? db_part.sum(0) : at::zeros({C}, f32)) : at::empty({0}, f32);
-  return {dx, dw, db};
-}
-
-const float* optional_f32(const std::optional<at::Tensor>& t, at::Tensor& holder) {
-  if (!t.has_value()) return nullptr;
-  holder = t->to(at::kFloat).contiguous();
-  return holder.data_ptr<float>();
+  at::Tensor affine = affine_grad ? (M > 0 ? part.sum(0) : at::zeros({2, C}, f32)) : at::empty({0}, f32);
+  return {dx, affine};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x,
@@ -134,24 +150,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
                                                               const std::optional<at::Tensor>& bias, double eps) {
   check_cuda(x, "x", "layer norm");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor w32, b32;
-  auto [y, mean, rstd] = norm_rows(x, optional_f32(weight, w32), optional_f32(bias, b32), eps);
+  auto [y, mean, rstd] = norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps);
   return {y.view(x.sizes()), mean, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                                              const std::optional<at::Tensor>& weight,
-                                                              const at::Tensor& mean, const at::Tensor& rstd,
-                                                              bool need_affine) {
+std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                  const std::optional<at::Tensor>& weight, const at::Tensor& mean,
+                                                  const at::Tensor& rstd, bool need_affine) {
   check_cuda(x, "x", "layer norm backward");
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
               "layer norm backward: `dy` must match `x`, got ", dy.sizes(), " and ", x.sizes());
   TORCH_CHECK(mean.numel() * x.size(-1) == x.numel() && rstd.numel() == mean.numel(),
               "layer norm backward: `mean` and `rstd` must hold one value per row of x");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor w32;
-  auto [dx, dw, db] = norm_rows_backward(dy, x, optional_f32(weight, w32), mean, rstd, need_affine);
-  return {dx.view(x.sizes()), dw, db};
+  auto [dx, affine] = norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine);
+  return {dx.view(x.sizes()), affine};
 }
 
 // ---- triangle multiplicative update ------------------------------------------------------------
@@ -168,6 +181,15 @@ TriangleShape triangle_shape(const at::Tensor& z, const at::Tensor& w_ab, const 
               op, ": `w_ab` must be [4 c, c_z] in z's dtype, got ", w_ab.sizes(), " ", w_ab.scalar_type());
   const int64_t B = z.size(0), N = z.size(1);
   return {B, N, B * N * N, z.size(3), w_ab.size(0) / 4};
+}
+
+// Channels per step of the backward's edge loop: all of them while a [4 * group, M] temporary stays
+// within 64 MiB (one step: fewest launches at small N), else a quarter of them (a multiple of 8, as
+// bounded as before at large N).
+int64_t channel_group(const TriangleShape& s, int64_t element_size) {
+  const int64_t quarter = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 4 / 8 * 8));
+  const int64_t budget = (int64_t(64) << 20) / std::max<int64_t>(1, 4 * s.M * element_size);
+  return std::max(quarter, std::min(s.c, budget / 8 * 8));
 }
 
 bool vector_ok(const at::Tensor& t, int64_t row_stride) {
@@ -201,7 +223,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   const at::Tensor mask_flat = flat_mask(mask, z, s.M);
 
   // x_hat = normalised z rows [M, c_z] (the affine parameters are folded into the weights)
-  auto [x_hat, mean_in, rstd_in] = norm_rows(z, nullptr, nullptr, eps);
+  auto [x_hat, mean_in, rstd_in] = norm_rows(z, kNoParam, kNoParam, eps);
   // projections and gates of both edges, channel-major: [4 c, M] = w_ab [4 c, c_z] . x_hat^T
   at::Tensor ab = at::mm(w_ab, x_hat.t());
   at::Tensor a = output({s.c, s.M}, z.options()), b = output({s.c, s.M}, z.options());
@@ -275,7 +297,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   dn.reset();
 
   // x_hat again (its statistics are recomputed too: the same kernel as the forward)
-  at::Tensor x_hat = std::get<0>(norm_rows(z, nullptr, nullptr, eps));  // [M, c_z]
+  at::Tensor x_hat = std::get<0>(norm_rows(z, kNoParam, kNoParam, eps));  // [M, c_z]
   // g = x_hat . w_g^T + b_g
   at::Tensor dx = at::mm(dg, w_g);                           // [M, c_z]
   at::Tensor dw_g = at::mm(dg.t(), x_hat);  // [c_z, c_z]
@@ -288,7 +310,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor w4 = w_ab.view({4, s.c, s.cz});
   at::Tensor dw_ab = output({4, s.c, s.cz}, w_ab.options());
   at::Tensor db_ab = output({4, s.c}, f32);
-  const int64_t group = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 4 / 8 * 8));
+  const int64_t group = channel_group(s, z.element_size());
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
     const auto stack = [&](const at::Tensor& t) { return t.narrow(0, c0, k).view({k * s.B, s.N, s.N}); };
@@ -316,7 +338,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   dp.reset();
 
   // x_hat = normalised z
-  at::Tensor dz = std::get<0>(norm_rows_backward(dx, z, nullptr, mean_in, rstd_in, false));
+  at::Tensor dz = std::get<0>(norm_rows_backward(dx, z, kNoParam, mean_in, rstd_in, false));
   return {dz.view(z.sizes()), dw_ab.view({4 * s.c, s.cz}), db_ab.view({4 * s.c}), dw_g, db_g, dw_z, db_z};
 }
 
@@ -325,68 +347,114 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
 // norm out (weight, bias), the output projection (weight [c_z, c], bias).
 enum TriangleWeight { kNormInW, kNormInB, kProjW, kProjB, kGateW, kGateB, kNormOutW, kNormOutB, kOutW, kOutB, kWeights };
 
-// The projections with the layer norms' affine parameters folded in, in float32 then rounded to z's
-// dtype (the gates' bias b_ab stays float32: the gate kernel reads it so):
-// LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c).
+// The projections with the layer norms' affine parameters folded in (launch_fold_affine):
+// LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c), products in float32, rounded to z's dtype (the
+// gates' bias b_ab stays float32: the gate kernel reads it so).
 struct FoldedWeights {
   at::Tensor w_ab, b_ab, w_g, b_g, w_z, b_z;
 };
 
-std::vector<at::Tensor> as_float(at::TensorList weights) {
-  TORCH_CHECK(weights.size() == kWeights, "triangle multiplication: `weights` must hold ", int(kWeights),
-              " tensors, got ", weights.size());
-  std::vector<at::Tensor> f;
-  for (const at::Tensor& t : weights) f.push_back(t.to(at::kFloat));
-  return f;
+void check_weights(at::TensorList weights, const at::Tensor& z, const char* op) {
+  TORCH_CHECK(weights.size() == kWeights, op, ": `weights` must hold ", int(kWeights), " tensors, got ",
+              weights.size());
+  for (const at::Tensor& t : weights) {
+    TORCH_CHECK(t.device() == z.device() && t.is_contiguous() &&
+                    (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat),
+                op, ": every weight must be a contiguous float16, bfloat16 or float32 tensor on z's device, got ",
+                t.sizes(), " ", t.scalar_type());
+  }
+  const int64_t cz = z.size(-1), c4 = weights[kProjW].size(0);
+  TORCH_CHECK(weights[kProjW].dim() == 2 && c4 % 4 == 0 && weights[kProjW].size(1) == cz &&
+                  weights[kProjB].numel() == c4 && weights[kNormInW].numel() == cz && weights[kNormInB].numel() == cz &&
+                  weights[kGateW].numel() == cz * cz && weights[kGateB].numel() == cz &&
+                  weights[kNormOutW].numel() == c4 / 4 && weights[kNormOutB].numel() == c4 / 4 &&
+                  weights[kOutW].numel() == cz * c4 / 4 && weights[kOutB].numel() == cz,
+              op, ": weight shapes do not match z's c_z = ", cz);
 }
 
-FoldedWeights fold(const std::vector<at::Tensor>& w, at::ScalarType dtype) {
+
+// The three projections behind a layer norm: (weight, bias, layer norm index 0 = in, 1 = out).
+constexpr int kFoldedProjections[3][3] = {{kProjW, kProjB, 0}, {kGateW, kGateB, 0}, {kOutW, kOutB, 1}};
+constexpr int kNormWeights[2][2] = {{kNormInW, kNormInB}, {kNormOutW, kNormOutB}};
+
+FoldedWeights fold(at::TensorList w, const at::Tensor& z) {
+  const auto dtype = z.options();
+  const int64_t cz = z.size(-1), c = w[kProjW].size(0) / 4;
   FoldedWeights f;
-  f.w_ab = (w[kProjW] * w[kNormInW]).to(dtype);
-  f.b_ab = at::addmv(w[kProjB], w[kProjW], w[kNormInB]);
-  f.w_g = (w[kGateW] * w[kNormInW]).to(dtype);
-  f.b_g = at::addmv(w[kGateB], w[kGateW], w[kNormInB]).to(dtype);
-  f.w_z = (w[kOutW] * w[kNormOutW]).to(dtype);
-  f.b_z = at::addmv(w[kOutB], w[kOutW], w[kNormOutB]).to(dtype);
+  f.w_ab = output({4 * c, cz}, dtype), f.b_ab = output({4 * c}, dtype.dtype(at::kFloat));
+  f.w_g = output({cz, cz}, dtype), f.b_g = output({cz}, dtype);
+  f.w_z = output({cz, c}, dtype), f.b_z = output({cz}, dtype);
+  const at::Tensor* outs[3][2] = {{&f.w_ab, &f.b_ab}, {&f.w_g, &f.b_g}, {&f.w_z, &f.b_z}};
+  FoldParams p{};
+  p.n_groups = 3;
+  for (int g = 0; g < 3; ++g) {
+    const at::Tensor& W = w[kFoldedProjections[g][0]];
+    p.group[g] = FoldGroup{param_tensor(W), param_tensor(w[kFoldedProjections[g][1]]), param_tensor(*outs[g][0]),
+                           param_tensor(*outs[g][1]), int(W.size(0)), int(W.size(1)), kFoldedProjections[g][2]};
+  }
+  for (int n = 0; n < 2; ++n) p.w[n] = param_tensor(w[kNormWeights[n][0]]), p.b[n] = param_tensor(w[kNormWeights[n][1]]);
+  launch_fold_affine(p, c10::cuda::getCurrentCUDAStream());
   return f;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
                             at::TensorList weights, double eps, bool outgoing) {
-  check_cuda(z, "z", "triangle multiplication");
+  const char* op = "triangle multiplication";
+  check_cuda(z, "z", op);
+  TORCH_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
+  check_weights(weights, z, op);
   const c10::cuda::CUDAGuard guard(z.device());
-  const FoldedWeights f = fold(as_float(weights), z.scalar_type());
-  return triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing);
+  const FoldedWeights f = fold(weights, z);
+  auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y] =
+      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing);
+  return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, f.w_ab, f.b_ab, f.w_g, f.w_z};
 }
 
-// Gradients of every parameter from those of the folded projections (W' = W diag(w),
-// b' = W b + c): dW = dW' diag(w) + db' b^T, dw = colsum(dW' * W), db = W^T db', dc = db'.
-std::vector<at::Tensor> triangle_multiplication_bwd(
-    const at::Tensor& dout, const at::Tensor& z, const std::optional<at::Tensor>& mask,
-    at::TensorList weights, const at::Tensor& mean_in, const at::Tensor& rstd_in, const at::Tensor& a,
-    const at::Tensor& b, const at::Tensor& n_hat, const at::Tensor& rstd_out, const at::Tensor& g, const at::Tensor& y,
-    double eps, bool outgoing) {
-  check_cuda(z, "z", "triangle multiplication backward");
+// Gradients of every parameter from those of the folded projections (launch_unfold_affine_grads):
+// dW = dW' diag(w) + db' b^T, dw = colsum(dW' * W), db = W^T db', dc = db'; each in its weight's dtype.
+// `saved` is the forward's outputs after `out`: mean_in, rstd_in, a, b, n_hat, rstd_out, g, y and the
+// folded w_ab, b_ab, w_g, w_z.
+std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, const at::Tensor& z,
+                                                    const std::optional<at::Tensor>& mask, at::TensorList weights,
+                                                    at::TensorList saved, double eps, bool outgoing) {
+  const char* op = "triangle multiplication backward";
+  check_cuda(z, "z", op);
+  TORCH_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
+  check_weights(weights, z, op);
+  TORCH_CHECK(saved.size() == 12, op, ": `saved` must hold the forward's 12 saved tensors, got ", saved.size());
+  const at::Tensor &mean_in = saved[0], &rstd_in = saved[1], &a = saved[2], &b = saved[3], &n_hat = saved[4],
+                   &rstd_out = saved[5], &g = saved[6], &y = saved[7], &w_ab = saved[8], &b_ab = saved[9],
+                   &w_g = saved[10], &w_z = saved[11];
+  TORCH_CHECK(w_ab.sizes() == weights[kProjW].sizes() && b_ab.numel() == w_ab.size(0) && b_ab.scalar_type() == at::kFloat &&
+                  w_g.sizes() == weights[kGateW].sizes() && w_z.sizes() == weights[kOutW].sizes() &&
+                  w_g.scalar_type() == z.scalar_type() && w_z.scalar_type() == z.scalar_type(),
+              op, ": the folded weights in `saved` do not match `weights`");
   const c10::cuda::CUDAGuard guard(z.device());
-  const std::vector<at::Tensor> w = as_float(weights);
-  const FoldedWeights f = fold(w, z.scalar_type());
   auto [dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z] = triangle_backward_folded(
-      dout, z, mask, f.w_ab, f.b_ab, f.w_g, f.w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing);
-  const at::Tensor d_ab = dw_ab.to(at::kFloat), d_g = dw_g.to(at::kFloat), d_z = dw_z.to(at::kFloat);  // dW'
+      dout, z, mask, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing);
   std::vector<at::Tensor> grads(kWeights);
-  grads[kProjW] = d_ab * w[kNormInW] + at::outer(db_ab, w[kNormInB]);
-  grads[kProjB] = db_ab;
-  grads[kGateW] = d_g * w[kNormInW] + at::outer(db_g, w[kNormInB]);
-  grads[kGateB] = db_g;
-  grads[kNormInW] = (d_ab * w[kProjW]).sum(0) + (d_g * w[kGateW]).sum(0);
-  grads[kNormInB] = at::mv(w[kProjW].t(), db_ab) + at::mv(w[kGateW].t(), db_g);
-  grads[kOutW] = d_z * w[kNormOutW] + at::outer(db_z, w[kNormOutB]);
-  grads[kOutB] = db_z;
-  grads[kNormOutW] = (d_z * w[kOutW]).sum(0);
-  grads[kNormOutB] = at::mv(w[kOutW].t(), db_z);
+  for (int i = 0; i < kWeights; ++i) grads[i] = output(weights[i].sizes(), weights[i].options());
+  const at::Tensor* folded[3][2] = {{&dw_ab, &db_ab}, {&dw_g, &db_g}, {&dw_z, &db_z}};
+  UnfoldParams p{};
+  p.n_groups = 3, p.n_norms = 2;
+  for (int k = 0; k < 3; ++k) {
+    const int iw = kFoldedProjections[k][0], ib = kFoldedProjections[k][1];
+    const at::Tensor& W = weights[iw];
+    p.group[k] = UnfoldGroup{param_tensor(*folded[k][0]), param_tensor(*folded[k][1]), param_tensor(W),
+                             param_tensor(grads[iw]), param_tensor(grads[ib]), int(W.size(0)), int(W.size(1)),
+                             kFoldedProjections[k][2]};
+  }
+  for (int n = 0; n < 2; ++n) {
+    const int iw = kNormWeights[n][0], ib = kNormWeights[n][1];
+    p.w[n] = param_tensor(weights[iw]), p.b[n] = param_tensor(weights[ib]);
+    p.dw[n] = param_tensor(grads[iw]), p.db[n] = param_tensor(grads[ib]);
+    p.K[n] = int(weights[iw].numel());
+  }
+  launch_unfold_affine_grads(p, c10::cuda::getCurrentCUDAStream());
   std::vector<at::Tensor> out{dz};
-  for (int i = 0; i < kWeights; ++i) out.push_back(grads[i].to(weights[i].scalar_type()));
+  out.insert(out.end(), grads.begin(), grads.end());
   return out;
 }
 
@@ -398,14 +466,13 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
   m.def(
       "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine) "
-      "-> (Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor)");
   m.def(
       "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor mean_in, "
-      "Tensor rstd_in, Tensor a, Tensor b, Tensor n_hat, Tensor rstd_out, Tensor g, Tensor y, float eps, "
-      "bool outgoing) -> Tensor[]");
+      "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "
+      "float eps, bool outgoing) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

@@ -1,9 +1,11 @@
-// Launchers of the block-op kernels (layer_norm.cuh, gating.cuh) for half, bfloat16 and float.
+// Launchers of the block-op kernels (layer_norm.cuh, gating.cuh for half, bfloat16 and float;
+// weight_fold.cuh for parameters of any float dtype).
 #include <stdexcept>
 #include <string>
 
 #include "evoformer_attention.h"  // check_launch
 #include "gating.cuh"
+#include "weight_fold.cuh"
 
 namespace evoformer {
 namespace block {
@@ -74,7 +76,7 @@ void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas,
   if (p.M == 0) return;
   const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
   if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer layer norm backward: row too wide");
-  const int smem = p.dweight_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
+  const int smem = p.affine_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
   launch_rows(row_norm_backward_kernel<T>(chunks), p, n_ctas, smem, stream, "evoformer layer norm backward");
 }
 
@@ -124,6 +126,32 @@ void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas
                                                             : sigmoid_gate_backward_kernel<T, kMaxRowChunks>;
   launch_rows(kernel, p, n_ctas, (kBlockOpThreads / p.row_threads) * 2 * p.C * 4, stream,
               "evoformer sigmoid gate backward");
+}
+
+namespace {
+template <typename Params>
+int rows_of(const Params& p) {
+  int rows = 0;
+  for (int g = 0; g < p.n_groups; ++g) rows += p.group[g].R;
+  return rows;
+}
+}  // namespace
+
+void launch_fold_affine(const FoldParams& p, cudaStream_t stream) {
+  const int rows = rows_of(p);
+  if (rows == 0) return;
+  fold_affine_kernel<<<unsigned((rows + kFoldWarps - 1) / kFoldWarps), kFoldWarps * 32, 0, stream>>>(p);
+  check_launch("evoformer layer-norm affine fold");
+}
+
+void launch_unfold_affine_grads(const UnfoldParams& p, cudaStream_t stream) {
+  const int row_ctas = (rows_of(p) + kFoldWarps - 1) / kFoldWarps;
+  int columns = 0;
+  for (int n = 0; n < p.n_norms; ++n) columns += p.K[n];
+  const int column_ctas = (columns + kFoldWarps * 32 - 1) / (kFoldWarps * 32);
+  if (row_ctas + column_ctas == 0) return;
+  unfold_affine_grads_kernel<<<unsigned(row_ctas + column_ctas), kFoldWarps * 32, 0, stream>>>(p, row_ctas);
+  check_launch("evoformer layer-norm affine gradients");
 }
 
 #define EVOFORMER_BLOCK_OPS(T)                                                                      \

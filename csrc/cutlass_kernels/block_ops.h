@@ -14,14 +14,24 @@ namespace evoformer {
 namespace block {
 
 constexpr int kBlockOpThreads = 256;  // threads per CTA of every block-op kernel
+
+// A contiguous parameter tensor (weight, bias, their gradients) in its own float dtype: the
+// kernels read and write it through param_load / param_store (layer_norm.cuh), so a model's
+// float32 or half-precision parameters need no conversion on the host.
+enum ParamDtype : int { kParamHalf = 0, kParamBFloat16 = 1, kParamFloat = 2 };
+
+struct ParamTensor {
+  void* ptr;  // contiguous; nullptr: absent
+  int dtype;  // ParamDtype
+};
 // Row layer norm: a row is spread over up to 32 lanes with up to kMaxRowChunks 16-byte chunks each.
 constexpr int kMaxRowChunks = 4;
 
 struct RowNormParams {
   const void* x;        // [M, C] row-major
   void* y;              // [M, C] row-major, x's type
-  const float* weight;  // [C] or nullptr (no affine)
-  const float* bias;    // [C] or nullptr
+  ParamTensor weight;   // [C] or absent (no affine)
+  ParamTensor bias;     // [C] or absent
   float* mean;          // [M]
   float* rstd;          // [M]
   int64_t M, x_stride, y_stride;
@@ -34,11 +44,10 @@ struct RowNormBackwardParams {
   const void* x;         // [M, C] row-major: the forward's input
   const void* dy;        // [M, C] row-major
   void* dx;              // [M, C] row-major
-  const float* weight;   // [C] or nullptr
+  ParamTensor weight;    // [C] or absent
   const float* mean;     // [M]
   const float* rstd;     // [M]
-  float* dweight_part;   // [n_ctas, C] partial sums of dy * x_hat, or nullptr (not wanted)
-  float* dbias_part;     // [n_ctas, C] partial sums of dy (with dweight_part)
+  float* affine_part;    // [n_ctas, 2, C] partial sums of dy * x_hat and of dy, or nullptr (not wanted)
   int64_t M, x_stride, dy_stride, dx_stride;
   int C;
   int row_threads;
@@ -110,6 +119,49 @@ struct SigmoidGateBackwardParams {
   int C;
   int row_threads;   // lanes per row, as RowNormParams::row_threads
 };
+
+// Folding a layer norm's affine parameters into the projection that follows it:
+//   LN(x) W^T + c = x_hat W'^T + c'  with  W' = W diag(w), c' = W b + c   (W [R, K], c [R], w, b [K])
+// and mapping the folded projection's gradients back onto every parameter:
+//   dW = dW' diag(w) + dc' b^T,  dc = dc',  dw = colsum(dW' * W),  db = W^T dc'.
+// Parameters come in any float dtype (each tensor its own, read and written through ParamTensor);
+// every sum is float32 in a fixed order (bitwise reproducible).
+constexpr int kMaxFoldGroups = 3;  // projections per launch
+constexpr int kMaxFoldNorms = 2;   // layer norms per launch
+
+struct FoldGroup {
+  ParamTensor W, c;          // [R, K], [R]: the projection
+  ParamTensor W_out, c_out;  // [R, K], [R]: the folded projection (fold)
+  int R, K;
+  int norm;                 // index of the layer norm (FoldParams::w/b) in front of the projection
+};
+
+struct FoldParams {
+  FoldGroup group[kMaxFoldGroups];
+  ParamTensor w[kMaxFoldNorms], b[kMaxFoldNorms];  // [K] the layer norms' weight and bias
+  int n_groups;
+};
+
+struct UnfoldGroup {
+  ParamTensor dW_folded, dc_folded;  // [R, K], [R]: gradients of W' and c'
+  ParamTensor W;                     // [R, K]: the projection's own weight
+  ParamTensor dW, dc;                // [R, K], [R]: gradients of W and c (outputs)
+  int R, K;
+  int norm;
+};
+
+struct UnfoldParams {
+  UnfoldGroup group[kMaxFoldGroups];
+  ParamTensor w[kMaxFoldNorms], b[kMaxFoldNorms];    // [K] the layer norms' weight and bias
+  ParamTensor dw[kMaxFoldNorms], db[kMaxFoldNorms];  // [K] their gradients (outputs)
+  int K[kMaxFoldNorms];
+  int n_groups, n_norms;
+};
+
+// One launch each; rows of every group are spread over warps, the layer norms' column sums over
+// threads of the last CTAs.
+void launch_fold_affine(const FoldParams& p, cudaStream_t stream);
+void launch_unfold_affine_grads(const UnfoldParams& p, cudaStream_t stream);
 
 // Launchers, one instantiation per element type T (cutlass::half_t, cutlass::bfloat16_t, float).
 // Each checks its launch. Row-norm grids are sized by the caller (n_ctas; the backward's partials

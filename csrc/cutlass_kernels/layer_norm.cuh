@@ -4,8 +4,9 @@
 //
 // Statistics are float32 in two passes over registers (mean, then the mean squared deviation), so
 // large offsets cost no precision. Backward: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with
-// g = dy * weight; the weight and bias gradients are per-CTA float32 partials [n_ctas, C] that the
-// host sums in a fixed order (no atomics: bitwise reproducible).
+// g = dy * weight; the weight and bias gradients are per-CTA float32 partials [n_ctas, 2, C] that the
+// host sums in a fixed order (no atomics: bitwise reproducible). Weight and bias are read in their
+// own dtype (ParamTensor).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,22 @@
 
 namespace evoformer {
 namespace block {
+
+__device__ __forceinline__ float param_load(const ParamTensor& t, int64_t i) {
+  switch (t.dtype) {
+    case kParamHalf: return __half2float(static_cast<const __half*>(t.ptr)[i]);
+    case kParamBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(t.ptr)[i]);
+    default: return static_cast<const float*>(t.ptr)[i];
+  }
+}
+
+__device__ __forceinline__ void param_store(const ParamTensor& t, int64_t i, float v) {
+  switch (t.dtype) {
+    case kParamHalf: static_cast<__half*>(t.ptr)[i] = __float2half_rn(v); break;
+    case kParamBFloat16: static_cast<__nv_bfloat16*>(t.ptr)[i] = __float2bfloat16_rn(v); break;
+    default: static_cast<float*>(t.ptr)[i] = v;
+  }
+}
 
 // 16-byte vectors of T (8 half/bfloat16 values or 4 floats) to and from float.
 template <typename T>
@@ -90,7 +107,7 @@ struct RowNormThread {
 
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
 // x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
-// float32 or nullptr.
+// or absent.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
@@ -136,8 +153,8 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
 #pragma unroll
       for (int i = 0; i < Th::kVec; ++i) {
         float v = (th.x[c].v[i] - mean) * rstd;
-        if (p.weight != nullptr) v *= p.weight[col + i];
-        if (p.bias != nullptr) v += p.bias[col + i];
+        if (p.weight.ptr != nullptr) v *= param_load(p.weight, col + i);
+        if (p.bias.ptr != nullptr) v += param_load(p.bias, col + i);
         out.v[i] = v;
       }
       out.store(y + col);
@@ -150,8 +167,8 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
 }
 
 // Backward: dx from dy, x, the saved mean / rstd and the weight; with want_affine_grad, each CTA
-// writes its partial sums of dy * x_hat and dy over its rows into dweight_part / dbias_part
-// [gridDim.x, C] (float32).
+// writes its partial sums of dy * x_hat and dy over its rows into affine_part [gridDim.x, 2, C]
+// (float32).
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
   using Th = RowNormThread<T, kChunks>;
@@ -190,7 +207,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
           th.x[c].v[i] = xh;
           dw[c][i] = fmaf(g[c].v[i], xh, dw[c][i]);
           db[c][i] += g[c].v[i];
-          if (p.weight != nullptr) g[c].v[i] *= p.weight[col + i];
+          if (p.weight.ptr != nullptr) g[c].v[i] *= param_load(p.weight, col + i);
           sum_g += g[c].v[i];
           sum_gx = fmaf(g[c].v[i], xh, sum_gx);
         }
@@ -209,7 +226,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
       out.store(dx + th.col(c));
     }
   }
-  if (p.dweight_part == nullptr) return;
+  if (p.affine_part == nullptr) return;
   // Sum the CTA's row slots in a fixed order: slot s writes its sums, then one thread per channel
   // adds the slots 0, 1, ... and writes the CTA's partial.
   float* mine = partial_smem + slot * 2 * p.C;
@@ -224,8 +241,8 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
   for (int col = threadIdx.x; col < p.C; col += blockDim.x) {
     float w = 0.f, b = 0.f;
     for (int s = 0; s < rows_per_cta; ++s) w += partial_smem[s * 2 * p.C + col], b += partial_smem[s * 2 * p.C + p.C + col];
-    p.dweight_part[int64_t(blockIdx.x) * p.C + col] = w;
-    p.dbias_part[int64_t(blockIdx.x) * p.C + col] = b;
+    p.affine_part[int64_t(blockIdx.x) * 2 * p.C + col] = w;
+    p.affine_part[int64_t(blockIdx.x) * 2 * p.C + p.C + col] = b;
   }
 }
 

@@ -216,11 +216,12 @@ class _CutlassAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family):
         outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias))
         _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs)
-        ctx.mark_non_differentiable(*outputs[1:])
-        return tuple(outputs)
+        # Only the output leaves the Function: the statistics and prepared biases are saved
+        # intermediates, so autograd has no gradients of them to materialize as zeros.
+        return outputs[0]
 
     @staticmethod
-    def backward(ctx, dout, *_unused):
+    def backward(ctx, dout):
         return _gradients(ctx, dout, _kernels().backward)
 
 
@@ -229,7 +230,7 @@ def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     family = _family(q.device.index)
     if torch.compiler.is_compiling():
         return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family)[0]
-    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)[0]
+    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)
 
 
 _available: dict[int, tuple[str, ...]] = {}

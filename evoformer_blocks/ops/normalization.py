@@ -132,16 +132,17 @@ def _(x, weight, bias, eps):
 @torch.library.custom_op("evoformer_blocks::fused_layer_norm_bwd", mutates_args=(), device_types="cuda")
 def layer_norm_bwd(
     dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dweight [C] float32, dbias [C] float32); the last two are empty unless need_affine."""
-    dx, dweight, dbias = _fused.kernels().layer_norm_bwd(dy, x, weight, mean, rstd, need_affine)
-    return dx, dweight, dbias
+) -> tuple[Tensor, Tensor]:
+    """Returns (dx, affine): affine [2, C] float32 holds the gradients of weight and bias (empty
+    unless need_affine)."""
+    dx, affine = _fused.kernels().layer_norm_bwd(dy, x, weight, mean, rstd, need_affine)
+    return dx, affine
 
 
 @layer_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, need_affine):
-    c = x.shape[-1] if need_affine else 0
-    return x.new_empty(x.shape), x.new_empty(c, dtype=torch.float32), x.new_empty(c, dtype=torch.float32)
+    shape = (2, x.shape[-1]) if need_affine else (0,)
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=torch.float32)
 
 
 def _save(ctx, x, weight, bias, eps, mean, rstd) -> None:
@@ -153,9 +154,13 @@ def _save(ctx, x, weight, bias, eps, mean, rstd) -> None:
 def _gradients(ctx, dy, backward):
     x, weight, mean, rstd = ctx.saved_tensors
     need_affine = (weight is not None and ctx.needs_input_grad[1]) or (ctx.has_bias and ctx.needs_input_grad[2])
-    dx, dweight, dbias = backward(dy.contiguous(), x, weight, mean, rstd, need_affine)
-    dw = dweight.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-    db = dbias.to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    dx, affine = backward(dy.contiguous(), x, weight, mean, rstd, need_affine)
+    want_w = weight is not None and ctx.needs_input_grad[1]
+    want_b = ctx.has_bias and ctx.needs_input_grad[2]
+    if want_w and want_b and weight.dtype == ctx.bias_dtype:
+        affine = affine.to(weight.dtype)  # one conversion for both rows
+    dw = affine[0].to(weight.dtype) if want_w else None
+    db = affine[1].to(ctx.bias_dtype) if want_b else None
     return dx, dw, db, None
 
 
@@ -201,7 +206,8 @@ class CutlassLayerNorm(Backend):
         return reasons + _fused.build_reasons()
 
     def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
-        x, weight, bias, eps = inputs.x, inputs.weight, inputs.bias, inputs.eps
+        x, eps = inputs.x, inputs.eps
+        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (inputs.weight, inputs.bias))
         if torch.compiler.is_compiling():
             return layer_norm_fwd(x, weight, bias, eps)[0]
         return _FusedLayerNormFunction.apply(x, weight, bias, eps)

@@ -207,9 +207,10 @@ class EagerTriangleMultiplication(Backend):
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_fwd", mutates_args=(), device_types="cuda")
 def triangle_fwd(
     z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order ->
-    (out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y): the output and what the backward reuses."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order (contiguous,
+    float16, bfloat16 or float32) -> (out, *saved): the output, then what the backward reuses
+    (mean_in, rstd_in, a, b, n_hat, rstd_out, g, y and the folded weights w_ab, b_ab, w_g, w_z)."""
     return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, weights, eps, outgoing))
 
 
@@ -219,22 +220,21 @@ def _(z, mask, weights, eps, outgoing):
     m, c = batch * n * n, weights[2].shape[0] // 4
     stat = z.new_empty(m, dtype=torch.float32)
     return (z.new_empty(z.shape), stat, stat.new_empty(m), z.new_empty(c, m), z.new_empty(c, m), z.new_empty(m, c),
-            stat.new_empty(m), z.new_empty(m, c_z), z.new_empty(m, c_z))
+            stat.new_empty(m), z.new_empty(m, c_z), z.new_empty(m, c_z),
+            z.new_empty(4 * c, c_z), stat.new_empty(4 * c), z.new_empty(c_z, c_z), z.new_empty(c_z, c))
 
 
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_bwd", mutates_args=(), device_types="cuda")
 def triangle_bwd(
-    dout: Tensor, z: Tensor, mask: Optional[Tensor], weights: list[Tensor], mean_in: Tensor, rstd_in: Tensor,
-    a: Tensor, b: Tensor, n_hat: Tensor, rstd_out: Tensor, g: Tensor, y: Tensor, eps: float, outgoing: bool,
+    dout: Tensor, z: Tensor, mask: Optional[Tensor], weights: list[Tensor], saved: list[Tensor], eps: float,
+    outgoing: bool,
 ) -> list[Tensor]:
     """-> [dz, the gradient of each parameter in its own dtype]."""
-    return list(_fused.kernels().triangle_multiplication_bwd(
-        dout, z, mask, weights, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing
-    ))
+    return list(_fused.kernels().triangle_multiplication_bwd(dout, z, mask, weights, saved, eps, outgoing))
 
 
 @triangle_bwd.register_fake
-def _(dout, z, mask, weights, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing):
+def _(dout, z, mask, weights, saved, eps, outgoing):
     return [z.new_empty(z.shape)] + [w.new_empty(w.shape) for w in weights]
 
 
@@ -247,7 +247,7 @@ def _gradients(ctx, dout, backward):
     """(dz, d weights): the backward of the op's autograd (both paths)."""
     z, mask, *rest = ctx.saved_tensors
     weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights:]
-    dz, *dweights = backward(dout.contiguous(), z, mask, list(weights), *saved, ctx.eps, ctx.outgoing)
+    dz, *dweights = backward(dout.contiguous(), z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing)
     return dz, dweights
 
 
@@ -285,7 +285,7 @@ def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
     z, n = inputs.z, inputs.z.shape[-2]
     zb = z.reshape(-1, n, n, inputs.c_z)  # [B, N, N, c_z]
     mask = None if inputs.mask is None else inputs.mask.reshape(-1, n, n)  # [B, N, N]
-    weights = [inputs.weights[name] for name in _WEIGHTS]
+    weights = [_fused.kernel_parameter(inputs.weights[name]) for name in _WEIGHTS]
     if torch.compiler.is_compiling():
         out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing)[0]
     else:
