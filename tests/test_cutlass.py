@@ -223,10 +223,12 @@ def run(backend, q, k, v, mask_bias, pair_bias, dout, cast=None):
     return out.detach(), {name: t.grad for name, t in leaves.items()}
 
 
-def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1):
+def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1, ref_dtype=torch.float32):
+    """The pass rule above for the output and every gradient; the reference is the eager backend
+    in `ref_dtype`."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dout = torch.randn(q.shape, generator=gen, device="cuda")
-    ref_out, ref_grads = run("eager", q, k, v, mask_bias, pair_bias, dout, cast=torch.float32)
+    ref_out, ref_grads = run("eager", q, k, v, mask_bias, pair_bias, dout, cast=ref_dtype)
     eager_out, eager_grads = run("eager", q, k, v, mask_bias, pair_bias, dout)
     fused_out, fused_grads = run("cutlass", q, k, v, mask_bias, pair_bias, dout)
     dtype = q.dtype
@@ -292,6 +294,53 @@ def test_fully_masked_rows(mask_value):
     out = ops.evoformer_attention(q, k, v, mask_bias, pair_bias, backend="cutlass")
     if mask_value == float("-inf"):
         assert (out[:, 1] == 0).all()  # a query with no key attends to nothing
+
+
+# Rows whose every key carries the same finite fill. At -1e9 (a bfloat16 or float32 bias) the fill
+# swamps the logits wherever they are formed (q.k and the pair bias fall below an ulp of -1e9 in
+# eager's float32 logits and of -1e9 / scale in the kernels' scores), so the keys of such a row tie:
+# P = 1 / L exactly as eager has it, whose float32 run is then the exact reference. float16 inputs
+# with a float32 -1e9 bias are the case where 2^delta (softmax_step) does not fit the element type:
+# the kernels take it out of every exponent there. At -3e4 (a float16 bias) the logits survive in
+# float32, so the reference is float64, and only L = 1 is a tie. At L = 1, P = 1 exactly: out = v and
+# dv = dO bit for bit in eager, and so in the kernels, whose backward recomputes P from the
+# forward's statistics (store_output_rows); dq, dk and the bias gradients are zero there up to the
+# ZERO_RMS rule of check_against_reference. (float16 at -3e4 with L > 1 is not a tie but a softmax
+# at a large common offset; there the kernels' scores, mask / scale in float32, sit on a coarser
+# grid than eager's logits: README, "Backends".)
+@gpu
+@pytest.mark.parametrize(
+    "dtype,fill,mask_dtype,length",
+    [
+        (torch.bfloat16, -1e9, torch.bfloat16, 1),
+        (torch.bfloat16, -1e9, torch.bfloat16, 3),
+        (torch.float16, -3e4, torch.float16, 1),
+        (torch.float16, -1e9, torch.float32, 1),
+        (torch.float16, -1e9, torch.float32, 3),
+    ],
+    ids=["bf16-L1", "bf16-L3", "fp16-3e4-L1", "fp16-f32mask-L1", "fp16-f32mask-L3"],
+)
+@pytest.mark.parametrize("head_dim", [32, 40])
+@pytest.mark.parametrize("with_pair", [False, True], ids=["mask", "mask+pair"])
+def test_rows_masked_by_a_finite_fill_match_eager(dtype, fill, mask_dtype, length, head_dim, with_pair):
+    q, k, v, _, pair_bias = make_inputs(2, 3, length, length, 2, head_dim, dtype, "pair" if with_pair else "none",
+                                        seed=length + head_dim)
+    mask_bias = torch.full((2, 3, 1, 1, length), fill, device="cuda", dtype=mask_dtype)  # every key of every row
+    ref_dtype = torch.float32 if fill == -1e9 else torch.float64
+    check_against_reference(q, k, v, mask_bias, pair_bias, ref_dtype=ref_dtype)
+
+    dout = torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda")
+    fused_out, fused_grads = run("cutlass", q, k, v, mask_bias, pair_bias, dout)
+    eager_out, eager_grads = run("eager", q, k, v, mask_bias, pair_bias, dout)
+    if length == 1:
+        assert torch.equal(eager_out, v) and torch.equal(eager_grads["v"], dout.to(dtype))  # the premise
+        assert torch.equal(fused_out, v), f"out - v: {(fused_out.float() - v.float()).abs().max().item():.3e}"
+        dv_error = (fused_grads["v"].float() - dout.to(dtype).float()).abs().max().item()
+        assert torch.equal(fused_grads["v"], dout.to(dtype)), f"max |dv - dO| = {dv_error:.3e}"
+    else:
+        # P^T rounds to dtype(1 / L) in both backends: dv = sum_i P dO_i, up to the order of the
+        # float32 sums (one ulp)
+        torch.testing.assert_close(fused_grads["v"], eager_grads["v"], rtol=torch.finfo(dtype).eps, atol=0.0)
 
 
 @gpu

@@ -15,8 +15,9 @@ namespace evoformer {
 
 // Forward epilogue of one 16-row tile: o / rowsum into out[row][0..D) (rows g and g + 8 of the tile
 // are `row` and `row + 8`, written when < Lq; out is the [Lq, D] slice of this (b, n, h), rows
-// `o_stride` apart) and the row statistics (max, log2 rowsum) into stats[row]; rows whose keys are
-// all -inf get (0, +inf), so the backward's exp2(... - inf) gives P = 0 there.
+// `o_stride` apart) and the row statistics (m, l) into stats[row] (see below and AttentionParams::
+// stats); rows whose keys are all -inf get (0, +inf), so the backward's exp2(... - inf) gives P = 0
+// there.
 template <typename Element, int kDTiles>
 __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], const float (&row_sum)[2],
                                                   const float (&row_max_s)[2], float scale_log2, Element* out,
@@ -41,11 +42,24 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
         store(std::false_type{});  // D fills its bucket: no per-column test
       else
         store(std::true_type{});
-      // (m, log2 of sum_i exp2((S_i - m) * scale_log2)), the form the backward recomputes P from:
-      // the probabilities summed here carry 2^delta (softmax_step), which log2(sum) - delta removes
+      // (m, l) with l = log2(sum / rho): the backward's P = exp2((S - m) * scale_log2 - l) is then
+      // exactly rho / sum at a key that ties the maximum (S - m = 0), the probability the forward
+      // gave it. rho is that key's weight as P.V and the row sum saw it: exp2(delta) rounded to
+      // Element, delta = m * scale_log2 - M the rounding residual of M (softmax_step; this FFMA of
+      // the same operands gives the same delta, the same ex2 and rounding the same rho). It matters
+      // where |M| is huge (every key masked by a finite fill: |delta| up to 64 at -1e9): exp2(delta)
+      // is no Element value there, and l = log2(sum) - delta (the unrounded weight) put P off by
+      // Element's rounding of it (up to 2^-8 in bf16: dV = dO * (1 - 2^-8) at L = 1). A row of L
+      // tied keys sums to L * rho, exact in fp32 (rho has at most 11 significant bits; L < 2^13),
+      // so sum / rho = L exactly (IEEE division) and P = exp2(-log2(L)): 1 at L = 1, 1 / L up to
+      // the MUFU approximations otherwise. Elsewhere |delta| is below Element's precision, rho = 1
+      // and l = log2(sum). Once per row: nothing changes per score in either direction.
       const float m_log2 = log2_row_max(row_max_s[r], scale_log2);
-      const float delta = fmaf(row_max_s[r], scale_log2, -m_log2);
-      if (t == 0) stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(sum) - delta) : make_float2(0.f, kInf);
+      // (with kResidualPerScore the forward took delta out of every exponent: rho = 1)
+      const float delta = kResidualPerScore<Element> ? 0.f : fmaf(row_max_s[r], scale_log2, -m_log2);
+      const float rho = unpack2<Element>(pack2<Element>(fast_exp2(delta), 0.f)).x;  // rounded as c_to_a_frag
+      if (t == 0)
+        stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(__fdiv_rn(sum, rho))) : make_float2(0.f, kInf);
     }
   }
 }

@@ -56,9 +56,12 @@ struct AttentionParams {
   void* out;   // [B, N, Lq, H, D]
   RowStrides o_strides;
   // Softmax statistics per query row, [B, N, H, Lq, 2] contiguous fp32: (m, l) with m = max_j S_ij
-  // (raw score units, see below) and l = log2(sum_j exp2((S_ij - m) * scale_log2)), so that
-  // P_ij = exp2((S_ij - m) * scale_log2 - l). Keeping m apart from l keeps P exact when |S| is
-  // huge (a row whose keys all carry a -1e9 mask). Rows whose keys are all -inf store (0, +inf).
+  // (raw score units, see below) and l the log2 of the forward's row sum in units of the weight it
+  // gave a key at m (l = log2(sum_j exp2((S_ij - m) * scale_log2)) up to the rounding of those
+  // weights to the element type; store_output_rows in epilogue.cuh), so that
+  // P_ij = exp2((S_ij - m) * scale_log2 - l), exactly the forward's probability at S_ij = m.
+  // Keeping m apart from l keeps P exact when |S| is huge (a row whose keys all carry a -1e9 mask:
+  // P = 1 / L). Rows whose keys are all -inf store (0, +inf).
   float* stats;
 
   // ---- backward ----------------------------------------------------------------------------

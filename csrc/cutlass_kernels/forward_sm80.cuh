@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       float alpha[2];
-      softmax_step<kNTiles>(s[mt], row_max_s[mt], alpha, p.scale_log2);
+      softmax_step<kNTiles, kResidualPerScore<Element>>(s[mt], row_max_s[mt], alpha, p.scale_log2);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         row_sum_acc[mt][2 * r] *= alpha[r], row_sum_acc[mt][2 * r + 1] *= alpha[r];

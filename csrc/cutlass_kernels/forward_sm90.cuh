@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     warpgroup_fence_operand(tSrS);
 
     float alpha[2];
-    softmax_step<kNTiles>(s, row_max_s, alpha, p.scale_log2);
+    softmax_step<kNTiles, kResidualPerScore<Element>>(s, row_max_s, alpha, p.scale_log2);
 
     warpgroup_wait<0>();  // P_{jb-1}.V_{jb-1} done: O, the row sums and pa may change
     warpgroup_fence_operand(tOrO);

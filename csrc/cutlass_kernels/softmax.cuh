@@ -145,29 +145,54 @@ __device__ __forceinline__ float log2_row_max(float m, float scale_log2) {
   return m == -kInf ? 0.f : __fmul_rn(m, scale_log2);
 }
 
+// Whether the forward of Element takes the rounding residual delta out of every score's exponent
+// (softmax_step).
+template <typename Element>
+constexpr bool kResidualPerScore = std::is_same_v<Element, cutlass::half_t>;
+
+// delta = m * scale_log2 - M for a row maximum m (0 before any finite key).
+__device__ __forceinline__ float log2_row_max_residual(float m, float m_log2, float scale_log2) {
+  return m == -kInf ? 0.f : fmaf(m, scale_log2, -m_log2);
+}
+
 // One online-softmax step for rows g and g + 8 (r = 0, 1) of a 16-row score tile in accumulator
 // layout: updates the running maxima m (raw score units), turns the scores into probabilities
 // exp2(S * scale_log2 - M) in place (one FFMA and one MUFU op per score; M = log2_row_max(m)) and
 // returns in alpha the factor by which what was accumulated for each row must be rescaled.
 // Ties stay exact even when |S| is huge (fully masked rows, S ~ -1e9 / scale): the FFMA rounds
 // S * scale_log2 - M once, so every score equal to m gets the same weight 2^delta, with
-// delta = m * scale_log2 - M the rounding residual of M; store_output_rows takes delta out of the
-// statistics, where it matters, and it cancels in O = P.V / rowsum.
-template <int kNTiles>
+// delta = m * scale_log2 - M the rounding residual of M; it cancels in O = P.V / rowsum, and
+// store_output_rows takes that weight, as rounded for P.V, out of the statistics.
+//
+// float16 cannot hold 2^delta (|delta| up to 64 at a -1e9 fill: it overflows or flushes to zero,
+// and the row turns NaN), so its kernels take delta out of every exponent (kResidualPerScore: one
+// FADD per score, exactly 0 at the maximum, weight 1); bfloat16 holds it and keeps one FFMA.
+template <int kNTiles, bool kSubtractResidual = false>
 __device__ __forceinline__ void softmax_step(float (&s)[kNTiles][4], float (&row_max_s)[2], float (&alpha)[2],
                                              float scale_log2) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float mx = fmaxf(row_max_s[r], quad_max(row_max<kNTiles>(s, r)));
     const float m_log2 = log2_row_max(mx, scale_log2);
-    // what was accumulated carries 2^-M_old, M_old = log2_row_max(previous m); before any finite
-    // key it is all zeros and alpha = exp2(-inf) = 0
-    alpha[r] = fast_exp2(__fsub_rn(__fmul_rn(row_max_s[r], scale_log2), m_log2));
+    // what was accumulated carries 2^-M_old (2^-(M_old + delta_old) with kSubtractResidual), M_old =
+    // log2_row_max(previous m); before any finite key it is all zeros and alpha = exp2(-inf) = 0
+    float shift = __fsub_rn(__fmul_rn(row_max_s[r], scale_log2), m_log2);
+    float residual = 0.f;
+    if constexpr (kSubtractResidual) {
+      residual = log2_row_max_residual(mx, m_log2, scale_log2);
+      shift += log2_row_max_residual(row_max_s[r], log2_row_max(row_max_s[r], scale_log2), scale_log2) - residual;
+    }
+    alpha[r] = fast_exp2(shift);
     row_max_s[r] = mx;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-      s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale_log2, -m_log2));
-      s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale_log2, -m_log2));
+      if constexpr (kSubtractResidual) {
+        s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale_log2, -m_log2) - residual);
+        s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale_log2, -m_log2) - residual);
+      } else {
+        s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale_log2, -m_log2));
+        s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale_log2, -m_log2));
+      }
     }
   }
 }
