@@ -183,3 +183,51 @@ def test_layer_norm_invalid_arguments(args, argument):
 def test_layer_norm_cutlass_on_cpu_lists_reasons():
     with pytest.raises(ValueError, match="device type"):
         ops.layer_norm(torch.randn(3, 8), backend="cutlass")
+
+
+# ---- the fused ops' fake implementations (meta tensors: no GPU) ---------------------------------
+
+
+def _meta_leaf(*shape, dtype=torch.bfloat16):
+    return torch.randn(shape, dtype=torch.float32).to(dtype).to("meta").requires_grad_(True)
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_triangle_compile_fullgraph_traces_the_fakes(norm_dtype, with_mask):
+    # The custom ops' fakes carry torch.compile through the fused forward and backward: the output
+    # and every gradient get their input's shape and dtype (layer-norm parameters in another dtype
+    # than z included; float64 ones reach the kernels as float32 and autograd takes them back).
+    from evoformer_blocks.ops import triangle
+
+    c_z, c = 16, 8
+    z = _meta_leaf(2, 6, 6, c_z)
+    mask = torch.ones(2, 6, 6, dtype=torch.bfloat16, device="meta") if with_mask else None
+    w = {name: _meta_leaf(*t.shape, dtype=norm_dtype if name.startswith("norm") else torch.bfloat16)
+         for name, t in triangle_weights(c_z, c).items()}
+
+    def run(z, *params):
+        inputs = triangle.validate(z, mask, dict(zip(w, params)), "incoming", 1e-5)
+        return triangle.fused_triangle_multiplication(inputs) * 2
+
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(z, *w.values())
+    out.float().sum().backward()
+    assert out.shape == z.shape and out.dtype == z.dtype
+    for t in (z, *w.values()):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
+    from evoformer_blocks.ops import normalization
+
+    x, weight, bias = _meta_leaf(3, 5, 32), _meta_leaf(32, dtype=param_dtype), _meta_leaf(32, dtype=param_dtype)
+
+    def run(x, weight, bias):
+        return normalization.CutlassLayerNorm().forward(normalization.validate(x, weight, bias, 1e-5)) * 2
+
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x, weight, bias)
+    out.float().sum().backward()
+    assert out.shape == x.shape and out.dtype == x.dtype
+    for t in (x, weight, bias):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
