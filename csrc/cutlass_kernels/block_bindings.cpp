@@ -86,6 +86,11 @@ void check_cuda(const at::Tensor& t, const char* name, const char* op) {
 
 constexpr ParamTensor kNoParam{nullptr, kParamFloat};
 
+// The dtypes the block-op kernels read parameters in (ParamDtype).
+bool is_param_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
+}
+
 ParamTensor param_tensor(const at::Tensor& t) {
   const int dtype = t.scalar_type() == at::kHalf       ? kParamHalf
                     : t.scalar_type() == at::kBFloat16 ? kParamBFloat16
@@ -97,8 +102,7 @@ ParamTensor param_tensor(const at::Tensor& t) {
 // contiguous float16/bfloat16/float32 tensors, checked here for direct calls.
 ParamTensor optional_param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
   if (!t.has_value()) return kNoParam;
-  TORCH_CHECK(t->device() == x.device() && t->is_contiguous() && t->numel() == x.size(-1) &&
-                  (t->scalar_type() == at::kHalf || t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat),
+  TORCH_CHECK(t->device() == x.device() && t->is_contiguous() && t->numel() == x.size(-1) && is_param_dtype(*t),
               "layer norm: `", name, "` must be a contiguous float16, bfloat16 or float32 [C] tensor on x's device, got ",
               t->sizes(), " ", t->scalar_type());
   return param_tensor(*t);
@@ -358,8 +362,7 @@ void check_weights(at::TensorList weights, const at::Tensor& z, const char* op) 
   TORCH_CHECK(weights.size() == kWeights, op, ": `weights` must hold ", int(kWeights), " tensors, got ",
               weights.size());
   for (const at::Tensor& t : weights) {
-    TORCH_CHECK(t.device() == z.device() && t.is_contiguous() &&
-                    (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat),
+    TORCH_CHECK(t.device() == z.device() && t.is_contiguous() && is_param_dtype(t),
                 op, ": every weight must be a contiguous float16, bfloat16 or float32 tensor on z's device, got ",
                 t.sizes(), " ", t.scalar_type());
   }
@@ -371,7 +374,6 @@ void check_weights(at::TensorList weights, const at::Tensor& z, const char* op) 
                   weights[kOutW].numel() == cz * c4 / 4 && weights[kOutB].numel() == cz,
               op, ": weight shapes do not match z's c_z = ", cz);
 }
-
 
 // The three projections behind a layer norm: (weight, bias, layer norm index 0 = in, 1 = out).
 constexpr int kFoldedProjections[3][3] = {{kProjW, kProjB, 0}, {kGateW, kGateB, 0}, {kOutW, kOutB, 1}};

@@ -56,7 +56,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
       // and l = log2(sum). Once per row: nothing changes per score in either direction.
       const float m_log2 = log2_row_max(row_max_s[r], scale_log2);
       // (with kResidualPerScore the forward took delta out of every exponent: rho = 1)
-      const float delta = kResidualPerScore<Element> ? 0.f : fmaf(row_max_s[r], scale_log2, -m_log2);
+      const float delta = kResidualPerScore<Element> ? 0.f : log2_row_max_residual(row_max_s[r], m_log2, scale_log2);
       const float rho = unpack2<Element>(pack2<Element>(fast_exp2(delta), 0.f)).x;  // rounded as c_to_a_frag
       if (t == 0)
         stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(__fdiv_rn(sum, rho))) : make_float2(0.f, kInf);
