@@ -32,7 +32,8 @@ from einops import rearrange
 from torch import nn
 
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
-from .ops import evoformer_attention
+from .ops import evoformer_attention, sigmoid_gate
+from .ops.gating import bias_gradient, fused_bias_gradient
 from .ops._inputs import compute_dtype
 from .primitives import LayerNorm, Linear, mask_to_bias
 
@@ -62,13 +63,14 @@ class _StackedProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, bias, *weights):
+    def forward(ctx, x, bias, fused_bias_grad, *weights):
         width = weights[0].shape[0]
         stacked = torch.cat(weights)  # [k * width, c_in]
         stacked_bias = torch.cat([bias.new_zeros((len(weights) - 1) * width), bias])  # [k * width]
         y = F.linear(x, stacked, stacked_bias)  # [..., k * width]
         ctx.save_for_backward(x, *weights)
         ctx.bias_dtype = bias.dtype
+        ctx.fused_bias_grad = fused_bias_grad
         return y.split(width, dim=-1)
 
     @staticmethod
@@ -83,16 +85,17 @@ class _StackedProjection(torch.autograd.Function):
             g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
             w = weight.to(g2.dtype)
             dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)  # [rows, c_in]
-            if ctx.needs_input_grad[2 + i]:
+            if ctx.needs_input_grad[3 + i]:
                 x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype) if x2 is None else x2
                 dweights.append(torch.mm(g2.t(), x2).to(weight.dtype))  # [width, c_in]
             else:
                 dweights.append(None)
         dbias = None
         if ctx.needs_input_grad[1] and grads[-1] is not None:
-            dbias = grads[-1].reshape(-1, grads[-1].shape[-1]).sum(0).to(ctx.bias_dtype)
+            g2 = grads[-1].reshape(-1, grads[-1].shape[-1])  # [rows, width]
+            dbias = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else g2.sum(0).to(ctx.bias_dtype)
         dx = None if dx is None else dx.view(x.shape).to(x.dtype)
-        return (dx, dbias, *dweights)
+        return (dx, dbias, None, *dweights)
 
 
 class _GatedAttention(nn.Module):
@@ -115,7 +118,7 @@ class _GatedAttention(nn.Module):
         """``layer_norm_z`` and ``linear_z``: the pair representation -> one logit bias per head."""
         self.c_z = c_z
         self.layer_norm_z = LayerNorm(c_z, backend=self.backend)
-        self.linear_z = Linear(c_z, self.no_heads, bias=False, init="normal")
+        self.linear_z = Linear(c_z, self.no_heads, bias=False, init="normal", backend=self.backend)
 
     def _pair_bias(self, z: torch.Tensor) -> torch.Tensor:
         """z: [*, L, L, c_z], already normalized. Returns the op's ``pair_bias`` [B, 1, H, L, L],
@@ -132,11 +135,11 @@ class _GatedAttention(nn.Module):
 
     def _add_projections(self, c_in: int) -> None:
         hidden = self.c_hidden * self.no_heads
-        self.linear_q = Linear(c_in, hidden, bias=False, init="glorot")
-        self.linear_k = Linear(c_in, hidden, bias=False, init="glorot")
-        self.linear_v = Linear(c_in, hidden, bias=False, init="glorot")
-        self.linear_g = Linear(c_in, hidden, init="gating")
-        self.linear_o = Linear(hidden, c_in, init="final")
+        self.linear_q = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_k = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_v = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_g = Linear(c_in, hidden, init="gating", backend=self.backend)
+        self.linear_o = Linear(hidden, c_in, init="final", backend=self.backend)
 
     def _attend(
         self,
@@ -159,8 +162,10 @@ class _GatedAttention(nn.Module):
         batch_shape = x.shape[:-3]
         x = rearrange(x, "... a b c -> (...) a b c")  # [B, A, B', c_in] in x's layout
         heads = self.no_heads
+        fused_bias_grad = fused_bias_gradient(x, self.linear_g.weight, self.linear_g.bias, self.backend)
         q, k, v, g = _StackedProjection.apply(
-            x, self.linear_g.bias, self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight
+            x, self.linear_g.bias, fused_bias_grad,
+            self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight,
         )  # views [B, A, B', H * C] of one GEMM's output
         to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
         q, k, v = (rearrange(t, to_heads, h=heads) for t in (q, k, v))  # strided views [B, N, L, H, C]
@@ -174,7 +179,8 @@ class _GatedAttention(nn.Module):
             q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
         )  # [B, N, L, H, C]
         from_heads = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
-        o = torch.sigmoid(g) * rearrange(o, from_heads)  # [B, A, B', H * C] in x's layout
+        # o seen in x's layout (a permuted view when transposed): the gate reads it where it lies
+        o = sigmoid_gate(g, rearrange(o, from_heads), backend=self.backend)  # [B, A, B', H * C]
         out = self.linear_o(o)  # [B, A, B', c_in]
         return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
 
@@ -437,11 +443,11 @@ class MSAColumnGlobalAttention(nn.Module):
         self.backend = backend
         hidden = c_hidden * no_heads
         self.layer_norm_m = LayerNorm(c_m, backend=self.backend)
-        self.linear_q = Linear(c_m, hidden, bias=False, init="glorot")
-        self.linear_k = Linear(c_m, c_hidden, bias=False, init="glorot")
-        self.linear_v = Linear(c_m, c_hidden, bias=False, init="glorot")
-        self.linear_g = Linear(c_m, hidden, init="gating")
-        self.linear_o = Linear(hidden, c_m, init="final")
+        self.linear_q = Linear(c_m, hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_k = Linear(c_m, c_hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_v = Linear(c_m, c_hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_g = Linear(c_m, hidden, init="gating", backend=self.backend)
+        self.linear_o = Linear(hidden, c_m, init="final", backend=self.backend)
 
     def forward(
         self,

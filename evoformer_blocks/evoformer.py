@@ -282,7 +282,7 @@ class EvoformerStack(_Stack):
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
             pair_dropout=pair_dropout, inf=inf, eps_opm=eps_opm, backend=backend,
         )
-        self.linear = Linear(c_m, c_s)
+        self.linear = Linear(c_m, c_s, backend=backend)
 
     def _outputs(self, m: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.linear(m[..., 0, :, :])  # [*, N_res, c_s]

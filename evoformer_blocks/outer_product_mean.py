@@ -35,9 +35,9 @@ class OuterProductMean(nn.Module):
         self.eps = check_positive_number(type(self).__name__, "eps", eps)
         check_backend(type(self).__name__, backend)
         self.layer_norm = LayerNorm(c_m, backend=backend)
-        self.linear_1 = Linear(c_m, c_hidden)
-        self.linear_2 = Linear(c_m, c_hidden)
-        self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final")
+        self.linear_1 = Linear(c_m, c_hidden, backend=backend)
+        self.linear_2 = Linear(c_m, c_hidden, backend=backend)
+        self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final", backend=backend)
 
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # a: [*, N_seq, N_i, c_hidden]; b: [*, N_seq, N_j, c_hidden]

@@ -1,6 +1,7 @@
 """Small building blocks shared by the attention modules.
 
-* :class:`Linear`: ``nn.Linear`` with the AlphaFold initialization schemes (AF2 supplement 1.11.4).
+* :class:`Linear`: ``nn.Linear`` with the AlphaFold initialization schemes (AF2 supplement 1.11.4),
+  computed by :func:`evoformer_blocks.ops.linear`.
 * :class:`LayerNorm`: ``nn.LayerNorm`` over the last dim computed by :func:`evoformer_blocks.ops.layer_norm`.
 * :func:`mask_to_bias`: a 0/1 mask turned into the additive bias ``inf * (mask - 1)``.
 """
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from .ops._inputs import compute_dtype
+from .ops.gating import linear
 from .ops.normalization import layer_norm
 
 # Standard deviation of a unit normal truncated to [-2, 2]. A truncated-normal initializer divides
@@ -73,7 +75,9 @@ _INITS: dict[str, Callable[[torch.Tensor, Optional[torch.Tensor]], None]] = {
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` initialized the AlphaFold way. Called like ``nn.Linear``: ``[*, in] -> [*, out]``.
+    """``nn.Linear`` initialized the AlphaFold way. Called like ``nn.Linear``: ``[*, in] -> [*, out]``,
+    computed by :func:`evoformer_blocks.ops.linear` (on the ``cutlass`` backend its backward sums the
+    bias gradient with a kernel).
 
     Args:
         in_dim: size of the last input dimension.
@@ -88,6 +92,7 @@ class Linear(nn.Linear):
             * ``"gating"``: weight 0, bias 1 (a gate that starts nearly open);
             * ``"final"``: weight 0, bias 0 (a residual update that starts at zero);
             * ``"normal"``: normal with std ``1 / sqrt(fan_in)`` (Kaiming normal, linear gain).
+        backend: the op's backend (None: the global setting).
         device, dtype: as for ``nn.Linear``.
     """
 
@@ -98,6 +103,7 @@ class Linear(nn.Linear):
         bias: bool = True,
         init: str = "default",
         *,
+        backend: Optional[str] = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -105,10 +111,14 @@ class Linear(nn.Linear):
             raise ValueError(f"Linear: invalid `init` {init!r}; choose one of {sorted(_INITS)}")
         super().__init__(in_dim, out_dim, bias=bias, device=device, dtype=dtype)
         self.init = init
+        self.backend = backend
         with torch.no_grad():
             if self.bias is not None:
                 self.bias.zero_()
             _INITS[init](self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init={self.init!r}"

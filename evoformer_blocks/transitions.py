@@ -29,9 +29,9 @@ class Transition(nn.Module):
         check_positive_int(type(self).__name__, c=c, n=n)
         self.c, self.n = c, n
         self.layer_norm = LayerNorm(c, backend=backend)
-        self.linear_1 = Linear(c, n * c, init="relu")
+        self.linear_1 = Linear(c, n * c, init="relu", backend=backend)
         self.relu = nn.ReLU()
-        self.linear_2 = Linear(n * c, c, init="final")
+        self.linear_2 = Linear(n * c, c, init="final", backend=backend)
 
     def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.layer_norm(x)  # [*, N_b, c]

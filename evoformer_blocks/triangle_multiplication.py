@@ -42,12 +42,12 @@ class TriangleMultiplicativeUpdate(nn.Module):
         check_backend(type(self).__name__, backend)
         self.c_z, self.c_hidden, self.backend = c_z, c_hidden, backend
         self.layer_norm_in = LayerNorm(c_z, backend=backend)
-        self.linear_a_p = Linear(c_z, c_hidden)
-        self.linear_a_g = Linear(c_z, c_hidden, init="gating")
-        self.linear_b_p = Linear(c_z, c_hidden)
-        self.linear_b_g = Linear(c_z, c_hidden, init="gating")
-        self.linear_g = Linear(c_z, c_z, init="gating")
-        self.linear_z = Linear(c_hidden, c_z, init="final")
+        self.linear_a_p = Linear(c_z, c_hidden, backend=backend)
+        self.linear_a_g = Linear(c_z, c_hidden, init="gating", backend=backend)
+        self.linear_b_p = Linear(c_z, c_hidden, backend=backend)
+        self.linear_b_g = Linear(c_z, c_hidden, init="gating", backend=backend)
+        self.linear_g = Linear(c_z, c_z, init="gating", backend=backend)
+        self.linear_z = Linear(c_hidden, c_z, init="final", backend=backend)
         self.layer_norm_out = LayerNorm(c_hidden, backend=backend)
 
     def forward(

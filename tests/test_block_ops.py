@@ -231,3 +231,54 @@ def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
     assert out.shape == x.shape and out.dtype == x.dtype
     for t in (x, weight, bias):
         assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+# ---- sigmoid gate and linear ----------------------------------------------------------------------
+
+
+def test_sigmoid_gate_and_linear_eager_are_the_pytorch_expressions():
+    g, y = torch.randn(3, 5, 8), torch.randn(3, 8, 5).transpose(1, 2)  # y a strided view
+    assert torch.equal(ops.sigmoid_gate(g, y), torch.sigmoid(g) * y)
+    x, w, b = torch.randn(2, 4, 6, requires_grad=True), torch.randn(3, 6), torch.randn(3, requires_grad=True)
+    out = ops.linear(x, w, b)
+    assert torch.equal(out, torch.nn.functional.linear(x, w, b))
+    out.sum().backward()
+    assert torch.equal(b.grad, torch.full((3,), 8.0))
+
+
+@pytest.mark.parametrize(
+    "make, argument",
+    [
+        (lambda: ops.sigmoid_gate(torch.randn(3, 8), torch.randn(3, 4)), "y"),
+        (lambda: ops.sigmoid_gate(torch.randn(3, 8), torch.randn(3, 8).double()), "y"),
+        (lambda: ops.sigmoid_gate(torch.ones(3, 8, dtype=torch.int32), torch.ones(3, 8, dtype=torch.int32)), "g"),
+        (lambda: ops.linear(torch.randn(3, 8), torch.randn(4, 5)), "weight"),
+        (lambda: ops.linear(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5)), "bias"),
+        (lambda: ops.linear(torch.ones(3, 8, dtype=torch.int64), torch.randn(4, 8)), "x"),
+    ],
+)
+def test_gate_and_linear_invalid_arguments(make, argument):
+    with pytest.raises(ValueError, match=f"invalid `{argument}`"):
+        make()
+
+
+def test_gate_and_linear_cutlass_on_cpu_lists_reasons():
+    with pytest.raises(ValueError, match="device type 'cpu'"):
+        ops.sigmoid_gate(torch.randn(3, 8), torch.randn(3, 8), backend="cutlass")
+    with pytest.raises(ValueError, match="device type 'cpu'"):
+        ops.linear(torch.randn(3, 8, requires_grad=True), torch.randn(4, 8), torch.randn(4), backend="cutlass")
+
+
+def test_sigmoid_gate_compile_fullgraph_traces_the_fakes():
+    from evoformer_blocks.ops import gating
+
+    g, base = _meta_leaf(2, 3, 16), _meta_leaf(2, 16, 3)
+
+    def run(g, base):
+        y = base.transpose(1, 2)  # [2, 3, 16], a permuted view
+        return gating.CutlassSigmoidGate().forward(gating.validate_gate(g, y)) * 2
+
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(g, base)
+    out.float().sum().backward()
+    assert out.shape == g.shape and out.dtype == g.dtype
+    assert g.grad.shape == g.shape and base.grad.shape == base.shape and base.grad.dtype == base.dtype

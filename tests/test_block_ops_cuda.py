@@ -163,3 +163,111 @@ def test_block_modules_compile_fullgraph():
     (g,) = torch.autograd.grad(out.float().sum(), z)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(g, g_expected, atol=5e-2, rtol=5e-2)
+
+
+# ---- sigmoid gate and linear ----------------------------------------------------------------------
+
+
+def _gate_operands(layout: str, dtype, c: int):
+    """(g, y) as the attention modules pass them: g a slice of a wider projection output; y the
+    attention output [B, N, L, H, C'] seen as [B, A, B', H * C'] ('rows': A = N; 'transposed': A = L,
+    a permuted view; 'copy': a contiguous tensor)."""
+    b, n, length, heads = 2, 5, 7, 2
+    wide = torch.randn(b, n, length, 4 * c, device=DEV).to(dtype)
+    o = torch.randn(b, n, length, heads, c // heads, device=DEV).to(dtype)
+    if layout == "transposed":
+        wide = torch.randn(b, length, n, 4 * c, device=DEV).to(dtype)
+        y = o.permute(0, 2, 1, 3, 4).flatten(-2)  # [B, L, N, H * C'], rows not in memory order
+    elif layout == "rows":
+        y = o.flatten(-2)
+    else:
+        y = o.flatten(-2).clone()
+    g = wide[..., 3 * c:]
+    return g.requires_grad_(False), y
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["rows", "transposed", "copy"])
+@pytest.mark.parametrize("c", [8, 64, 256])
+def test_sigmoid_gate_matches_reference(dtype, layout, c):
+    if c * torch.finfo(dtype).bits // 8 % 16:
+        pytest.skip("not a whole number of 16-byte chunks: the op routes it to eager")
+    g0, y0 = _gate_operands(layout, dtype, c)
+    base = y0._base if y0._base is not None else y0
+    g = g0.detach().requires_grad_(True)
+    y_leaf = base.detach().requires_grad_(True)
+    view = (lambda t: t.permute(0, 2, 1, 3, 4).flatten(-2)) if layout == "transposed" else (lambda t: t.flatten(-2) if t.dim() == 5 else t)
+    dout = torch.randn(g.shape, device=DEV)
+    results = {}
+    for backend in ("cutlass", "eager"):
+        out = ops.sigmoid_gate(g, view(y_leaf), backend=backend)
+        assert out.is_contiguous()
+        results[backend] = [out.detach(), *[t.detach() for t in torch.autograd.grad(out, (g, y_leaf), dout.to(dtype))]]
+    g64, y64 = g.detach().double().requires_grad_(True), y_leaf.detach().double().requires_grad_(True)
+    ref_out = torch.sigmoid(g64) * view(y64)
+    ref = [ref_out.detach(), *torch.autograd.grad(ref_out, (g64, y64), dout.double())]
+    for name, fused, eager, r in zip(("out", "dg", "dy"), results["cutlass"], results["eager"], ref):
+        check(f"{name} {layout}", fused, eager, r, dtype)
+
+
+def test_sigmoid_gate_returns_dy_in_the_layout_of_y():
+    from evoformer_blocks.ops import gating
+
+    g, y = _gate_operands("transposed", torch.bfloat16, 64)
+    dout = torch.randn_like(g)
+    dg, dy = gating.sigmoid_gate_bwd(dout, g, y)
+    assert dg.is_contiguous() and dy.stride() == y.stride()
+    # the attention output's gradient comes back contiguous in the op's [B, N, L, H, C'] layout
+    assert dy.unflatten(-1, (2, 32)).permute(0, 2, 1, 3, 4).is_contiguous()
+    torch.library.opcheck(gating.sigmoid_gate_fwd, (g, y), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(gating.sigmoid_gate_bwd, (dout, g, y), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(gating.column_sum, (dout,), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows, c_in, c_out", [(1, 16, 8), (7, 32, 64), (1000, 64, 128), (3000, 128, 512), (513, 64, 1024)])
+def test_linear_matches_reference(dtype, rows, c_in, c_out):
+    x = torch.randn(rows, c_in, device=DEV).to(dtype).requires_grad_(True)
+    w = (torch.randn(c_out, c_in, device=DEV) / c_in**0.5).to(dtype).requires_grad_(True)
+    b = torch.randn(c_out, device=DEV).to(dtype).requires_grad_(True)
+    dout = torch.randn(rows, c_out, device=DEV)
+    fused = run_with_grads(lambda: ops.linear(x, w, b, backend="cutlass"), [x, w, b], dout)
+    eager = run_with_grads(lambda: ops.linear(x, w, b, backend="eager"), [x, w, b], dout)
+    leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    ref = run_with_grads(lambda: F.linear(*leaves), leaves, dout.double())
+    for name, a, e, r in zip(("out", "dx", "dw", "db"), fused, eager, ref):
+        check(name, a, e, r, dtype)
+    again = run_with_grads(lambda: ops.linear(x, w, b, backend="cutlass"), [x, w, b], dout)
+    assert torch.equal(again[3], fused[3]), "the bias gradient must be bitwise reproducible"
+
+
+def test_linear_under_autocast_keeps_parameter_dtypes():
+    x = torch.randn(300, 64, device=DEV, requires_grad=True)
+    layer = eb.primitives.Linear(64, 128).to(DEV)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    dx, dw, db = torch.autograd.grad(out.float().square().sum(), (x, layer.weight, layer.bias))
+    assert (dx.dtype, dw.dtype, db.dtype) == (torch.float32,) * 3
+    with torch.autocast("cuda", dtype=torch.bfloat16), ops.backend("eager"):
+        out_e = layer(x)
+    ref = torch.autograd.grad(out_e.float().square().sum(), (x, layer.weight, layer.bias))
+    for a, r in zip((dx, dw, db), ref):
+        torch.testing.assert_close(a, r, atol=3e-2, rtol=3e-2)
+
+
+def test_gate_and_linear_that_do_not_fit_the_kernels():
+    g = torch.randn(4, 12, device=DEV, dtype=torch.bfloat16)  # 24 bytes: not whole 16-byte chunks
+    with pytest.raises(ValueError, match="16-byte chunks"):
+        ops.sigmoid_gate(g, g, backend="cutlass")
+    torch.testing.assert_close(ops.sigmoid_gate(g, g), torch.sigmoid(g) * g)
+    # a bias wider than the column-sum kernel's rows: the bias gradient falls back to PyTorch's sum
+    x = torch.randn(9, 16, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2048, 16, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(2048, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(9, 2048, device=DEV, dtype=torch.bfloat16)
+    (db,) = torch.autograd.grad(ops.linear(x, w, b, backend="cutlass"), (b,), dout)
+    torch.testing.assert_close(db, dout.float().sum(0).to(db.dtype))

@@ -1,5 +1,5 @@
-// TORCH_LIBRARY bindings of the block ops: the layer norm and the triangle multiplicative update,
-// forward and backward. The Python op (evoformer_blocks.ops) validates the arguments; the checks
+// TORCH_LIBRARY bindings of the block ops: the layer norm, the triangle multiplicative update, the
+// sigmoid gate of an output and the column sums of bias gradients, forward and backward. The Python op (evoformer_blocks.ops) validates the arguments; the checks
 // here only guard the kernels' memory accesses for direct torch.ops calls.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
@@ -12,6 +12,9 @@
 //           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c])
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
+//   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
+//   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
+//   column_sum(x [..., C]) -> [C] float32, the sum over rows (a projection's bias gradient)
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
 // them. The layer norms' affine parameters are folded into the projections that follow them
 // (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
@@ -23,6 +26,8 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include <cutlass/numeric_types.h>
 
@@ -69,6 +74,11 @@ int row_threads_for(int64_t C, int64_t element_size) {
   int t = 1;
   while (t < 32 && t < chunks) t *= 2;
   return t;
+}
+
+// Whether a row of C values fits the row kernels: at most kMaxRowChunks 16-byte chunks per lane.
+bool chunks_fit(int64_t C, int64_t element_size) {
+  return C * element_size <= int64_t(32) * kMaxRowChunks * 16;
 }
 
 // CTAs of a row-norm launch: one per group of rows, at most four per SM (the backward's affine
@@ -250,8 +260,8 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
   at::Tensor g = at::addmm(b_g, x_hat, w_g.t());
   at::Tensor out = output({s.M, s.cz}, z.options());
-  const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, s.cz, int(s.cz),
-                             vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
+  const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
+                             int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
   return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g, y};
 }
@@ -285,7 +295,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   at::Tensor dg_part = output({gate_ctas, s.cz}, f32), dy_part = output({gate_ctas, s.cz}, f32);
   const SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
                                      dg_part.data_ptr<float>(), dy_part.data_ptr<float>(), s.M, s.cz, s.cz, s.cz,
-                                     s.cz, s.cz, int(s.cz), gate_threads};
+                                     RowMap::strided(s.cz), int(s.cz), gate_threads};
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
   at::Tensor db_z = dy_part.sum(0), db_g = dg_part.sum(0);  // [c_z], partials summed in a fixed order
 
@@ -460,6 +470,116 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
   return out;
 }
 
+// ---- sigmoid gate of an output, column sums -----------------------------------------------------
+
+// The rows of y [..., C] as a RowMap: its leading dims with size-1 dims dropped and nesting dims
+// merged, if that leaves at most three. False when it does not.
+bool row_map_of(const at::Tensor& y, RowMap& map) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (size, stride), outer to inner
+  for (int64_t d = 0; d + 1 < y.dim(); ++d) {
+    if (y.size(d) == 1) continue;
+    if (!dims.empty() && dims.back().second == y.size(d) * y.stride(d)) {
+      dims.back() = {dims.back().first * y.size(d), y.stride(d)};
+    } else {
+      dims.emplace_back(y.size(d), y.stride(d));
+    }
+  }
+  if (dims.size() > 3) return false;
+  while (dims.size() < 3) dims.insert(dims.begin(), {1, 0});
+  map = RowMap{dims[2].first, dims[1].first, dims[2].second, dims[1].second, dims[0].second};
+  return true;
+}
+
+// y itself when its rows fit a RowMap with 16-byte aligned rows and it is dense (so that empty_like
+// gives its gradient the same layout), else a contiguous copy; `map` locates the rows.
+at::Tensor rows_in_map(const at::Tensor& y, RowMap& map) {
+  const int64_t vec = 16 / y.element_size();
+  if (y.stride(-1) == 1 && aligned16(y) && y.is_non_overlapping_and_dense() && row_map_of(y, map) &&
+      map.s0 % vec == 0 && map.s1 % vec == 0 && map.s2 % vec == 0)
+    return y;
+  map = RowMap::strided(y.size(-1));
+  return y.contiguous();
+}
+
+int64_t gate_shape(const at::Tensor& g, const at::Tensor& y, const char* op) {
+  check_cuda(g, "g", op);
+  TORCH_CHECK(g.dim() >= 1 && y.sizes() == g.sizes() && y.scalar_type() == g.scalar_type() && y.device() == g.device(),
+              op, ": `g` and `y` must be [..., C] tensors of one shape, dtype and device, got ", g.sizes(), " and ",
+              y.sizes());
+  const int64_t C = g.size(-1);
+  TORCH_CHECK(C * g.element_size() % 16 == 0 && chunks_fit(C, g.element_size()), op,
+              ": C must be a whole number of 16-byte chunks, at most ", kMaxRowChunks, " per lane, got ", C);
+  return C;
+}
+
+at::Tensor sigmoid_gate_fwd(const at::Tensor& g_in, const at::Tensor& y_in) {
+  const int64_t C = gate_shape(g_in, y_in, "sigmoid gate");
+  const c10::cuda::CUDAGuard guard(g_in.device());
+  const at::Tensor g = as_rows(g_in, C);
+  RowMap y_rows;
+  const at::Tensor y = rows_in_map(y_in, y_rows);
+  at::Tensor out = output(g_in.sizes(), g_in.options());
+  const int64_t M = g.size(0);
+  const SigmoidGateParams p{g.data_ptr(), y.data_ptr(), out.data_ptr(), M, M > 1 ? g.stride(0) : C, C, y_rows,
+                            int(C), true};
+  by_dtype(g.scalar_type(), "sigmoid gate",
+           [&](auto e) { launch_sigmoid_gate<decltype(e)>(p, c10::cuda::getCurrentCUDAStream()); });
+  return out;
+}
+
+// (dg in g's shape, contiguous; dy in y's layout when y is dense, else contiguous: empty_like(y))
+std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd(const at::Tensor& dout_in, const at::Tensor& g_in,
+                                                    const at::Tensor& y_in) {
+  const char* op = "sigmoid gate backward";
+  const int64_t C = gate_shape(g_in, y_in, op);
+  TORCH_CHECK(dout_in.sizes() == g_in.sizes() && dout_in.scalar_type() == g_in.scalar_type(), op,
+              ": `dout` must match g, got ", dout_in.sizes());
+  const c10::cuda::CUDAGuard guard(g_in.device());
+  const at::Tensor g = as_rows(g_in, C), dout = as_rows(dout_in, C);
+  RowMap y_rows;
+  const at::Tensor y = rows_in_map(y_in, y_rows);
+  at::Tensor dg = output(g_in.sizes(), g_in.options());
+  // dy in y_in's layout (empty_like: its strides when it is dense, else contiguous); the kernel
+  // writes it through y's row map, so through a copy when y had to be made contiguous
+  at::Tensor dy_out = at::empty_like(y_in);
+  at::Tensor dy = dy_out.strides() == y.strides() ? dy_out : at::empty_like(y);
+  maybe_poison(dy);
+  const int64_t M = g.size(0);
+  const int row_threads = row_threads_for(C, g.element_size());
+  const int ctas = row_norm_ctas(M, row_threads);
+  const SigmoidGateBackwardParams p{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
+                                    nullptr, nullptr, M, M > 1 ? g.stride(0) : C, M > 1 ? dout.stride(0) : C, C,
+                                    y_rows, int(C), row_threads};
+  by_dtype(g.scalar_type(), op, [&](auto e) {
+    launch_sigmoid_gate_backward<decltype(e)>(p, ctas, c10::cuda::getCurrentCUDAStream());
+  });
+  if (!dy.is_same(dy_out)) dy_out.copy_(dy);
+  return {dg, dy_out};
+}
+
+// The float32 sums over rows of x [..., C] (a projection's bias gradient), in a fixed order.
+at::Tensor column_sum(const at::Tensor& x_in) {
+  const char* op = "column sum";
+  check_cuda(x_in, "x", op);
+  const int64_t C = x_in.dim() >= 1 ? x_in.size(-1) : 0;
+  TORCH_CHECK(x_in.dim() >= 1 && C * x_in.element_size() % 16 == 0 && chunks_fit(C, x_in.element_size()), op,
+              ": `x` must be [..., C] with C a whole number of 16-byte chunks, at most ", kMaxRowChunks,
+              " per lane, got ", x_in.sizes());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = as_rows(x_in, C);
+  const int64_t M = x.size(0);
+  const auto f32 = x.options().dtype(at::kFloat);
+  if (M == 0) return at::zeros({C}, f32);
+  const int row_threads = row_threads_for(C, x.element_size());
+  const int ctas = row_norm_ctas(M, row_threads);
+  at::Tensor part = output({ctas, C}, f32);
+  const ColumnSumParams p{x.data_ptr(), part.data_ptr<float>(), M, M > 1 ? x.stride(0) : C, int(C), row_threads};
+  by_dtype(x.scalar_type(), op, [&](auto e) {
+    launch_column_sum<decltype(e)>(p, ctas, c10::cuda::getCurrentCUDAStream());
+  });
+  return part.sum(0);  // the CTAs' partials in a fixed order
+}
+
 }  // namespace
 }  // namespace block
 }  // namespace evoformer
@@ -475,6 +595,9 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def(
       "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "
       "float eps, bool outgoing) -> Tensor[]");
+  m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
+  m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
+  m.def("column_sum(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
@@ -482,4 +605,7 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("layer_norm_bwd", &evoformer::block::layer_norm_bwd);
   m.impl("triangle_multiplication_fwd", &evoformer::block::triangle_multiplication_fwd);
   m.impl("triangle_multiplication_bwd", &evoformer::block::triangle_multiplication_bwd);
+  m.impl("sigmoid_gate_fwd", &evoformer::block::sigmoid_gate_fwd);
+  m.impl("sigmoid_gate_bwd", &evoformer::block::sigmoid_gate_bwd);
+  m.impl("column_sum", &evoformer::block::column_sum);
 }

@@ -25,21 +25,6 @@ int chunks_per_lane(int C, int row_threads) {
   return (C / Vec<T>::kSize + row_threads - 1) / row_threads;
 }
 
-// The row-norm kernel (forward or backward) instantiated for `chunks` chunks per lane.
-template <typename T>
-void (*row_norm_kernel(int chunks))(RowNormParams) {
-  static_assert(kMaxRowChunks == 4, "one instantiation per chunk count");
-  return chunks <= 1 ? layer_norm_rows_kernel<T, 1>
-         : chunks <= 2 ? layer_norm_rows_kernel<T, 2>
-                       : layer_norm_rows_kernel<T, kMaxRowChunks>;
-}
-template <typename T>
-void (*row_norm_backward_kernel(int chunks))(RowNormBackwardParams) {
-  return chunks <= 1 ? layer_norm_rows_backward_kernel<T, 1>
-         : chunks <= 2 ? layer_norm_rows_backward_kernel<T, 2>
-                       : layer_norm_rows_backward_kernel<T, kMaxRowChunks>;
-}
-
 template <typename Params>
 void launch_rows(void (*kernel)(Params), const Params& p, int n_ctas, int smem_bytes, cudaStream_t stream,
                  const char* name) {
@@ -48,6 +33,20 @@ void launch_rows(void (*kernel)(Params), const Params& p, int n_ctas, int smem_b
     check_launch(name);
   kernel<<<unsigned(n_ctas), kBlockOpThreads, smem_bytes, stream>>>(p);
   check_launch(name);
+}
+
+// Launches the instantiation of a row kernel (row_threads lanes per row, as the row layer norm) for
+// the 16-byte chunks per lane that a row of p.C values of T needs: one, two or four.
+template <typename Params>
+using RowKernel = void (*)(Params);
+template <typename T, typename Params>
+void launch_row_kernel(const Params& p, RowKernel<Params> one, RowKernel<Params> two, RowKernel<Params> four,
+                       int n_ctas, int smem_bytes, cudaStream_t stream, const char* name) {
+  static_assert(kMaxRowChunks == 4, "one instantiation per chunk count");
+  if (p.M == 0) return;
+  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
+  if (chunks > kMaxRowChunks) throw std::runtime_error(std::string(name) + ": row too wide");
+  launch_rows(chunks <= 1 ? one : chunks <= 2 ? two : four, p, n_ctas, smem_bytes, stream, name);
 }
 
 template <typename Params>
@@ -65,19 +64,16 @@ void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_byt
 
 template <typename T>
 void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t stream) {
-  if (p.M == 0) return;
-  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
-  if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer layer norm: row too wide");
-  launch_rows(row_norm_kernel<T>(chunks), p, n_ctas, 0, stream, "evoformer layer norm");
+  launch_row_kernel<T>(p, layer_norm_rows_kernel<T, 1>, layer_norm_rows_kernel<T, 2>,
+                       layer_norm_rows_kernel<T, kMaxRowChunks>, n_ctas, 0, stream, "evoformer layer norm");
 }
 
 template <typename T>
 void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas, cudaStream_t stream) {
-  if (p.M == 0) return;
-  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
-  if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer layer norm backward: row too wide");
   const int smem = p.affine_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
-  launch_rows(row_norm_backward_kernel<T>(chunks), p, n_ctas, smem, stream, "evoformer layer norm backward");
+  launch_row_kernel<T>(p, layer_norm_rows_backward_kernel<T, 1>, layer_norm_rows_backward_kernel<T, 2>,
+                       layer_norm_rows_backward_kernel<T, kMaxRowChunks>, n_ctas, smem, stream,
+                       "evoformer layer norm backward");
 }
 
 template <typename T>
@@ -117,15 +113,15 @@ void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
 
 template <typename T>
 void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream) {
-  if (p.M == 0) return;
-  const int chunks = chunks_per_lane<T>(p.C, p.row_threads);
-  if (chunks > kMaxRowChunks) throw std::runtime_error("evoformer sigmoid gate backward: row too wide");
-  static_assert(kMaxRowChunks == 4, "one instantiation per chunk count");
-  void (*kernel)(SigmoidGateBackwardParams) = chunks <= 1   ? sigmoid_gate_backward_kernel<T, 1>
-                                              : chunks <= 2 ? sigmoid_gate_backward_kernel<T, 2>
-                                                            : sigmoid_gate_backward_kernel<T, kMaxRowChunks>;
-  launch_rows(kernel, p, n_ctas, (kBlockOpThreads / p.row_threads) * 2 * p.C * 4, stream,
-              "evoformer sigmoid gate backward");
+  launch_row_kernel<T>(p, sigmoid_gate_backward_kernel<T, 1>, sigmoid_gate_backward_kernel<T, 2>,
+                       sigmoid_gate_backward_kernel<T, kMaxRowChunks>, n_ctas,
+                       (kBlockOpThreads / p.row_threads) * 2 * p.C * 4, stream, "evoformer sigmoid gate backward");
+}
+
+template <typename T>
+void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream) {
+  launch_row_kernel<T>(p, column_sum_kernel<T, 1>, column_sum_kernel<T, 2>, column_sum_kernel<T, kMaxRowChunks>,
+                       n_ctas, (kBlockOpThreads / p.row_threads) * p.C * 4, stream, "evoformer column sum");
 }
 
 namespace {
@@ -146,9 +142,8 @@ void launch_fold_affine(const FoldParams& p, cudaStream_t stream) {
 
 void launch_unfold_affine_grads(const UnfoldParams& p, cudaStream_t stream) {
   const int row_ctas = (rows_of(p) + kFoldWarps - 1) / kFoldWarps;
-  int columns = 0;
-  for (int n = 0; n < p.n_norms; ++n) columns += p.K[n];
-  const int column_ctas = (columns + kFoldWarps * 32 - 1) / (kFoldWarps * 32);
+  int column_ctas = 0;
+  for (int n = 0; n < p.n_norms; ++n) column_ctas += column_chunks(p.K[n]);
   if (row_ctas + column_ctas == 0) return;
   unfold_affine_grads_kernel<<<unsigned(row_ctas + column_ctas), kFoldWarps * 32, 0, stream>>>(p, row_ctas);
   check_launch("evoformer layer-norm affine gradients");
@@ -162,7 +157,8 @@ void launch_unfold_affine_grads(const UnfoldParams& p, cudaStream_t stream) {
   template void launch_gate_pack<T>(const GatePackParams&, cudaStream_t);                           \
   template void launch_gate_pack_backward<T>(const GatePackBackwardParams&, int, cudaStream_t);     \
   template void launch_sigmoid_gate<T>(const SigmoidGateParams&, cudaStream_t);                     \
-  template void launch_sigmoid_gate_backward<T>(const SigmoidGateBackwardParams&, int, cudaStream_t);
+  template void launch_sigmoid_gate_backward<T>(const SigmoidGateBackwardParams&, int, cudaStream_t);     \
+  template void launch_column_sum<T>(const ColumnSumParams&, int, cudaStream_t);
 EVOFORMER_BLOCK_OPS(cutlass::half_t)
 EVOFORMER_BLOCK_OPS(cutlass::bfloat16_t)
 EVOFORMER_BLOCK_OPS(float)

@@ -98,26 +98,52 @@ struct GatePackBackwardParams {
   bool vector_ok;
 };
 
+// Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
+// order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
+// m2 * s2 + m1 * s1 + m0 * s0 elements. A matrix with rows `stride` apart is strided(stride).
+struct RowMap {
+  int64_t inner, mid, s0, s1, s2;
+
+  static RowMap strided(int64_t stride) { return RowMap{0, 1, stride, 0, 0}; }
+  __host__ __device__ __forceinline__ int64_t operator()(int64_t m) const {
+    if (inner == 0) return m * s0;
+    const int64_t q = m / inner;
+    return (q / mid) * s2 + (q % mid) * s1 + (m - q * inner) * s0;
+  }
+};
+
 struct SigmoidGateParams {
   const void* g;  // [M, C]
-  const void* y;  // [M, C]
+  const void* y;  // [M, C], rows at y_rows
   void* out;      // [M, C]
-  int64_t M, g_stride, y_stride, out_stride;
+  int64_t M, g_stride, out_stride;
+  RowMap y_rows;
   int C;
   bool vector_ok;
 };
 
 struct SigmoidGateBackwardParams {
   const void* g;     // [M, C]
-  const void* y;     // [M, C]
+  const void* y;     // [M, C], rows at y_rows
   const void* dout;  // [M, C]
   void* dg;          // [M, C]
-  void* dy;          // [M, C]
-  float* dg_part;    // [n_ctas, C]: partial column sums of dg
-  float* dy_part;    // [n_ctas, C]: partial column sums of dy
-  int64_t M, g_stride, y_stride, dout_stride, dg_stride, dy_stride;  // rows 16-byte aligned
+  void* dy;          // [M, C], rows at y_rows (y's layout)
+  float* dg_part;    // [n_ctas, C]: partial column sums of dg, or nullptr
+  float* dy_part;    // [n_ctas, C]: partial column sums of dy, or nullptr
+  int64_t M, g_stride, dout_stride, dg_stride;  // every row 16-byte aligned
+  RowMap y_rows;
   int C;
   int row_threads;   // lanes per row, as RowNormParams::row_threads
+};
+
+// Column sums of x [M, C] (rows x_stride elements apart, 16-byte aligned): part [n_ctas, C] float32,
+// one row of partial sums per CTA, to be added over CTAs in order.
+struct ColumnSumParams {
+  const void* x;
+  float* part;
+  int64_t M, x_stride;
+  int C;
+  int row_threads;  // lanes per row, as RowNormParams::row_threads
 };
 
 // Folding a layer norm's affine parameters into the projection that follows it:
@@ -159,7 +185,7 @@ struct UnfoldParams {
 };
 
 // One launch each; rows of every group are spread over warps, the layer norms' column sums over
-// threads of the last CTAs.
+// CTAs of 32 columns whose warps split the rows.
 void launch_fold_affine(const FoldParams& p, cudaStream_t stream);
 void launch_unfold_affine_grads(const UnfoldParams& p, cudaStream_t stream);
 
@@ -183,6 +209,8 @@ template <typename T>
 void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream);
 template <typename T>
 void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream);
+template <typename T>
+void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream);
 
 // Dynamic shared memory of the channel-norm kernels for C channels of T.
 template <typename T>

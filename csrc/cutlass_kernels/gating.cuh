@@ -4,7 +4,8 @@
 //   ab [4, C, M] = (a_proj, a_gate, b_proj, b_gate) before their biases; bias [4, C] float32;
 //   mask [M] (nullptr: all ones)
 //   a[c, m] = mask[m] * sigmoid(a_gate[c, m] + bias_ag[c]) * (a_proj[c, m] + bias_ap[c]), b likewise.
-// Sigmoid gate of an output: out = sigmoid(g) * y, all [M, C] with the same layout.
+// Sigmoid gate of an output: out = sigmoid(g) * y, all [M, C] (y may be a permuted view, RowMap).
+// Column sums of [M, C] rows (the gradient of a projection's bias).
 #pragma once
 
 #include "layer_norm.cuh"
@@ -134,72 +135,131 @@ __global__ void __launch_bounds__(kBlockOpThreads) gate_pack_backward_kernel(Gat
   }
 }
 
-// out = sigmoid(g) * y, [M, C] rows (strides of each tensor in elements).
+// out = sigmoid(g) * y, [M, C] rows (g and out strided, y's rows where p.y_rows puts them).
 template <typename T>
 __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_kernel(SigmoidGateParams p) {
   constexpr int kVec = Vec<T>::kSize;
   for_each_span<kVec>(p.M, p.C, [&](int64_t r, int64_t c, int n) {
     Vec<T> g, y, out;
     load_span(g, static_cast<const T*>(p.g) + r * p.g_stride + c, n, p.vector_ok);
-    load_span(y, static_cast<const T*>(p.y) + r * p.y_stride + c, n, p.vector_ok);
+    load_span(y, static_cast<const T*>(p.y) + p.y_rows(r) + c, n, p.vector_ok);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) out.v[e] = sigmoid(g.v[e]) * y.v[e];
     store_span(out, static_cast<T*>(p.out) + r * p.out_stride + c, n, p.vector_ok);
   });
 }
 
+// The CTA's column sums: thread (slot, lane) holds sums[i] over its rows for its columns; row
+// blockIdx.x of part[i] ([n_ctas, C], skipped when nullptr) gets their sum over the CTA's row
+// slots, in slot order. smem: kParts * rows_per_cta * C floats.
+template <int kParts, typename T, int kChunks>
+__device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kChunks>& th, int slot, int rows_per_cta,
+                                                      int C, const float (&sums)[kParts][kChunks][Vec<T>::kSize],
+                                                      float* smem, float* const (&part)[kParts]) {
+  float* mine = smem + slot * kParts * C;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (!th.valid(c, C)) continue;
+#pragma unroll
+    for (int i = 0; i < kParts; ++i)
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kSize; ++e) mine[i * C + th.col(c) + e] = sums[i][c][e];
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < C; col += blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < kParts; ++i) {
+      if (part[i] == nullptr) continue;
+      float total = 0.f;
+      for (int s = 0; s < rows_per_cta; ++s) total += smem[(s * kParts + i) * C + col];
+      part[i][int64_t(blockIdx.x) * C + col] = total;
+    }
+  }
+}
+
+// The thread of a row kernel (rows spread as in the row layer norm: row_threads lanes per row,
+// kChunks 16-byte chunks per lane) and its CTA's row slots.
+template <typename T, int kChunks>
+struct RowSlots {
+  RowNormThread<T, kChunks> th;
+  int rows_per_cta, slot;
+
+  __device__ __forceinline__ explicit RowSlots(int row_threads) {
+    th.row_threads = row_threads;
+    th.sub = int(threadIdx.x % 32u) % row_threads;
+    rows_per_cta = kBlockOpThreads / row_threads;
+    slot = threadIdx.x / row_threads;
+  }
+  __device__ __forceinline__ int64_t first_row() const { return int64_t(blockIdx.x) * rows_per_cta + slot; }
+  __device__ __forceinline__ int64_t row_step() const { return int64_t(gridDim.x) * rows_per_cta; }
+};
+
 // dy = dout * sigmoid(g), dg = dout * y * sigmoid'(g), and the per-CTA column sums of both
-// (dy_part, dg_part [n_ctas, C] float32: the gradients of the biases of the projections that made
-// y and g). Rows are spread as in the row layer norm (RowNormThread): row_threads lanes per row,
-// kChunks 16-byte chunks per lane; the CTA's row slots are summed in a fixed order.
+// (dy_part, dg_part [n_ctas, C] float32, each optional: the gradients of the biases of the
+// projections that made y and g). The sums add what was stored (rounded to T), as the GEMMs that
+// follow see it.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(SigmoidGateBackwardParams p) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ float gate_sums[];  // [rows_per_cta][2][C]
-  RowNormThread<T, kChunks> th;
-  th.row_threads = p.row_threads;
-  th.sub = int(threadIdx.x % 32u) % p.row_threads;
-  const int rows_per_cta = kBlockOpThreads / p.row_threads, slot = threadIdx.x / p.row_threads;
-  float sum_dy[kChunks][kVec], sum_dg[kChunks][kVec];
+  const RowSlots<T, kChunks> rs(p.row_threads);
+  const RowNormThread<T, kChunks>& th = rs.th;
+  float sums[2][kChunks][kVec];  // (dy, dg)
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) sum_dy[c][e] = 0.f, sum_dg[c][e] = 0.f;
-  for (int64_t row = int64_t(blockIdx.x) * rows_per_cta + slot; row < p.M; row += int64_t(gridDim.x) * rows_per_cta) {
+    for (int e = 0; e < kVec; ++e) sums[0][c][e] = 0.f, sums[1][c][e] = 0.f;
+  for (int64_t row = rs.first_row(); row < p.M; row += rs.row_step()) {
+    const int64_t y_row = p.y_rows(row);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (!th.valid(c, p.C)) continue;
       const int col = th.col(c);
       Vec<T> g, y, d, dg, dy;
       g.load(static_cast<const T*>(p.g) + row * p.g_stride + col);
-      y.load(static_cast<const T*>(p.y) + row * p.y_stride + col);
+      y.load(static_cast<const T*>(p.y) + y_row + col);
       d.load(static_cast<const T*>(p.dout) + row * p.dout_stride + col);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float s = sigmoid(g.v[e]);
         dy.v[e] = d.v[e] * s;
         dg.v[e] = d.v[e] * y.v[e] * s * (1.f - s);
-        sum_dy[c][e] += float(T(dy.v[e]));
-        sum_dg[c][e] += float(T(dg.v[e]));
+        sums[0][c][e] += float(T(dy.v[e]));
+        sums[1][c][e] += float(T(dg.v[e]));
       }
-      dy.store(static_cast<T*>(p.dy) + row * p.dy_stride + col);
+      dy.store(static_cast<T*>(p.dy) + y_row + col);
       dg.store(static_cast<T*>(p.dg) + row * p.dg_stride + col);
     }
   }
-  float* mine = gate_sums + slot * 2 * p.C;
+  float* const part[2] = {p.dy_part, p.dg_part};
+  store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part);
+}
+
+// part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams).
+template <typename T, int kChunks>
+__global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumParams p) {
+  constexpr int kVec = Vec<T>::kSize;
+  extern __shared__ float column_sums[];  // [rows_per_cta][C]
+  const RowSlots<T, kChunks> rs(p.row_threads);
+  const RowNormThread<T, kChunks>& th = rs.th;
+  float sums[1][kChunks][kVec];
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    if (!th.valid(c, p.C)) continue;
+  for (int c = 0; c < kChunks; ++c)
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) mine[th.col(c) + e] = sum_dy[c][e], mine[p.C + th.col(c) + e] = sum_dg[c][e];
+    for (int e = 0; e < kVec; ++e) sums[0][c][e] = 0.f;
+#pragma unroll 4
+  for (int64_t row = rs.first_row(); row < p.M; row += rs.row_step()) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (!th.valid(c, p.C)) continue;
+      Vec<T> x;
+      x.load(static_cast<const T*>(p.x) + row * p.x_stride + th.col(c));
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sums[0][c][e] += x.v[e];
+    }
   }
-  __syncthreads();
-  for (int col = threadIdx.x; col < p.C; col += blockDim.x) {
-    float a = 0.f, b = 0.f;
-    for (int s = 0; s < rows_per_cta; ++s) a += gate_sums[s * 2 * p.C + col], b += gate_sums[s * 2 * p.C + p.C + col];
-    p.dy_part[int64_t(blockIdx.x) * p.C + col] = a;
-    p.dg_part[int64_t(blockIdx.x) * p.C + col] = b;
-  }
+  float* const part[1] = {p.part};
+  store_cta_column_sums<1>(th, rs.slot, rs.rows_per_cta, p.C, sums, column_sums, part);
 }
 
 }  // namespace block

@@ -2,8 +2,8 @@
 // folded projections' gradients back (block_ops.h, "Folding a layer norm's affine parameters").
 // The tensors are small (weights, not activations): what matters is one launch instead of a few
 // dozen tensor ops on the host. Warp per projection row for the element-wise parts and the row
-// dot products (lane partials, then a fixed butterfly); one thread per layer-norm column for the
-// column sums, looping over rows in order. No atomics: bitwise reproducible.
+// dot products (lane partials, then a fixed butterfly); a lane per layer-norm column and the CTA's
+// warps over the rows for the column sums, added in a fixed order. No atomics: bitwise reproducible.
 #pragma once
 
 #include "layer_norm.cuh"  // param_load, param_store
@@ -30,7 +30,10 @@ __device__ __forceinline__ bool locate_row(const Group* groups, int n_groups, in
   return false;
 }
 
-constexpr int kFoldWarps = 8;  // warps per CTA (kFoldWarps * 32 threads)
+constexpr int kFoldWarps = 8;     // warps per CTA (kFoldWarps * 32 threads)
+constexpr int kFoldColumns = 32;  // layer-norm columns per CTA of the column sums (one per lane)
+
+__host__ __device__ constexpr int column_chunks(int K) { return (K + kFoldColumns - 1) / kFoldColumns; }
 
 // W'[r, :] = W[r, :] * w,  c'[r] = c[r] + W[r, :] . b
 __global__ void __launch_bounds__(kFoldWarps * 32) fold_affine_kernel(FoldParams p) {
@@ -51,8 +54,10 @@ __global__ void __launch_bounds__(kFoldWarps * 32) fold_affine_kernel(FoldParams
 }
 
 // CTAs [0, row_ctas): dW[r, :] = dW'[r, :] * w + dc'[r] * b and dc[r] = dc'[r], a warp per row.
-// CTAs from row_ctas on: one thread per column k of a layer norm, summing over the rows of the
-// groups behind it in order: dw[k] = sum dW'[r, k] * W[r, k], db[k] = sum W[r, k] * dc'[r].
+// CTAs from row_ctas on: kFoldColumns columns k of one layer norm each (lane = column), summing over
+// the rows of the groups behind it: dw[k] = sum dW'[r, k] * W[r, k], db[k] = sum W[r, k] * dc'[r].
+// Warp w takes rows w, w + kFoldWarps, ... of each group in order; the warps' partials are then
+// added in warp order, so the sums are the same on every run.
 __global__ void __launch_bounds__(kFoldWarps * 32) unfold_affine_grads_kernel(UnfoldParams p, int row_ctas) {
   if (int(blockIdx.x) < row_ctas) {
     int g, r;
@@ -68,19 +73,36 @@ __global__ void __launch_bounds__(kFoldWarps * 32) unfold_affine_grads_kernel(Un
     if (lane == 0) param_store(G.dc, r, dc);
     return;
   }
-  int k = (int(blockIdx.x) - row_ctas) * kFoldWarps * 32 + int(threadIdx.x), n = 0;
-  while (n < p.n_norms && k >= p.K[n]) k -= p.K[n++];
-  if (n == p.n_norms) return;
+  int chunk = int(blockIdx.x) - row_ctas, n = 0;
+  while (n < p.n_norms && chunk >= column_chunks(p.K[n])) chunk -= column_chunks(p.K[n++]);
+  if (n == p.n_norms) return;  // uniform over the CTA
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int k = chunk * kFoldColumns + lane;
+  const bool active = k < p.K[n];
   float dw = 0.f, db = 0.f;
-  for (int g = 0; g < p.n_groups; ++g) {
-    const UnfoldGroup& G = p.group[g];
-    if (G.norm != n) continue;
-    for (int r = 0; r < G.R; ++r) {
-      const int64_t i = int64_t(r) * G.K + k;
-      const float W = param_load(G.W, i);
-      dw = fmaf(param_load(G.dW_folded, i), W, dw);
-      db = fmaf(W, param_load(G.dc_folded, r), db);
+  if (active) {
+    for (int g = 0; g < p.n_groups; ++g) {
+      const UnfoldGroup& G = p.group[g];
+      if (G.norm != n) continue;
+#pragma unroll 4
+      for (int r = warp; r < G.R; r += kFoldWarps) {
+        const int64_t i = int64_t(r) * G.K + k;
+        const float W = param_load(G.W, i);
+        dw = fmaf(param_load(G.dW_folded, i), W, dw);
+        db = fmaf(W, param_load(G.dc_folded, r), db);
+      }
     }
+  }
+  __shared__ float partial[2][kFoldWarps][kFoldColumns];
+  partial[0][warp][lane] = dw;
+  partial[1][warp][lane] = db;
+  __syncthreads();
+  if (warp != 0 || !active) return;
+  dw = db = 0.f;
+#pragma unroll
+  for (int w = 0; w < kFoldWarps; ++w) {
+    dw += partial[0][w][lane];
+    db += partial[1][w][lane];
   }
   param_store(p.dw[n], k, dw);
   param_store(p.db[n], k, db);

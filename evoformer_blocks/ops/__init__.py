@@ -1,6 +1,7 @@
 """The functional ops and their backends: ``evoformer_attention`` (the attention core of every
 Evoformer attention module), ``triangle_multiplication`` (the triangle multiplicative update) and
-``layer_norm``.
+``layer_norm``, and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
+``linear`` (whose backward sums the bias gradient with a kernel).
 
 Backends, one setting for every op: ``"eager"`` (plain PyTorch, any device and float dtype),
 ``"cutlass"`` (the fused CUDA kernels of csrc/cutlass_kernels, compute capability >= 8.0) and
@@ -21,6 +22,7 @@ from ._dispatch import (
 )
 from ._inputs import AttentionInputs, validate
 from .functional import DS4Sci_EvoformerAttention, evoformer_attention
+from .gating import linear, sigmoid_gate
 from .normalization import layer_norm
 from .triangle import triangle_multiplication
 
@@ -29,6 +31,8 @@ __all__ = [
     "DS4Sci_EvoformerAttention",
     "triangle_multiplication",
     "layer_norm",
+    "sigmoid_gate",
+    "linear",
     "set_backend",
     "backend",
     "get_default_backend",

@@ -7,7 +7,7 @@ stride of every tensor involved, so a caller can see at once what was passed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -21,8 +21,26 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in LOW_PRECISION else dtype
 
 
+class ValidatedInputs:
+    """Base of an op's validated inputs (a frozen dataclass whose first field is the op's primary
+    tensor): ``dtype`` and ``device`` are that tensor's, and ``tensors()`` (what error messages and
+    backends read) names every field that holds a tensor or None."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(self, fields(self)[0].name).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, fields(self)[0].name).device
+
+    def tensors(self) -> dict[str, Optional[torch.Tensor]]:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: t for name, t in values.items() if t is None or isinstance(t, torch.Tensor)}
+
+
 @dataclass(frozen=True)
-class AttentionInputs:
+class AttentionInputs(ValidatedInputs):
     """Validated inputs of ``evoformer_attention``.
 
     Dimension legend: B batch, N rows sharing the pair bias (MSA sequences or pair rows), Lq/Lk
@@ -64,14 +82,6 @@ class AttentionInputs:
     def is_empty(self) -> bool:
         """B, N, Lq or Lk is 0: the output is all zeros and no backend runs."""
         return min(self.batch, self.rows, self.len_q, self.len_k) == 0
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
     def tensors(self) -> dict[str, Optional[torch.Tensor]]:
         return {"q": self.q, "k": self.k, "v": self.v, "mask_bias": self.mask_bias, "pair_bias": self.pair_bias}

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
-from ._inputs import FLOAT_DTYPES, describe
+from ._inputs import FLOAT_DTYPES, ValidatedInputs, describe
 
 Tensor = torch.Tensor
 OP = "layer_norm"
@@ -26,8 +26,17 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW_BYTES = 32 * 4 * 16  # a row spread over one warp, four 16-byte chunks per lane
 
 
+def row_reasons(width: int, element_size: int, what: str) -> list[str]:
+    """Why rows of ``width`` elements do not fit the row kernels (empty when they do)."""
+    if (width * element_size) % 16:
+        return [f"{what}={width} channels are not a whole number of 16-byte chunks"]
+    if width * element_size > MAX_ROW_BYTES:
+        return [f"{what}={width} channels exceed the kernel's {MAX_ROW_BYTES // element_size}"]
+    return []
+
+
 @dataclass(frozen=True)
-class LayerNormInputs:
+class LayerNormInputs(ValidatedInputs):
     """Validated inputs of :func:`layer_norm`: x ``[*, C]``, weight and bias ``[C]`` or None."""
 
     x: Tensor
@@ -35,16 +44,6 @@ class LayerNormInputs:
     bias: Optional[Tensor]
     eps: float
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def tensors(self) -> dict[str, Optional[Tensor]]:
-        return {"x": self.x, "weight": self.weight, "bias": self.bias}
 
 
 def _fail(argument: str, rule: str, tensors: dict) -> None:
@@ -197,13 +196,7 @@ class CutlassLayerNorm(Backend):
     )
 
     def extra_reasons(self, inputs: LayerNormInputs) -> list[str]:
-        reasons = []
-        c, size = inputs.x.shape[-1], inputs.x.element_size()
-        if (c * size) % 16:
-            reasons.append(f"C={c} channels are not a whole number of 16-byte chunks")
-        if c * size > MAX_ROW_BYTES:
-            reasons.append(f"C={c} channels exceed the kernel's {MAX_ROW_BYTES // size}")
-        return reasons + _fused.build_reasons()
+        return row_reasons(inputs.x.shape[-1], inputs.x.element_size(), "C") + _fused.build_reasons()
 
     def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
         x, eps = inputs.x, inputs.eps

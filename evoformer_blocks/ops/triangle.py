@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from . import _dispatch, _fused
 from .normalization import MAX_ROW_BYTES
 from ._dispatch import Backend, Capabilities
-from ._inputs import FLOAT_DTYPES, LOW_PRECISION, describe
+from ._inputs import FLOAT_DTYPES, LOW_PRECISION, ValidatedInputs, describe
 
 Tensor = torch.Tensor
 OP = "triangle_multiplication"
@@ -38,7 +38,7 @@ _WEIGHTS = (
 
 
 @dataclass(frozen=True)
-class TriangleInputs:
+class TriangleInputs(ValidatedInputs):
     """Validated inputs of :func:`triangle_multiplication` (shapes in its docstring)."""
 
     z: Tensor
@@ -46,14 +46,6 @@ class TriangleInputs:
     weights: dict  # name -> Tensor, the keys of _WEIGHTS
     outgoing: bool
     eps: float
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.z.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.z.device
 
     @property
     def c_z(self) -> int:

@@ -1,0 +1,273 @@
+"""The two element-wise pieces around every gated attention and projection of a block:
+
+* ``sigmoid_gate(g, y) = sigmoid(g) * y``, the gate of an attention output (AF2 Algorithms 7, 8, 13,
+  14);
+* ``linear(x, weight, bias) = x @ weight.T + bias``, ``torch.nn.functional.linear``.
+
+Backends, chosen by the same setting as every op (:func:`evoformer_blocks.ops.set_backend`):
+
+* ``"eager"``: the PyTorch expressions above;
+* ``"cutlass"`` (CUDA, float16/bfloat16/float32): ``sigmoid_gate`` runs one fused kernel forward and
+  one backward (dg and dy from one read of g, y and the output gradient). ``y`` may be a permuted
+  view (the attention output in the op's ``[B, N, L, H, C]`` layout seen in the module's
+  ``[B, L, N, H * C]`` order): the kernels follow its rows where they lie, and dy comes back in y's
+  layout, so nothing is transposed in memory either way. ``linear`` computes the forward and the
+  input and weight gradients with the same cuBLAS calls as PyTorch and sums the bias gradient with
+  a column-sum kernel (float32 per-CTA partials added in a fixed order) in place of PyTorch's
+  reduction, which reads a tall ``[rows, out]`` gradient at a fraction of the memory bandwidth.
+
+Both backends give the same results up to floating-point rounding (the bias gradient sums in float32
+in another order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _dispatch, _fused
+from ._dispatch import Backend, Capabilities
+from ._inputs import FLOAT_DTYPES, ValidatedInputs, describe
+from .normalization import row_reasons
+
+Tensor = torch.Tensor
+GATE_OP = "sigmoid_gate"
+LINEAR_OP = "linear"
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---- sigmoid_gate -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateInputs(ValidatedInputs):
+    g: Tensor
+    y: Tensor
+
+
+def validate_gate(g, y) -> GateInputs:
+    tensors = {"g": g, "y": y}
+
+    def fail(argument: str, rule: str) -> None:
+        raise ValueError(f"sigmoid_gate: invalid `{argument}`: {rule}\n{describe(tensors)}")
+
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.dim() < 1:
+            fail(name, "must be a floating torch.Tensor [*, C]")
+    if y.shape != g.shape or y.dtype != g.dtype or y.device != g.device:
+        fail("y", f"must have g's shape, dtype and device ({list(g.shape)}, {g.dtype}, {g.device})")
+    return GateInputs(g, y)
+
+
+def sigmoid_gate(g: Tensor, y: Tensor, *, backend: Optional[str] = None) -> Tensor:
+    """``torch.sigmoid(g) * y`` for ``g`` and ``y`` of one shape ``[*, C]``, dtype and device; the
+    result is contiguous. ``y`` may be any strided view.
+
+    Raises:
+        ValueError: the arguments differ in shape, dtype or device, or the requested backend cannot
+            run them.
+    """
+    inputs = validate_gate(g, y)
+    if g.numel() == 0:
+        return _eager_gate(inputs)
+    return _dispatch.select(GATE_OP, inputs, backend).forward(inputs, None)
+
+
+def _eager_gate(inputs: GateInputs) -> Tensor:
+    return torch.sigmoid(inputs.g) * inputs.y
+
+
+@torch.library.custom_op("evoformer_blocks::fused_sigmoid_gate_fwd", mutates_args=(), device_types="cuda")
+def sigmoid_gate_fwd(g: Tensor, y: Tensor) -> Tensor:
+    return _fused.kernels().sigmoid_gate_fwd(g, y)
+
+
+@sigmoid_gate_fwd.register_fake
+def _(g, y):
+    return g.new_empty(g.shape)
+
+
+@torch.library.custom_op("evoformer_blocks::fused_sigmoid_gate_bwd", mutates_args=(), device_types="cuda")
+def sigmoid_gate_bwd(dout: Tensor, g: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """(dg contiguous, dy as ``torch.empty_like(y)``: y's layout where y is dense, else contiguous)."""
+    dg, dy = _fused.kernels().sigmoid_gate_bwd(dout, g, y)
+    return dg, dy
+
+
+@sigmoid_gate_bwd.register_fake
+def _(dout, g, y):
+    return g.new_empty(g.shape), torch.empty_like(y)
+
+
+def _gate_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+sigmoid_gate_fwd.register_autograd(
+    lambda ctx, dout: sigmoid_gate_bwd(dout, *ctx.saved_tensors), setup_context=_gate_setup
+)
+
+
+class _FusedGateFunction(torch.autograd.Function):
+    """The fused gate kernels with the custom ops' autograd, without the custom-op layers (less host
+    time per call outside torch.compile)."""
+
+    @staticmethod
+    def forward(ctx, g, y):
+        ctx.save_for_backward(g, y)
+        return _fused.kernels().sigmoid_gate_fwd(g, y)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(_fused.kernels().sigmoid_gate_bwd(dout, *ctx.saved_tensors))
+
+
+class EagerSigmoidGate(Backend):
+    name = "eager"
+    op = GATE_OP
+    capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=())
+
+    def forward(self, inputs: GateInputs, chunk_size: Optional[int] = None) -> Tensor:
+        return _eager_gate(inputs)
+
+
+class CutlassSigmoidGate(Backend):
+    name = "cutlass"
+    op = GATE_OP
+    capabilities = Capabilities(
+        dtypes=_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
+    )
+
+    def extra_reasons(self, inputs: GateInputs) -> list[str]:
+        return row_reasons(inputs.g.shape[-1], inputs.g.element_size(), "C") + _fused.build_reasons()
+
+    def forward(self, inputs: GateInputs, chunk_size: Optional[int] = None) -> Tensor:
+        if torch.compiler.is_compiling():
+            return sigmoid_gate_fwd(inputs.g, inputs.y)
+        return _FusedGateFunction.apply(inputs.g, inputs.y)
+
+
+# ---- linear -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearInputs(ValidatedInputs):
+    x: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+
+
+def validate_linear(x, weight, bias=None) -> LinearInputs:
+    tensors = {"x": x, "weight": weight, "bias": bias}
+
+    def fail(argument: str, rule: str) -> None:
+        raise ValueError(f"linear: invalid `{argument}`: {rule}\n{describe(tensors)}")
+
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:
+        fail("x", "must be a floating torch.Tensor [*, in]")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        fail("weight", f"must be a torch.Tensor [out, in] with in = x.shape[-1] = {x.shape[-1]}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        fail("bias", f"must be None or a torch.Tensor [out] = [{weight.shape[0]}]")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            fail(name, f"must be on x's device ({x.device})")
+    return LinearInputs(x, weight, bias)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)``: ``[*, in] -> [*, out]`` (autocast applies as
+    to ``F.linear``). The backends differ only in how the backward sums the bias gradient.
+
+    Raises:
+        ValueError: the shapes do not fit or the requested backend cannot run the inputs.
+    """
+    inputs = validate_linear(x, weight, bias)
+    if bias is None or x.numel() == 0 or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return _dispatch.select(LINEAR_OP, inputs, backend).forward(inputs, None)
+
+
+@torch.library.custom_op("evoformer_blocks::fused_column_sum", mutates_args=(), device_types="cuda")
+def column_sum(x: Tensor) -> Tensor:
+    """The float32 sum over the rows of ``x [*, C]`` (fixed order)."""
+    return _fused.kernels().column_sum(x)
+
+
+@column_sum.register_fake
+def _(x):
+    return x.new_empty(x.shape[-1], dtype=torch.float32)
+
+
+def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
+    kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
+    if dy.is_cuda and dy.dtype in _KERNEL_DTYPES and not row_reasons(dy.shape[-1], dy.element_size(), "out"):
+        total = column_sum(dy) if torch.compiler.is_compiling() else _fused.kernels().column_sum(dy)
+    else:
+        total = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
+    return total.to(dtype)
+
+
+def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Optional[str] = None) -> bool:
+    """Whether ``linear(x, weight, bias, backend=backend)`` sums its bias gradient with the kernel
+    (for modules that compute a projection in a function of their own)."""
+    return _dispatch.select(LINEAR_OP, validate_linear(x, weight, bias), backend).name == CutlassLinear.name
+
+
+class _FusedBiasLinear(torch.autograd.Function):
+    """``F.linear`` whose backward sums the bias gradient with :func:`bias_gradient`. Input and
+    weight gradients as PyTorch computes them (in the output gradient's dtype, so that autocast
+    training works: weights and inputs may be float32 under a bfloat16 output)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = bias.dtype
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, out]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(dy2, weight.to(dy2.dtype)).view(x.shape).to(x.dtype)  # [*, in]
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]).to(dy2.dtype)).to(weight.dtype)  # [out, in]
+        if ctx.needs_input_grad[2]:
+            db = bias_gradient(dy2, ctx.bias_dtype)  # [out]
+        return dx, dw, db
+
+
+class EagerLinear(Backend):
+    name = "eager"
+    op = LINEAR_OP
+    capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=())
+
+    def forward(self, inputs: LinearInputs, chunk_size: Optional[int] = None) -> Tensor:
+        return F.linear(inputs.x, inputs.weight, inputs.bias)
+
+
+class CutlassLinear(Backend):
+    name = "cutlass"
+    op = LINEAR_OP
+    capabilities = Capabilities(
+        dtypes=_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
+    )
+
+    def extra_reasons(self, inputs: LinearInputs) -> list[str]:
+        return _fused.build_reasons()
+
+    def forward(self, inputs: LinearInputs, chunk_size: Optional[int] = None) -> Tensor:
+        return _FusedBiasLinear.apply(inputs.x, inputs.weight, inputs.bias)
+
+
+_dispatch.register(CutlassSigmoidGate(), auto_priority=10)
+_dispatch.register(EagerSigmoidGate(), auto_priority=100)
+_dispatch.register(CutlassLinear(), auto_priority=10)
+_dispatch.register(EagerLinear(), auto_priority=100)
