@@ -10,6 +10,7 @@ from einops import rearrange
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_tensor
 from ._chunking import chunked
+from .ops import linear
 from .primitives import LayerNorm, Linear
 
 
@@ -30,12 +31,12 @@ class Transition(nn.Module):
         self.c, self.n = c, n
         self.layer_norm = LayerNorm(c, backend=backend)
         self.linear_1 = Linear(c, n * c, init="relu", backend=backend)
-        self.relu = nn.ReLU()
         self.linear_2 = Linear(n * c, c, init="final", backend=backend)
 
     def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.layer_norm(x)  # [*, N_b, c]
-        x = self.relu(self.linear_1(x))  # [*, N_b, n * c]
+        # relu(linear_1(x)), the ReLU in the GEMM's epilogue where the backend can
+        x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
         return self.linear_2(x) * mask  # [*, N_b, c]
 
     def forward(

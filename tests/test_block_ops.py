@@ -244,6 +244,7 @@ def test_sigmoid_gate_and_linear_eager_are_the_pytorch_expressions():
     assert torch.equal(out, torch.nn.functional.linear(x, w, b))
     out.sum().backward()
     assert torch.equal(b.grad, torch.full((3,), 8.0))
+    assert torch.equal(ops.linear(x, w, b, activation="relu"), torch.relu(torch.nn.functional.linear(x, w, b)))
 
 
 @pytest.mark.parametrize(
@@ -255,6 +256,7 @@ def test_sigmoid_gate_and_linear_eager_are_the_pytorch_expressions():
         (lambda: ops.linear(torch.randn(3, 8), torch.randn(4, 5)), "weight"),
         (lambda: ops.linear(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5)), "bias"),
         (lambda: ops.linear(torch.ones(3, 8, dtype=torch.int64), torch.randn(4, 8)), "x"),
+        (lambda: ops.linear(torch.randn(3, 8), torch.randn(4, 8), activation="gelu"), "activation"),
     ],
 )
 def test_gate_and_linear_invalid_arguments(make, argument):

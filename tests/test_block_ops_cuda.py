@@ -226,19 +226,23 @@ def test_sigmoid_gate_returns_dy_in_the_layout_of_y():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows, c_in, c_out", [(1, 16, 8), (7, 32, 64), (1000, 64, 128), (3000, 128, 512), (513, 64, 1024)])
-def test_linear_matches_reference(dtype, rows, c_in, c_out):
-    x = torch.randn(rows, c_in, device=DEV).to(dtype).requires_grad_(True)
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_linear_matches_reference(dtype, rows, c_in, c_out, activation):
+    x = torch.randn(3, rows, c_in, device=DEV).to(dtype)[1].requires_grad_(True)
     w = (torch.randn(c_out, c_in, device=DEV) / c_in**0.5).to(dtype).requires_grad_(True)
     b = torch.randn(c_out, device=DEV).to(dtype).requires_grad_(True)
     dout = torch.randn(rows, c_out, device=DEV)
-    fused = run_with_grads(lambda: ops.linear(x, w, b, backend="cutlass"), [x, w, b], dout)
-    eager = run_with_grads(lambda: ops.linear(x, w, b, backend="eager"), [x, w, b], dout)
+    fused = run_with_grads(lambda: ops.linear(x, w, b, activation=activation, backend="cutlass"), [x, w, b], dout)
+    eager = run_with_grads(lambda: ops.linear(x, w, b, activation=activation, backend="eager"), [x, w, b], dout)
     leaves = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
-    ref = run_with_grads(lambda: F.linear(*leaves), leaves, dout.double())
+    act = torch.relu if activation == "relu" else (lambda t: t)
+    ref = run_with_grads(lambda: act(F.linear(*leaves)), leaves, dout.double())
     for name, a, e, r in zip(("out", "dx", "dw", "db"), fused, eager, ref):
-        check(name, a, e, r, dtype)
-    again = run_with_grads(lambda: ops.linear(x, w, b, backend="cutlass"), [x, w, b], dout)
+        check(f"{name} ({activation})", a, e, r, dtype)
+    again = run_with_grads(lambda: ops.linear(x, w, b, activation=activation, backend="cutlass"), [x, w, b], dout)
     assert torch.equal(again[3], fused[3]), "the bias gradient must be bitwise reproducible"
+    with torch.no_grad():
+        assert torch.equal(ops.linear(x, w, b, activation=activation, backend="cutlass"), fused[0])
 
 
 def test_linear_under_autocast_keeps_parameter_dtypes():

@@ -2,7 +2,8 @@
 
 * ``sigmoid_gate(g, y) = sigmoid(g) * y``, the gate of an attention output (AF2 Algorithms 7, 8, 13,
   14);
-* ``linear(x, weight, bias) = x @ weight.T + bias``, ``torch.nn.functional.linear``.
+* ``linear(x, weight, bias) = x @ weight.T + bias``, ``torch.nn.functional.linear``, optionally
+  followed by a ReLU.
 
 Backends, chosen by the same setting as every op (:func:`evoformer_blocks.ops.set_backend`):
 
@@ -14,7 +15,8 @@ Backends, chosen by the same setting as every op (:func:`evoformer_blocks.ops.se
   layout, so nothing is transposed in memory either way. ``linear`` computes the forward and the
   input and weight gradients with the same cuBLAS calls as PyTorch and sums the bias gradient with
   a column-sum kernel (float32 per-CTA partials added in a fixed order) in place of PyTorch's
-  reduction, which reads a tall ``[rows, out]`` gradient at a fraction of the memory bandwidth.
+  reduction, which reads a tall ``[rows, out]`` gradient at a fraction of the memory bandwidth; a
+  ReLU after it runs in the GEMM's epilogue (the transitions' first layer).
 
 Both backends give the same results up to floating-point rounding (the bias gradient sums in float32
 in another order).
@@ -159,9 +161,13 @@ class LinearInputs(ValidatedInputs):
     x: Tensor
     weight: Tensor
     bias: Optional[Tensor]
+    relu: bool = False
 
 
-def validate_linear(x, weight, bias=None) -> LinearInputs:
+ACTIVATIONS = (None, "relu")
+
+
+def validate_linear(x, weight, bias=None, activation=None) -> LinearInputs:
     tensors = {"x": x, "weight": weight, "bias": bias}
 
     def fail(argument: str, rule: str) -> None:
@@ -176,20 +182,48 @@ def validate_linear(x, weight, bias=None) -> LinearInputs:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             fail(name, f"must be on x's device ({x.device})")
-    return LinearInputs(x, weight, bias)
+    if activation not in ACTIVATIONS:
+        fail("activation", f"must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    return LinearInputs(x, weight, bias, activation == "relu")
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    activation: Optional[str] = None,
+    backend: Optional[str] = None,
+) -> Tensor:
     """``torch.nn.functional.linear(x, weight, bias)``: ``[*, in] -> [*, out]`` (autocast applies as
-    to ``F.linear``). The backends differ only in how the backward sums the bias gradient.
+    to ``F.linear``), followed by ``torch.relu`` when ``activation="relu"``.
+
+    The backends compute the same function. ``cutlass`` sums the bias gradient with a kernel, and
+    with ``activation="relu"`` and a bias it applies the ReLU in the GEMM's epilogue (cuBLASLt, where
+    x, weight and bias share one dtype and autocast is off), so the pre-activation tensor is never
+    written; the backward recovers the ReLU's mask from the output.
 
     Raises:
-        ValueError: the shapes do not fit or the requested backend cannot run the inputs.
+        ValueError: the shapes do not fit, ``activation`` is not None or ``"relu"``, or the
+            requested backend cannot run the inputs.
     """
-    inputs = validate_linear(x, weight, bias)
-    if bias is None or x.numel() == 0 or not torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
+    inputs = validate_linear(x, weight, bias, activation)
+    if bias is None or x.numel() == 0:
+        return _eager_linear(inputs)
     return _dispatch.select(LINEAR_OP, inputs, backend).forward(inputs, None)
+
+
+def _eager_linear(inputs: LinearInputs) -> Tensor:
+    y = F.linear(inputs.x, inputs.weight, inputs.bias)
+    return torch.relu(y) if inputs.relu else y
+
+
+def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """relu(x @ weight.T + bias), in the GEMM's epilogue where it can be."""
+    if x.dtype == weight.dtype == bias.dtype and not torch.is_autocast_enabled(x.device.type):
+        y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t())  # [rows, out]
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return torch.relu(F.linear(x, weight, bias))
 
 
 @torch.library.custom_op("evoformer_blocks::fused_column_sum", mutates_args=(), device_types="cuda")
@@ -220,19 +254,23 @@ def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Option
 
 
 class _FusedBiasLinear(torch.autograd.Function):
-    """``F.linear`` whose backward sums the bias gradient with :func:`bias_gradient`. Input and
-    weight gradients as PyTorch computes them (in the output gradient's dtype, so that autocast
-    training works: weights and inputs may be float32 under a bfloat16 output)."""
+    """``F.linear`` (with ``relu``: then ReLU, fused into the GEMM by :func:`_linear_relu`) whose
+    backward sums the bias gradient with :func:`bias_gradient`. Input and weight gradients as
+    PyTorch computes them (in the output gradient's dtype, so that autocast training works: weights
+    and inputs may be float32 under a bfloat16 output)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, relu):
+        y = _linear_relu(x, weight, bias) if relu else F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight, y if relu else None)
         ctx.bias_dtype = bias.dtype
-        return F.linear(x, weight, bias)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, y = ctx.saved_tensors
+        if y is not None:
+            dy = torch.ops.aten.threshold_backward(dy, y, 0)  # the ReLU's gradient: 0 where y = 0
         dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, out]
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -241,7 +279,7 @@ class _FusedBiasLinear(torch.autograd.Function):
             dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]).to(dy2.dtype)).to(weight.dtype)  # [out, in]
         if ctx.needs_input_grad[2]:
             db = bias_gradient(dy2, ctx.bias_dtype)  # [out]
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 class EagerLinear(Backend):
@@ -250,7 +288,7 @@ class EagerLinear(Backend):
     capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=())
 
     def forward(self, inputs: LinearInputs, chunk_size: Optional[int] = None) -> Tensor:
-        return F.linear(inputs.x, inputs.weight, inputs.bias)
+        return _eager_linear(inputs)
 
 
 class CutlassLinear(Backend):
@@ -264,7 +302,9 @@ class CutlassLinear(Backend):
         return _fused.build_reasons()
 
     def forward(self, inputs: LinearInputs, chunk_size: Optional[int] = None) -> Tensor:
-        return _FusedBiasLinear.apply(inputs.x, inputs.weight, inputs.bias)
+        if not torch.is_grad_enabled():
+            return _linear_relu(inputs.x, inputs.weight, inputs.bias) if inputs.relu else _eager_linear(inputs)
+        return _FusedBiasLinear.apply(inputs.x, inputs.weight, inputs.bias, inputs.relu)
 
 
 _dispatch.register(CutlassSigmoidGate(), auto_priority=10)
