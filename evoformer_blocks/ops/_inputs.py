@@ -28,11 +28,15 @@ class ValidatedInputs:
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(self, fields(self)[0].name).dtype
+        return self._primary().dtype
 
     @property
     def device(self) -> torch.device:
-        return getattr(self, fields(self)[0].name).device
+        return self._primary().device
+
+    def _primary(self) -> torch.Tensor:
+        # the first field (read on every op call: the dataclass's field dict, not fields())
+        return getattr(self, next(iter(self.__dataclass_fields__)))
 
     def tensors(self) -> dict[str, Optional[torch.Tensor]]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
