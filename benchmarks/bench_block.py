@@ -21,20 +21,26 @@ attention cores 4 * rows * H * L^2 * C (q.k and p.v), the outer product 2 * S * 
 triangle products 2 * R^3 * c; forward+backward counts 3x the forward for projections and products
 (the input and the weight gradient) and 3.5x for the attention cores (recomputation).
 
-    python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--json out.json]
+With --profile, the CUDA kernels of one forward+backward of the default block (torch.profiler,
+gradients by torch.autograd.grad as in the timing, grouped by kernel name).
+
+    python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
+                                     [--json out.json]
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    H100_SXM, CommandLine, Impl, markdown_table, measure, optional_import, run_info_line, speedup, write_json, fmt,
+    H100_SXM, CommandLine, Impl, kernel_breakdown, make_step, markdown_table, measure, optional_import, run_info_line,
+    speedup, write_json, fmt,
 )
 
 import evoformer_blocks as eb  # noqa: E402
@@ -241,6 +247,8 @@ def breakdown(block, m, z, msa_mask, pair_mask, args) -> list[dict]:
 def main() -> None:
     cli = CommandLine(__doc__, shapes=[c.label() for c in CASES], impls=list(IMPLS))
     cli.add_argument("--breakdown", action="store_true", help="time the nine sub-modules and the module-level peers")
+    cli.add_argument("--profile", action="store_true",
+                     help="list the CUDA kernels of one forward+backward of the default block (torch.profiler)")
     args = cli.parse()
     print(run_info_line(), flush=True)
     results = []
@@ -269,6 +277,13 @@ def main() -> None:
             d, c = row["impls"]["default"], row["impls"]["compiled"]
             print(f"compiled over default: fwd {speedup(d.get('fwd_ms'), c.get('fwd_ms'))}, "
                   f"f+b {speedup(d.get('fwdbwd_ms'), c.get('fwdbwd_ms'))}", flush=True)
+        if args.profile:
+            step = make_step(partial(run_default, block, m, z, msa_mask, pair_mask), leaves, backward=not args.forward_only)
+            total, launches, kernels = kernel_breakdown(step)
+            print(f"CUDA kernels of one {'forward' if args.forward_only else 'forward+backward'} (default): "
+                  f"{total:.2f} ms in {launches} launches", flush=True)
+            print(markdown_table(["ms", "launches", "kernel"], [[f"{k[0]:.3f}", k[1], k[2]] for k in kernels]), flush=True)
+            row["kernels"] = {"total_ms": total, "launches": launches, "top": kernels}
         if args.breakdown:
             print("per module (default backend), fwd / fwd+bwd ms:", flush=True)
             row["breakdown"] = breakdown(block, m, z, msa_mask, pair_mask, args)

@@ -224,6 +224,27 @@ def warm_up(step: Callable[[], Any], iters: int = 3) -> None:
     torch.cuda.synchronize()
 
 
+def kernel_breakdown(step: Callable[[], Any], iters: int = 3, top: int = 25) -> tuple[float, int, list[list[Any]]]:
+    """The CUDA kernels of `step` (torch.profiler, after warm-up), grouped by kernel name: (total ms
+    per iteration, launches per iteration, rows [ms per iteration, launches per iteration, name] of
+    the `top` costliest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    warm_up(step)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        warm_up(step, iters)
+    groups: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            group = groups.setdefault(event.name, [0.0, 0])
+            group[0] += event.device_time_total / 1e3 / iters
+            group[1] += 1
+    total = sum(g[0] for g in groups.values())
+    launches = sum(g[1] for g in groups.values()) // iters
+    rows = sorted(([ms, count // iters, name[:100]] for name, (ms, count) in groups.items()), key=lambda r: -r[0])
+    return total, launches, rows[:top]
+
+
 def median_ms(step: Callable[[], Any], *, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     from triton.testing import do_bench
 
