@@ -1,6 +1,7 @@
 // TORCH_LIBRARY bindings of the block ops: the layer norm, the triangle multiplicative update, the
-// sigmoid gate of an output and the column sums of bias gradients, forward and backward. The Python op (evoformer_blocks.ops) validates the arguments; the checks
-// here only guard the kernels' memory accesses for direct torch.ops calls.
+// sigmoid gate of an output and the column sums of bias gradients, forward and backward. The Python
+// ops (evoformer_blocks.ops) validate the arguments; the checks here only guard the kernels' memory
+// accesses for direct torch.ops calls.
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
 //   layer_norm_fwd(x [..., C], weight?, bias?, eps) -> (y [..., C], mean [M], rstd [M])
@@ -76,9 +77,9 @@ int row_threads_for(int64_t C, int64_t element_size) {
   return t;
 }
 
-// Whether a row of C values fits the row kernels: at most kMaxRowChunks 16-byte chunks per lane.
-bool chunks_fit(int64_t C, int64_t element_size) {
-  return C * element_size <= int64_t(32) * kMaxRowChunks * 16;
+// Whether a row of C values fits the row kernels: whole 16-byte chunks, at most kMaxRowChunks per lane.
+bool row_fits(int64_t C, int64_t element_size) {
+  return C * element_size % 16 == 0 && C * element_size <= int64_t(32) * kMaxRowChunks * 16;
 }
 
 // CTAs of a row-norm launch: one per group of rows, at most four per SM (the backward's affine
@@ -507,7 +508,7 @@ int64_t gate_shape(const at::Tensor& g, const at::Tensor& y, const char* op) {
               op, ": `g` and `y` must be [..., C] tensors of one shape, dtype and device, got ", g.sizes(), " and ",
               y.sizes());
   const int64_t C = g.size(-1);
-  TORCH_CHECK(C * g.element_size() % 16 == 0 && chunks_fit(C, g.element_size()), op,
+  TORCH_CHECK(row_fits(C, g.element_size()), op,
               ": C must be a whole number of 16-byte chunks, at most ", kMaxRowChunks, " per lane, got ", C);
   return C;
 }
@@ -562,7 +563,7 @@ at::Tensor column_sum(const at::Tensor& x_in) {
   const char* op = "column sum";
   check_cuda(x_in, "x", op);
   const int64_t C = x_in.dim() >= 1 ? x_in.size(-1) : 0;
-  TORCH_CHECK(x_in.dim() >= 1 && C * x_in.element_size() % 16 == 0 && chunks_fit(C, x_in.element_size()), op,
+  TORCH_CHECK(x_in.dim() >= 1 && row_fits(C, x_in.element_size()), op,
               ": `x` must be [..., C] with C a whole number of 16-byte chunks, at most ", kMaxRowChunks,
               " per lane, got ", x_in.sizes());
   const c10::cuda::CUDAGuard guard(x_in.device());

@@ -149,51 +149,6 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_kernel(SigmoidGa
   });
 }
 
-// The CTA's column sums: thread (slot, lane) holds sums[i] over its rows for its columns; row
-// blockIdx.x of part[i] ([n_ctas, C], skipped when nullptr) gets their sum over the CTA's row
-// slots, in slot order. smem: kParts * rows_per_cta * C floats.
-template <int kParts, typename T, int kChunks>
-__device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kChunks>& th, int slot, int rows_per_cta,
-                                                      int C, const float (&sums)[kParts][kChunks][Vec<T>::kSize],
-                                                      float* smem, float* const (&part)[kParts]) {
-  float* mine = smem + slot * kParts * C;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    if (!th.valid(c, C)) continue;
-#pragma unroll
-    for (int i = 0; i < kParts; ++i)
-#pragma unroll
-      for (int e = 0; e < Vec<T>::kSize; ++e) mine[i * C + th.col(c) + e] = sums[i][c][e];
-  }
-  __syncthreads();
-  for (int col = threadIdx.x; col < C; col += blockDim.x) {
-#pragma unroll
-    for (int i = 0; i < kParts; ++i) {
-      if (part[i] == nullptr) continue;
-      float total = 0.f;
-      for (int s = 0; s < rows_per_cta; ++s) total += smem[(s * kParts + i) * C + col];
-      part[i][int64_t(blockIdx.x) * C + col] = total;
-    }
-  }
-}
-
-// The thread of a row kernel (rows spread as in the row layer norm: row_threads lanes per row,
-// kChunks 16-byte chunks per lane) and its CTA's row slots.
-template <typename T, int kChunks>
-struct RowSlots {
-  RowNormThread<T, kChunks> th;
-  int rows_per_cta, slot;
-
-  __device__ __forceinline__ explicit RowSlots(int row_threads) {
-    th.row_threads = row_threads;
-    th.sub = int(threadIdx.x % 32u) % row_threads;
-    rows_per_cta = kBlockOpThreads / row_threads;
-    slot = threadIdx.x / row_threads;
-  }
-  __device__ __forceinline__ int64_t first_row() const { return int64_t(blockIdx.x) * rows_per_cta + slot; }
-  __device__ __forceinline__ int64_t row_step() const { return int64_t(gridDim.x) * rows_per_cta; }
-};
-
 // dy = dout * sigmoid(g), dg = dout * y * sigmoid'(g), and the per-CTA column sums of both
 // (dy_part, dg_part [n_ctas, C] float32, each optional: the gradients of the biases of the
 // projections that made y and g). The sums add what was stored (rounded to T), as the GEMMs that
@@ -232,7 +187,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(
     }
   }
   float* const part[2] = {p.dy_part, p.dg_part};
-  store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part);
+  store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part, p.C);
 }
 
 // part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams).
@@ -259,7 +214,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumPa
     }
   }
   float* const part[1] = {p.part};
-  store_cta_column_sums<1>(th, rs.slot, rs.rows_per_cta, p.C, sums, column_sums, part);
+  store_cta_column_sums<1>(th, rs.slot, rs.rows_per_cta, p.C, sums, column_sums, part, p.C);
 }
 
 }  // namespace block

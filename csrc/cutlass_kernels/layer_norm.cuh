@@ -105,18 +105,60 @@ struct RowNormThread {
   __device__ __forceinline__ int col(int c) const { return (sub + c * row_threads) * kVec; }
 };
 
+// The thread of a row kernel (rows spread as in the row layer norm: row_threads lanes per row,
+// kChunks 16-byte chunks per lane) and its CTA's row slots.
+template <typename T, int kChunks>
+struct RowSlots {
+  RowNormThread<T, kChunks> th;
+  int rows_per_cta, slot;
+
+  __device__ __forceinline__ explicit RowSlots(int row_threads) {
+    th.row_threads = row_threads;
+    th.sub = int(threadIdx.x % 32u) % row_threads;
+    rows_per_cta = kBlockOpThreads / row_threads;
+    slot = threadIdx.x / row_threads;
+  }
+  __device__ __forceinline__ int64_t first_row() const { return int64_t(blockIdx.x) * rows_per_cta + slot; }
+  __device__ __forceinline__ int64_t row_step() const { return int64_t(gridDim.x) * rows_per_cta; }
+};
+
+// The CTA's column sums: thread (slot, lane) holds sums[i] over its rows for its columns; row
+// blockIdx.x of part[i] (rows part_stride floats apart; skipped when nullptr) gets their sum over the
+// CTA's row slots, in slot order. smem: kParts * rows_per_cta * C floats.
+template <int kParts, typename T, int kChunks>
+__device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kChunks>& th, int slot, int rows_per_cta,
+                                                      int C, const float (&sums)[kParts][kChunks][Vec<T>::kSize],
+                                                      float* smem, float* const (&part)[kParts], int64_t part_stride) {
+  float* mine = smem + slot * kParts * C;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (!th.valid(c, C)) continue;
+#pragma unroll
+    for (int i = 0; i < kParts; ++i)
+#pragma unroll
+      for (int e = 0; e < Vec<T>::kSize; ++e) mine[i * C + th.col(c) + e] = sums[i][c][e];
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < C; col += blockDim.x) {
+#pragma unroll
+    for (int i = 0; i < kParts; ++i) {
+      if (part[i] == nullptr) continue;
+      float total = 0.f;
+      for (int s = 0; s < rows_per_cta; ++s) total += smem[(s * kParts + i) * C + col];
+      part[i][int64_t(blockIdx.x) * part_stride + col] = total;
+    }
+  }
+}
+
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
 // x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
 // or absent.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
-  Th th;
-  const int lane = threadIdx.x % 32u;
-  th.row_threads = p.row_threads;
-  th.sub = lane % p.row_threads;
-  const int rows_per_cta = kBlockOpThreads / p.row_threads;
-  const int slot = threadIdx.x / p.row_threads;
+  RowSlots<T, kChunks> rs(p.row_threads);
+  Th& th = rs.th;
+  const int rows_per_cta = rs.rows_per_cta, slot = rs.slot;
   const float inv_c = 1.f / float(p.C);
   for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {  // uniform per CTA
     const int64_t row = group * rows_per_cta + slot;
@@ -174,14 +216,13 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
   using Th = RowNormThread<T, kChunks>;
   constexpr int kVec = Th::kVec;
   extern __shared__ float partial_smem[];  // [rows_per_cta][2][C] when the affine gradient is wanted
-  Th th;
-  const int lane = threadIdx.x % 32u;
-  th.row_threads = p.row_threads;
-  th.sub = lane % p.row_threads;
-  const int rows_per_cta = kBlockOpThreads / p.row_threads;
-  const int slot = threadIdx.x / p.row_threads;
+  RowSlots<T, kChunks> rs(p.row_threads);
+  Th& th = rs.th;
+  const int rows_per_cta = rs.rows_per_cta, slot = rs.slot;
   const float inv_c = 1.f / float(p.C);
-  float dw[kChunks][kVec], db[kChunks][kVec];
+  float sums[2][kChunks][kVec];  // over the thread's rows: dy * x_hat (the weight's gradient), dy (the bias's)
+  float (&dw)[kChunks][kVec] = sums[0];
+  float (&db)[kChunks][kVec] = sums[1];
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
 #pragma unroll
@@ -227,23 +268,8 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
     }
   }
   if (p.affine_part == nullptr) return;
-  // Sum the CTA's row slots in a fixed order: slot s writes its sums, then one thread per channel
-  // adds the slots 0, 1, ... and writes the CTA's partial.
-  float* mine = partial_smem + slot * 2 * p.C;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    if (!th.valid(c, p.C)) continue;
-    const int col = th.col(c);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) mine[col + i] = dw[c][i], mine[p.C + col + i] = db[c][i];
-  }
-  __syncthreads();
-  for (int col = threadIdx.x; col < p.C; col += blockDim.x) {
-    float w = 0.f, b = 0.f;
-    for (int s = 0; s < rows_per_cta; ++s) w += partial_smem[s * 2 * p.C + col], b += partial_smem[s * 2 * p.C + p.C + col];
-    p.affine_part[int64_t(blockIdx.x) * 2 * p.C + col] = w;
-    p.affine_part[int64_t(blockIdx.x) * 2 * p.C + p.C + col] = b;
-  }
+  float* const part[2] = {p.affine_part, p.affine_part + p.C};  // [gridDim.x, (dweight, dbias), C]
+  store_cta_column_sums<2>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 2 * int64_t(p.C));
 }
 
 // ---- channel-major layer norm -----------------------------------------------------------------
