@@ -59,7 +59,9 @@ class _StackedProjection(torch.autograd.Function):
 
     The backward accumulates dx with one GEMM per projection into one buffer and computes each
     weight's gradient on its own, so the per-projection gradients are never concatenated (autograd's
-    backward of a split would copy them all into one tensor first).
+    backward of a split would copy them all into one tensor first). When the gradients of the first
+    three outputs arrive as column slices of one ``[rows, 3 * width]`` matrix (the cutlass attention
+    writes dq, dk, dv so), that matrix takes one GEMM for dx and one for the three weights.
     """
 
     @staticmethod
@@ -78,7 +80,16 @@ class _StackedProjection(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         dx, dweights = None, []
         x2 = None
-        for i, (grad, weight) in enumerate(zip(grads, weights)):
+        qkv = _one_matrix(grads[:3])  # [rows, 3 * width] when the attention wrote them so
+        if qkv is not None and any(ctx.needs_input_grad[3:6]):
+            w = torch.cat(weights[:3]).to(qkv.dtype)  # [3 * width, c_in]
+            dx = torch.mm(qkv, w)  # [rows, c_in]
+            x2 = x.reshape(-1, x.shape[-1]).to(qkv.dtype)
+            dw = torch.mm(qkv.t(), x2).split(weights[0].shape[0])  # 3 x [width, c_in]
+            dweights = [d.to(t.dtype) if ctx.needs_input_grad[3 + i] else None
+                        for i, (d, t) in enumerate(zip(dw, weights))]
+            grads, weights = grads[3:], weights[3:]
+        for i, (grad, weight) in enumerate(zip(grads, weights), start=len(dweights)):
             if grad is None:
                 dweights.append(None)
                 continue
@@ -96,6 +107,40 @@ class _StackedProjection(torch.autograd.Function):
             dbias = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else g2.sum(0).to(ctx.bias_dtype)
         dx = None if dx is None else dx.view(x.shape).to(x.dtype)
         return (dx, dbias, None, *dweights)
+
+
+def _row_pitch(t: torch.Tensor) -> Optional[int]:
+    """Elements between consecutive rows of ``t [..., w]`` seen as a ``[rows, w]`` matrix (0 for at
+    most one row); None when its leading dims do not flatten into one strided dim."""
+    pitch = expected = None
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if pitch is not None and stride != expected:
+            return None
+        pitch = stride if pitch is None else pitch
+        expected = stride * size
+    return 0 if pitch is None else pitch
+
+
+def _one_matrix(grads) -> Optional[torch.Tensor]:
+    """The ``[rows, 3 * width]`` matrix whose column slices hold the rows of the three gradients
+    ``[..., width]``, when they are laid out so (the cutlass attention's backward writes dq, dk, dv
+    that way for the stacked projection: ops.cutlass.stacked_gradients); else None."""
+    if any(g is None for g in grads):
+        return None
+    q, k, v = grads
+    width = q.shape[-1]
+    pitch = _row_pitch(q)
+    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
+        return None
+    if pitch not in (0, 3 * width) or q.dtype != k.dtype or q.dtype != v.dtype:
+        return None
+    step = width * q.element_size()
+    if k.data_ptr() != q.data_ptr() + step or v.data_ptr() != q.data_ptr() + 2 * step:
+        return None
+    rows = q.numel() // width
+    return q.as_strided((rows, 3 * width), (3 * width, 1))  # [rows, 3 * width]
 
 
 class _GatedAttention(nn.Module):

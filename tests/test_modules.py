@@ -538,3 +538,56 @@ def test_linear_init_schemes():
 def test_linear_rejects_unknown_init():
     with pytest.raises(ValueError, match="`init`"):
         Linear(3, 2, init="lecun")
+
+
+# ---- the stacked projection's gradients written as one matrix ---------------------------------------
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_stacked_gradients_follow_the_projection_layout(transposed):
+    # the attention's q, k, v as the modules make them: slices of one [B, A, B', 4 * H * C] output
+    from einops import rearrange
+
+    from evoformer_blocks.attention import _one_matrix
+    from evoformer_blocks.ops.cutlass import stacked_gradients
+
+    heads, c = 2, 8
+    y = torch.randn(2, 5, 7, 4 * heads * c, dtype=torch.float64)
+    to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
+    q, k, v, _ = (rearrange(t, to_heads, h=heads) for t in y.split(heads * c, dim=-1))
+    dq, dk, dv = stacked_gradients(q, k, v)
+    for g, t in zip((dq, dk, dv), (q, k, v)):
+        assert g.shape == t.shape
+        g.copy_(torch.randn_like(t))
+    back = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
+    grads = [rearrange(g, back) for g in (dq, dk, dv)]  # what the projection's backward receives
+    matrix = _one_matrix(grads)
+    assert matrix is not None and matrix.shape == (2 * 5 * 7, 3 * heads * c)
+    for slot, g in enumerate(grads):
+        torch.testing.assert_close(matrix[:, slot * heads * c:(slot + 1) * heads * c], g.reshape(-1, heads * c))
+    assert _one_matrix([g.contiguous() for g in grads]) is None  # separate tensors: the per-slice path
+    assert stacked_gradients(q.contiguous(), k.contiguous(), v.contiguous()) is None
+
+
+def test_stacked_projection_backward_is_the_same_either_way():
+    from types import SimpleNamespace
+
+    from evoformer_blocks.attention import _one_matrix, _StackedProjection
+    from evoformer_blocks.ops.cutlass import stacked_gradients
+
+    x = torch.randn(3, 4, 6, 16, dtype=torch.float64)
+    weights = [torch.randn(12, 16, dtype=torch.float64) for _ in range(4)]
+    ctx = SimpleNamespace(saved_tensors=(x, *weights), needs_input_grad=(True,) * 7, bias_dtype=torch.float64,
+                          fused_bias_grad=False)
+    views = torch.randn(3, 4, 6, 48, dtype=torch.float64).split(12, dim=-1)
+    stacked = stacked_gradients(*(t.unflatten(-1, (3, 4)) for t in views[:3]))
+    grads = [g.flatten(-2) for g in stacked] + [torch.randn(3, 4, 6, 12, dtype=torch.float64)]
+    for g in grads[:3]:
+        g.copy_(torch.randn_like(g))
+    assert _one_matrix(grads[:3]) is not None  # the one-matrix path runs
+    fast = _StackedProjection.backward(ctx, *grads)
+    slow = _StackedProjection.backward(ctx, *[g.contiguous() for g in grads])
+    for a, b in zip(fast, slow):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)

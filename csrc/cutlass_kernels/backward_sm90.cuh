@@ -433,9 +433,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   warpgroup_wait<0>();
   warpgroup_fence_operand(tQrdQ);
 
-  const int64_t row_stride = int64_t(p.H) * p.D;
-  Element* dq_out = static_cast<Element*>(p.dq) + (b * p.N + n) * p.Lq * row_stride + h * p.D;  // [Lq, D]
-  store_scaled_rows<Element, kDTiles>(dq, dq_out, row_stride, m0 + warp_row0 + lane / 4, p.Lq, p.D, p.scale, lane);
+  Element* dq_out = static_cast<Element*>(p.dq) + p.dq_strides.at(b, n, 0, h);  // [Lq, D], rows dq_strides.l apart
+  store_scaled_rows<Element, kDTiles>(dq, dq_out, p.dq_strides.l, m0 + warp_row0 + lane / 4, p.Lq, p.D, p.scale, lane);
 #endif
 }
 

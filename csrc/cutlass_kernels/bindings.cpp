@@ -18,6 +18,10 @@
 //       takes the forward's prepared tensors (and the caller's pair bias, read when pair_prepared is
 //       [0]); dmask_dtype: the mask bias's dtype when its gradient is wanted, else None. The bias
 //       gradients come in their biases' broadcast shapes and dtypes; one not asked for is [0].
+//   backward_into(the same arguments, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> (dmask_bias, dpair_bias)
+//       writes dq, dk, dv into the caller's tensors (any layout with D contiguous and even row
+//       strides: e.g. rows of one buffer laid out as the caller's projection) instead of new
+//       contiguous ones.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -185,6 +189,17 @@ void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
   TORCH_CHECK(t.device() == q.device() && t.scalar_type() == q.scalar_type() && t.sizes() == q.sizes(),
               "evoformer attention backward: `", name, "` must match q's shape, dtype and device; ", describe(name, t),
               "; ", describe("q", q));
+}
+
+// A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row 4-byte
+// aligned (the kernels store pairs of elements). Absent: the binding allocates a contiguous one.
+void guard_gradient_out(const char* name, const std::optional<at::Tensor>& t, const at::Tensor& like) {
+  if (!t.has_value()) return;
+  bool ok = t->device() == like.device() && t->scalar_type() == like.scalar_type() && t->sizes() == like.sizes() &&
+            t->stride(4) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0;
+  for (int d = 0; d < 4; ++d) ok = ok && t->stride(d) % 2 == 0;
+  TORCH_CHECK(ok, "evoformer attention backward: `", name, "` must match its input's shape, dtype and device, with D ",
+              "contiguous and even row strides; ", describe(name, *t), "; ", describe("input", like));
 }
 
 void check_scale(double scale) {
@@ -393,12 +408,19 @@ int choose_n_chunk_size(const AttentionParams& p, int blocks_per_sm) {
   return int((p.N + chunks - 1) / chunks);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+// The backward of both entry points below; dq_out, dk_out, dv_out: the caller's gradient tensors, or
+// absent (new contiguous ones).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& stats_in, const at::Tensor& mask_prepared,
     const std::optional<at::Tensor>& pair_bias, const at::Tensor& pair_prepared, double scale,
-    const std::string& family, std::optional<at::ScalarType> dmask_dtype, bool need_dpair) {
+    const std::string& family, std::optional<at::ScalarType> dmask_dtype, bool need_dpair,
+    const std::optional<at::Tensor>& dq_out, const std::optional<at::Tensor>& dk_out,
+    const std::optional<at::Tensor>& dv_out) {
   guard_qkv(q_in, k_in, v_in);
+  guard_gradient_out("dq_out", dq_out, q_in);
+  guard_gradient_out("dk_out", dk_out, k_in);
+  guard_gradient_out("dv_out", dv_out, v_in);
   check_scale(scale);
   guard_like_q("dout", dout_in, q_in);
   guard_like_q("out", out_in, q_in);
@@ -450,8 +472,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   const Kernels kernels = kernels_for(fam, q.scalar_type(), p.D, pair_kind);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
-  at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = dq_out.value_or(at::empty(q.sizes(), q.options()));
+  at::Tensor dk = dk_out.value_or(at::empty(k.sizes(), k.options()));
+  at::Tensor dv = dv_out.value_or(at::empty(v.sizes(), v.options()));
   at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
@@ -459,6 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
   p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+  p.dq_strides = row_strides(dq), p.dk_strides = row_strides(dk), p.dv_strides = row_strides(dv);
   p.dmask = need_dmask ? dmask_part.data_ptr<float>() : nullptr;
   p.dpair = need_dpair ? dpair_part.data_ptr<float>() : nullptr;
   kernels.backward(p, stream);
@@ -481,6 +505,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, dmask, dpair};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& stats, const at::Tensor& mask_prepared, const std::optional<at::Tensor>& pair_bias,
+    const at::Tensor& pair_prepared, double scale, const std::string& family,
+    std::optional<at::ScalarType> dmask_dtype, bool need_dpair) {
+  return run_backward(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype,
+                      need_dpair, std::nullopt, std::nullopt, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_into(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& stats, const at::Tensor& mask_prepared, const std::optional<at::Tensor>& pair_bias,
+    const at::Tensor& pair_prepared, double scale, const std::string& family,
+    std::optional<at::ScalarType> dmask_dtype, bool need_dpair, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  auto grads = run_backward(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family,
+                            dmask_dtype, need_dpair, dq, dk, dv);
+  return {std::get<3>(grads), std::get<4>(grads)};
+}
+
 }  // namespace
 }  // namespace evoformer
 
@@ -493,9 +536,14 @@ TORCH_LIBRARY(evoformer_blocks_cuda, m) {
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
       "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "backward_into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
+      "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair, "
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("forward", &evoformer::forward);
   m.impl("backward", &evoformer::backward);
+  m.impl("backward_into", &evoformer::backward_into);
 }

@@ -86,17 +86,16 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[kDTiles][4]
 }
 
 // dK/dV epilogue of a warp's 16 keys (rows g and g + 8 of its accumulator tiles; `key` is row g's
-// index): dK * scale and dV into their [B, N, Lk, H, D] tensors, and the per-key mask-bias
+// index): dK * scale and dV into their [B, N, Lk, H, D] tensors (at their strides), and the per-key mask-bias
 // gradient of (b, n, h) (the quad-summed dmask_acc) when it is wanted; keys past Lk are skipped.
 template <typename Element, int kDTiles>
 __device__ __forceinline__ void store_dkdv_rows(const float (&dk)[kDTiles][4], const float (&dv)[kDTiles][4],
                                                 const float (&dmask_acc)[2], const AttentionParams& p, int64_t b,
                                                 int64_t n, int64_t h, int key, int lane) {
-  const int64_t row_stride = int64_t(p.H) * p.D;
-  Element* dk_out = static_cast<Element*>(p.dk) + (b * p.N + n) * p.Lk * row_stride + h * p.D;  // [Lk, D]
-  Element* dv_out = static_cast<Element*>(p.dv) + (b * p.N + n) * p.Lk * row_stride + h * p.D;
-  store_scaled_rows<Element, kDTiles>(dk, dk_out, row_stride, key, p.Lk, p.D, p.scale, lane);
-  store_scaled_rows<Element, kDTiles>(dv, dv_out, row_stride, key, p.Lk, p.D, 1.f, lane);
+  Element* dk_out = static_cast<Element*>(p.dk) + p.dk_strides.at(b, n, 0, h);  // [Lk, D], rows dk_strides.l apart
+  Element* dv_out = static_cast<Element*>(p.dv) + p.dv_strides.at(b, n, 0, h);
+  store_scaled_rows<Element, kDTiles>(dk, dk_out, p.dk_strides.l, key, p.Lk, p.D, p.scale, lane);
+  store_scaled_rows<Element, kDTiles>(dv, dv_out, p.dv_strides.l, key, p.Lk, p.D, 1.f, lane);
   const int64_t bnh = (b * p.N + n) * p.H + h;
 #pragma unroll
   for (int r = 0; r < 2; ++r, key += 8) {

@@ -68,9 +68,10 @@ struct AttentionParams {
   const void* dout;  // [B, N, Lq, H, D]
   RowStrides do_strides;
   float* delta;      // [B, N, H, Lq] contiguous: rowsum(dout * out)
-  void* dq;          // [B, N, Lq, H, D] contiguous
-  void* dk;          // [B, N, Lk, H, D] contiguous
-  void* dv;          // [B, N, Lk, H, D] contiguous
+  void* dq;          // [B, N, Lq, H, D], rows at dq_strides (D contiguous, every row 4-byte aligned)
+  void* dk;          // [B, N, Lk, H, D], rows at dk_strides
+  void* dv;          // [B, N, Lk, H, D], rows at dv_strides
+  RowStrides dq_strides, dk_strides, dv_strides;
   float* dmask;      // [B, N, H, Lk] contiguous fp32 partial (sum over queries); nullptr: not wanted
   float* dpair;      // [n_chunks, B, H, Lq, Lk] contiguous fp32 partial (sum over the chunk's rows n);
                      // nullptr: not wanted

@@ -203,6 +203,33 @@ attention_fwd.register_autograd(
 )
 
 
+def stacked_gradients(q: Tensor, k: Tensor, v: Tensor) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """dq, dk, dv as column slices of the rows of one new ``[rows, 3 * H * D]`` tensor, in q, k and v's
+    own row order, when q, k, v are the first three ``H * D``-wide column slices of the rows of one
+    tensor (the modules' stacked projection ``[..., 4 * H * D]``, seen as ``[B, N, L, H, D]``, also
+    permuted): the projection's backward then reads the three gradients as one matrix, and the
+    permuted views of column attention and the ending node need no copy. None for other layouts."""
+    hd = q.shape[3] * q.shape[4]
+    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()):
+        return None
+    if q.stride(4) != 1 or (q.shape[3] > 1 and q.stride(3) != q.shape[4]) or hd % 2:
+        return None
+    if k.storage_offset() - q.storage_offset() != hd or v.storage_offset() - q.storage_offset() != 2 * hd:
+        return None
+    storage = q.untyped_storage().data_ptr()
+    if k.untyped_storage().data_ptr() != storage or v.untyped_storage().data_ptr() != storage:
+        return None
+    row_dims = [d for d in range(3) if q.shape[d] > 1]
+    pitch = min((q.stride(d) for d in row_dims), default=3 * hd)  # elements between q's nearest rows
+    if pitch < 3 * hd or any(q.stride(d) % pitch for d in row_dims):
+        return None
+    width = 3 * hd
+    rows = 1 + sum((q.shape[d] - 1) * (q.stride(d) // pitch) for d in row_dims)  # the span of q's rows
+    buffer = q.new_empty(rows, width)  # [rows, 3 * H * D]
+    strides = [q.stride(d) // pitch * width if q.shape[d] > 1 else width for d in range(3)] + [q.shape[4], 1]
+    return tuple(buffer.as_strided(q.shape, strides, slot * hd) for slot in range(3))  # [B, N, L, H, D] each
+
+
 class _CutlassAttentionFunction(torch.autograd.Function):
     """The autograd.Function that calls the cutlass kernels without the custom-op layers: the same
     kernels, save and gradients as the custom ops above.
@@ -222,7 +249,15 @@ class _CutlassAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return _gradients(ctx, dout, _kernels().backward)
+        buffers = stacked_gradients(*ctx.saved_tensors[:3])
+        if buffers is None:
+            return _gradients(ctx, dout, _kernels().backward)
+
+        def into(*args):  # the kernels write dq, dk, dv into the stacked buffer
+            dmask, dpair = _kernels().backward_into(*args, *buffers)
+            return (*buffers, dmask, dpair)
+
+        return _gradients(ctx, dout, into)
 
 
 def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
