@@ -34,7 +34,7 @@ from torch import nn
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
 from .ops import evoformer_attention, sigmoid_gate
 from .ops.gating import bias_gradient, fused_bias_gradient
-from .ops._inputs import compute_dtype
+from .ops._inputs import as_dtype, compute_dtype
 from .primitives import LayerNorm, Linear, mask_to_bias
 
 __all__ = [
@@ -82,11 +82,11 @@ class _StackedProjection(torch.autograd.Function):
         x2 = None
         qkv = _one_matrix(grads[:3])  # [rows, 3 * width] when the attention wrote them so
         if qkv is not None and any(ctx.needs_input_grad[3:6]):
-            w = torch.cat(weights[:3]).to(qkv.dtype)  # [3 * width, c_in]
+            w = as_dtype(torch.cat(weights[:3]), qkv.dtype)  # [3 * width, c_in]
             dx = torch.mm(qkv, w)  # [rows, c_in]
-            x2 = x.reshape(-1, x.shape[-1]).to(qkv.dtype)
+            x2 = as_dtype(x.reshape(-1, x.shape[-1]), qkv.dtype)
             dw = torch.mm(qkv.t(), x2).split(weights[0].shape[0])  # 3 x [width, c_in]
-            dweights = [d.to(t.dtype) if ctx.needs_input_grad[3 + i] else None
+            dweights = [as_dtype(d, t.dtype) if ctx.needs_input_grad[3 + i] else None
                         for i, (d, t) in enumerate(zip(dw, weights))]
             grads, weights = grads[3:], weights[3:]
         for i, (grad, weight) in enumerate(zip(grads, weights), start=len(dweights)):
@@ -94,18 +94,18 @@ class _StackedProjection(torch.autograd.Function):
                 dweights.append(None)
                 continue
             g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
-            w = weight.to(g2.dtype)
+            w = as_dtype(weight, g2.dtype)
             dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)  # [rows, c_in]
             if ctx.needs_input_grad[3 + i]:
-                x2 = x.reshape(-1, x.shape[-1]).to(g2.dtype) if x2 is None else x2
-                dweights.append(torch.mm(g2.t(), x2).to(weight.dtype))  # [width, c_in]
+                x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype) if x2 is None else x2
+                dweights.append(as_dtype(torch.mm(g2.t(), x2), weight.dtype))  # [width, c_in]
             else:
                 dweights.append(None)
         dbias = None
         if ctx.needs_input_grad[1] and grads[-1] is not None:
             g2 = grads[-1].reshape(-1, grads[-1].shape[-1])  # [rows, width]
-            dbias = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else g2.sum(0).to(ctx.bias_dtype)
-        dx = None if dx is None else dx.view(x.shape).to(x.dtype)
+            dbias = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
+        dx = None if dx is None else as_dtype(dx.view(x.shape), x.dtype)
         return (dx, dbias, None, *dweights)
 
 

@@ -45,7 +45,7 @@ def run_with_grads(fn, leaves, dout):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 37, 128), (1000, 256), (5, 1024)])
-@pytest.mark.parametrize("params", ["affine", "none", "float32 affine"])
+@pytest.mark.parametrize("params", ["affine", "none", "float32 affine", "float32 weight"])
 def test_layer_norm_matches_reference(dtype, shape, params):
     c = shape[-1]
     if c * torch.finfo(dtype).bits // 8 > 2048:
@@ -53,8 +53,9 @@ def test_layer_norm_matches_reference(dtype, shape, params):
     x = (torch.randn(shape, device=DEV) * 2 + 0.5).to(dtype).requires_grad_(True)
     pdtype = torch.float32 if params == "float32 affine" else dtype
     w = b = None
-    if params != "none":
-        w = (1 + 0.5 * torch.randn(c, device=DEV)).to(pdtype).requires_grad_(True)
+    if params != "none":  # "float32 weight": the weight float32, the bias in x's dtype
+        w = (1 + 0.5 * torch.randn(c, device=DEV)).to(pdtype if params != "float32 weight" else torch.float32)
+        w.requires_grad_(True)
         b = torch.randn(c, device=DEV).to(pdtype).requires_grad_(True)
     leaves = [t for t in (x, w, b) if t is not None]
     dout = torch.randn(shape, device=DEV)
@@ -221,7 +222,29 @@ def test_sigmoid_gate_returns_dy_in_the_layout_of_y():
     assert dy.unflatten(-1, (2, 32)).permute(0, 2, 1, 3, 4).is_contiguous()
     torch.library.opcheck(gating.sigmoid_gate_fwd, (g, y), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(gating.sigmoid_gate_bwd, (dout, g, y), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(gating.column_sum, (dout,), test_utils=("test_schema", "test_faketensor"))
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(gating.column_sum, (dout, dtype), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, c", [(1, 8), (5, 24), (4097, 128), (300_000, 64), (20_000, 1024)])
+def test_column_sum_adds_every_cta_in_a_fixed_order(dtype, out_dtype, rows, c):
+    # the kernel's last CTA adds the per-CTA partials (hundreds of CTAs at 300k rows): against float64,
+    # no worse than torch's float32 sum rounded the same way, and bitwise equal run to run
+    from evoformer_blocks.ops import _fused
+
+    if c * torch.finfo(dtype).bits // 8 > 2048:
+        pytest.skip("wider than the kernel's rows: the op routes it to eager")
+    x = torch.randn(rows, c, device=DEV).to(dtype)
+    kernels = _fused.kernels()
+    total, again = kernels.column_sum(x, out_dtype), kernels.column_sum(x, out_dtype)
+    assert total.dtype == out_dtype and total.shape == (c,) and torch.equal(total, again)
+    ref = x.double().sum(0)
+    eager = x.sum(0, dtype=torch.float32).to(out_dtype)
+    e_fused, e_eager = (total.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
+    floor = 1e-6 * x.double().abs().sum(0).max().item()
+    assert math.isfinite(e_fused) and e_fused <= RATIO * e_eager + floor, f"{e_fused:.3e} vs torch {e_eager:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -5,8 +5,9 @@
 //
 // Ops (namespace evoformer_blocks_cuda), CUDA only:
 //   layer_norm_fwd(x [..., C], weight?, bias?, eps) -> (y [..., C], mean [M], rstd [M])
-//   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine)
-//       -> (dx, [2, C] fp32: the gradients of weight and bias, or [0] without need_affine)
+//   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine, affine_dtype)
+//       -> (dx, [2, C] in affine_dtype (a float type): the gradients of weight and bias, or [0] without
+//           need_affine)
 //   (weight and bias: contiguous float16, bfloat16 or float32, read in their own dtype)
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z],
@@ -15,17 +16,19 @@
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
 //   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
-//   column_sum(x [..., C]) -> [C] float32, the sum over rows (a projection's bias gradient)
+//   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
 // them. The layer norms' affine parameters are folded into the projections that follow them
 // (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
 // forward's folded weights.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -59,6 +62,25 @@ at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   maybe_poison(t);
   return t;
 }
+
+// Per-CTA partial sums [ctas, parts] float32 (parts floats per CTA), then the group partials and the
+// tickets (zeroed on `stream`) of a kernel whose last CTAs add the partials into `out` (ColumnTotals).
+struct PartialSums {
+  at::Tensor part;
+  ColumnTotals totals;
+
+  PartialSums(int64_t ctas, int64_t parts, const at::TensorOptions& f32, ParamTensor out0, ParamTensor out1,
+              cudaStream_t stream) {
+    const int64_t groups = (ctas + kCtasPerSumGroup - 1) / kCtasPerSumGroup;
+    part = output({(ctas + groups) * parts + groups + 1}, f32);  // [ctas + groups, parts], tickets [groups + 1]
+    totals.group_part = part.data_ptr<float>() + ctas * parts;
+    totals.tickets = reinterpret_cast<unsigned*>(totals.group_part + groups * parts);
+    totals.out[0] = out0;
+    totals.out[1] = out1;
+    C10_CUDA_CHECK(cudaMemsetAsync(totals.tickets, 0, (groups + 1) * sizeof(unsigned), stream));
+  }
+  float* data() { return part.data_ptr<float>(); }
+};
 
 // x as [M, C] rows with C contiguous and 16-byte aligned rows (a copy only when the layout is not).
 at::Tensor as_rows(const at::Tensor& x, int64_t C) {
@@ -140,7 +162,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
 // (else [0]) of norm_rows.
 std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, const at::Tensor& x_in,
                                                       ParamTensor weight, const at::Tensor& mean,
-                                                      const at::Tensor& rstd, bool affine_grad) {
+                                                      const at::Tensor& rstd, bool affine_grad,
+                                                      at::ScalarType affine_dtype = at::kFloat) {
   const int64_t C = x_in.size(-1);
   at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
   const int64_t M = x.size(0);
@@ -148,15 +171,18 @@ std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, c
   const auto f32 = x.options().dtype(at::kFloat);
   const int row_threads = row_threads_for(C, x.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
-  at::Tensor part = affine_grad ? output({ctas, 2, C}, f32) : at::Tensor();  // [ctas, (dweight, dbias), C]
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto affine_options = x.options().dtype(affine_dtype);
+  if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options)};
+  at::Tensor affine = affine_grad ? output({2, C}, affine_options) : at::empty({0}, f32);  // (dweight, dbias)
+  std::optional<PartialSums> sums;  // [ctas, (dweight, dbias), C], added by the last CTA into affine
+  if (affine_grad) sums.emplace(ctas, 2 * C, f32, param_tensor(affine[0]), param_tensor(affine[1]), stream);
   RowNormBackwardParams p{x.data_ptr(), dy.data_ptr(), dx.data_ptr(), weight, mean.data_ptr<float>(),
-                          rstd.data_ptr<float>(), affine_grad ? part.data_ptr<float>() : nullptr, M,
+                          rstd.data_ptr<float>(), affine_grad ? sums->data() : nullptr, M,
                           M > 1 ? x.stride(0) : C, M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
-  by_dtype(x.scalar_type(), "layer norm backward", [&](auto element) {
-    launch_layer_norm_rows_backward<decltype(element)>(p, ctas, c10::cuda::getCurrentCUDAStream());
-  });
-  // the CTAs' partials summed in a fixed order
-  at::Tensor affine = affine_grad ? (M > 0 ? part.sum(0) : at::zeros({2, C}, f32)) : at::empty({0}, f32);
+  if (affine_grad) p.totals = sums->totals;
+  by_dtype(x.scalar_type(), "layer norm backward",
+           [&](auto element) { launch_layer_norm_rows_backward<decltype(element)>(p, ctas, stream); });
   return {dx, affine};
 }
 
@@ -171,14 +197,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                   const std::optional<at::Tensor>& weight, const at::Tensor& mean,
-                                                  const at::Tensor& rstd, bool need_affine) {
+                                                  const at::Tensor& rstd, bool need_affine,
+                                                  at::ScalarType affine_dtype) {
   check_cuda(x, "x", "layer norm backward");
+  TORCH_CHECK(affine_dtype == at::kHalf || affine_dtype == at::kBFloat16 || affine_dtype == at::kFloat,
+              "layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
               "layer norm backward: `dy` must match `x`, got ", dy.sizes(), " and ", x.sizes());
   TORCH_CHECK(mean.numel() * x.size(-1) == x.numel() && rstd.numel() == mean.numel(),
               "layer norm backward: `mean` and `rstd` must hold one value per row of x");
   const c10::cuda::CUDAGuard guard(x.device());
-  auto [dx, affine] = norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine);
+  auto [dx, affine] =
+      norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine, affine_dtype);
   return {dx.view(x.sizes()), affine};
 }
 
@@ -293,12 +323,16 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   at::Tensor dg = output({s.M, s.cz}, z.options()), dy = output({s.M, s.cz}, z.options());
   const int gate_threads = row_threads_for(s.cz, z.element_size());
   const int gate_ctas = row_norm_ctas(s.M, gate_threads);
-  at::Tensor dg_part = output({gate_ctas, s.cz}, f32), dy_part = output({gate_ctas, s.cz}, f32);
-  const SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
-                                     dg_part.data_ptr<float>(), dy_part.data_ptr<float>(), s.M, s.cz, s.cz, s.cz,
-                                     RowMap::strided(s.cz), int(s.cz), gate_threads};
+  // db_z, db_g [c_z]: the gate kernel's last CTA adds its partials in a fixed order
+  at::Tensor db_z = output({s.cz}, f32), db_g = output({s.cz}, f32);
+  if (s.M == 0) db_z.zero_(), db_g.zero_();
+  PartialSums sums(gate_ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
+  float* const dy_part = sums.data();  // [gate_ctas, c_z] each
+  float* const dg_part = dy_part + int64_t(gate_ctas) * s.cz;
+  SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
+                               dg_part, dy_part, s.M, s.cz, s.cz, s.cz, RowMap::strided(s.cz), int(s.cz), gate_threads};
+  sp.totals = sums.totals;
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
-  at::Tensor db_z = dy_part.sum(0), db_g = dg_part.sum(0);  // [c_z], partials summed in a fixed order
 
   // y = n_hat . w_z^T + b_z
   at::Tensor dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
@@ -324,7 +358,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor bias = b_ab.to(at::kFloat).contiguous().view({4, s.c});
   const at::Tensor w4 = w_ab.view({4, s.c, s.cz});
   at::Tensor dw_ab = output({4, s.c, s.cz}, w_ab.options());
-  at::Tensor db_ab = output({4, s.c}, f32);
+  at::Tensor db_ab = s.M > 0 ? output({4, s.c}, f32) : at::zeros({4, s.c}, f32);  // the gate kernels' row sums
   const int64_t group = channel_group(s, z.element_size());
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
@@ -340,14 +374,24 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
     const int chunks = int(std::max<int64_t>(
         1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * current_sm_count() / (2 * k) + 1)));
-    at::Tensor bias_part = output({4 * k, chunks}, f32);
-    const GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
-                                    mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
-                                    dab.data_ptr(), bias_part.data_ptr<float>(), s.M, s.M, s.M, s.M, int(k),
-                                    vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
+    // [4 k, chunks] partial sums, then 2 k tickets: a row's last CTA adds its partials into db_ab
+    at::Tensor bias_part = output({4 * k * chunks + 2 * k}, f32);
+    float* const partials = bias_part.data_ptr<float>();
+    GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
+                              mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
+                              dab.data_ptr(), partials, s.M, s.M, s.M, s.M, int(k),
+                              vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
+    bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
+    bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
+    bp.total_stride = s.c;
+    C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
-    dw_ab.narrow(1, c0, k).copy_(at::mm(dab, x_hat).view({4, k, s.cz}));
-    db_ab.narrow(1, c0, k).copy_(bias_part.sum(1).view({4, k}));
+    if (k == s.c) {
+      at::Tensor dw_ab_rows = dw_ab.view({4 * s.c, s.cz});  // one group: straight into dw_ab
+      at::mm_out(dw_ab_rows, dab, x_hat);
+    } else {
+      dw_ab.narrow(1, c0, k).copy_(at::mm(dab, x_hat).view({4, k, s.cz}));
+    }
     dx.addmm_(dab.t(), wk);
   }
   dp.reset();
@@ -558,8 +602,9 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd(const at::Tensor& dout_in, c
   return {dg, dy_out};
 }
 
-// The float32 sums over rows of x [..., C] (a projection's bias gradient), in a fixed order.
-at::Tensor column_sum(const at::Tensor& x_in) {
+// The sums over rows of x [..., C] (a projection's bias gradient) in float32, in a fixed order, then
+// rounded to dtype (a float type).
+at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
   const char* op = "column sum";
   check_cuda(x_in, "x", op);
   const int64_t C = x_in.dim() >= 1 ? x_in.size(-1) : 0;
@@ -570,15 +615,18 @@ at::Tensor column_sum(const at::Tensor& x_in) {
   const at::Tensor x = as_rows(x_in, C);
   const int64_t M = x.size(0);
   const auto f32 = x.options().dtype(at::kFloat);
-  if (M == 0) return at::zeros({C}, f32);
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op,
+              ": `dtype` must be float16, bfloat16 or float32, got ", dtype);
+  if (M == 0) return at::zeros({C}, x.options().dtype(dtype));
   const int row_threads = row_threads_for(C, x.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
-  at::Tensor part = output({ctas, C}, f32);
-  const ColumnSumParams p{x.data_ptr(), part.data_ptr<float>(), M, M > 1 ? x.stride(0) : C, int(C), row_threads};
-  by_dtype(x.scalar_type(), op, [&](auto e) {
-    launch_column_sum<decltype(e)>(p, ctas, c10::cuda::getCurrentCUDAStream());
-  });
-  return part.sum(0);  // the CTAs' partials in a fixed order
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor total = output({C}, x.options().dtype(dtype));
+  PartialSums sums(ctas, C, f32, param_tensor(total), kNoParam, stream);  // added by the last CTA in a fixed order
+  ColumnSumParams p{x.data_ptr(), sums.data(), M, M > 1 ? x.stride(0) : C, int(C), row_threads};
+  p.totals = sums.totals;
+  by_dtype(x.scalar_type(), op, [&](auto e) { launch_column_sum<decltype(e)>(p, ctas, stream); });
+  return total;
 }
 
 }  // namespace
@@ -588,7 +636,8 @@ at::Tensor column_sum(const at::Tensor& x_in) {
 TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine) "
+      "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine, "
+      "ScalarType affine_dtype) "
       "-> (Tensor, Tensor)");
   m.def(
       "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing) "
@@ -598,7 +647,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "float eps, bool outgoing) -> Tensor[]");
   m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
   m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
-  m.def("column_sum(Tensor x) -> Tensor");
+  m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

@@ -24,6 +24,21 @@ struct ParamTensor {
   void* ptr;  // contiguous; nullptr: absent
   int dtype;  // ParamDtype
 };
+
+// Where a kernel's per-CTA column partial sums end up (add_partials_in_last_cta): the last CTAs to
+// finish add the partial rows in CTA order (a fixed order: bitwise reproducible) into out[i] [C],
+// in out[i]'s dtype (the parameter's: no conversion on the host). tickets [ceil(n_ctas /
+// kCtasPerSumGroup) + 1] are zeroed by the host before the launch; group_part holds
+// [ceil(n_ctas / kCtasPerSumGroup), parts, C] floats. tickets == nullptr: the partials stay for
+// the host.
+constexpr int kCtasPerSumGroup = 16;
+
+struct ColumnTotals {
+  unsigned* tickets = nullptr;
+  float* group_part = nullptr;
+  ParamTensor out[2] = {{nullptr, kParamFloat}, {nullptr, kParamFloat}};
+};
+
 // Row layer norm: a row is spread over up to 32 lanes with up to kMaxRowChunks 16-byte chunks each.
 constexpr int kMaxRowChunks = 4;
 
@@ -51,6 +66,7 @@ struct RowNormBackwardParams {
   int64_t M, x_stride, dy_stride, dx_stride;
   int C;
   int row_threads;
+  ColumnTotals totals;   // affine_part's sums: out[0] dweight, out[1] dbias
 };
 
 struct ChannelNormParams {
@@ -96,6 +112,12 @@ struct GatePackBackwardParams {
   int64_t M, ab_stride, d_stride, dab_stride;
   int C;
   bool vector_ok;
+  // The row sums: the last of a row's n_chunks CTAs (counted on tickets[blockIdx.y], [2 C], zeroed
+  // by the host) adds its partials in chunk order into bias_total[(r / C) * total_stride + r % C]
+  // for its rows r. tickets == nullptr: the partials stay for the host.
+  unsigned* tickets = nullptr;
+  float* bias_total = nullptr;
+  int64_t total_stride = 0;
 };
 
 // Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
@@ -134,16 +156,18 @@ struct SigmoidGateBackwardParams {
   RowMap y_rows;
   int C;
   int row_threads;   // lanes per row, as RowNormParams::row_threads
+  ColumnTotals totals;  // out[0] the sum of dy_part, out[1] of dg_part
 };
 
 // Column sums of x [M, C] (rows x_stride elements apart, 16-byte aligned): part [n_ctas, C] float32,
-// one row of partial sums per CTA, to be added over CTAs in order.
+// one row of partial sums per CTA, added over CTAs in order into totals.out[0].
 struct ColumnSumParams {
   const void* x;
   float* part;
   int64_t M, x_stride;
   int C;
   int row_threads;  // lanes per row, as RowNormParams::row_threads
+  ColumnTotals totals;
 };
 
 // Folding a layer norm's affine parameters into the projection that follows it:

@@ -86,7 +86,7 @@ __device__ __forceinline__ float cta_sum(float x, float* scratch) {
 }
 
 // Backward of gate_pack: from da, db [C, M] and the recomputed ab, d(ab) [4, C, M], and the bias
-// gradient's partial sums bias_part[4 C, n_chunks]. CTA = (M-chunk blockIdx.x, row blockIdx.y =
+// gradient's partial sums bias_part[4 C, n_chunks], which a row's last CTA adds (p.tickets). CTA = (M-chunk blockIdx.x, row blockIdx.y =
 // edge * C + c): it handles the projection and gate rows of that edge and channel.
 template <typename T>
 __global__ void __launch_bounds__(kBlockOpThreads) gate_pack_backward_kernel(GatePackBackwardParams p) {
@@ -133,6 +133,11 @@ __global__ void __launch_bounds__(kBlockOpThreads) gate_pack_backward_kernel(Gat
     p.bias_part[proj_row * gridDim.x + blockIdx.x] = total_proj;
     p.bias_part[gate_row * gridDim.x + blockIdx.x] = total_gate;
   }
+  // the row's last chunk adds the row's partials in chunk order (thread 0: projection, 1: gate)
+  if (p.tickets == nullptr || !last_to_arrive(p.tickets + blockIdx.y, gridDim.x) || threadIdx.x >= 2) return;
+  const int64_t row = threadIdx.x == 0 ? proj_row : gate_row;
+  p.bias_total[(row / p.C) * p.total_stride + row % p.C] =
+      add_rows_in_order(p.bias_part + row * gridDim.x, 1, int(gridDim.x));
 }
 
 // out = sigmoid(g) * y, [M, C] rows (g and out strided, y's rows where p.y_rows puts them).
@@ -187,7 +192,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(
     }
   }
   float* const part[2] = {p.dy_part, p.dg_part};
-  store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part, p.C);
+  store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part, p.C, p.totals);
 }
 
 // part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams).
@@ -214,7 +219,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumPa
     }
   }
   float* const part[1] = {p.part};
-  store_cta_column_sums<1>(th, rs.slot, rs.rows_per_cta, p.C, sums, column_sums, part, p.C);
+  store_cta_column_sums<1>(th, rs.slot, rs.rows_per_cta, p.C, sums, column_sums, part, p.C, p.totals);
 }
 
 }  // namespace block

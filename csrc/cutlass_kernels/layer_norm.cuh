@@ -5,8 +5,8 @@
 // Statistics are float32 in two passes over registers (mean, then the mean squared deviation), so
 // large offsets cost no precision. Backward: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with
 // g = dy * weight; the weight and bias gradients are per-CTA float32 partials [n_ctas, 2, C] that the
-// host sums in a fixed order (no atomics: bitwise reproducible). Weight and bias are read in their
-// own dtype (ParamTensor).
+// grid's last CTAs add in a fixed order (atomic tickets only: bitwise reproducible). Weight and bias
+// are read in their own dtype (ParamTensor).
 #pragma once
 
 #include <cstdint>
@@ -122,13 +122,71 @@ struct RowSlots {
   __device__ __forceinline__ int64_t row_step() const { return int64_t(gridDim.x) * rows_per_cta; }
 };
 
+// The sum of n floats p[0], p[stride], ... in that order, eight loads in flight (read through L2:
+// other CTAs wrote them).
+__device__ __forceinline__ float add_rows_in_order(const float* p, int64_t stride, int n) {
+  constexpr int kInFlight = 8;
+  float total = 0.f;
+  for (int r0 = 0; r0 < n; r0 += kInFlight) {
+    float v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) v[u] = r0 + u < n ? __ldcg(p + (r0 + u) * stride) : 0.f;
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) total += v[u];
+  }
+  return total;
+}
+
+// Whether this CTA is the last of `count` to take a ticket from *ticket (every thread gets the
+// answer). Fences on both sides: what the CTAs wrote before their tickets is visible to the last.
+__device__ __forceinline__ bool last_to_arrive(unsigned* ticket, unsigned count) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == count - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// Adds the partial rows part[i][0 .. gridDim.x) (rows part_stride floats apart) into totals.out[i],
+// in a fixed order whichever CTAs finish last, so the result is bitwise reproducible: the last CTA
+// of each kCtasPerSumGroup consecutive CTAs adds its group's rows in order into totals.group_part,
+// and the last of those adds the groups in order. Two short stages, because one CTA adding every
+// row alone (528 rows on an H100) would run for tens of microseconds after the rest of the grid.
+// Every thread of every CTA calls this after its CTA stored its partials.
+template <int kParts>
+__device__ __forceinline__ void add_partials_in_last_cta(const ColumnTotals& totals, float* const (&part)[kParts],
+                                                         int64_t part_stride, int C) {
+  const int n_groups = (int(gridDim.x) + kCtasPerSumGroup - 1) / kCtasPerSumGroup;
+  const int group = int(blockIdx.x) / kCtasPerSumGroup, first = group * kCtasPerSumGroup;
+  const int in_group = min(kCtasPerSumGroup, int(gridDim.x) - first);
+  if (!last_to_arrive(totals.tickets + group, unsigned(in_group))) return;
+#pragma unroll
+  for (int i = 0; i < kParts; ++i) {
+    if (part[i] == nullptr) continue;
+    for (int col = threadIdx.x; col < C; col += blockDim.x)
+      totals.group_part[(int64_t(group) * kParts + i) * C + col] =
+          add_rows_in_order(part[i] + first * part_stride + col, part_stride, in_group);
+  }
+  if (!last_to_arrive(totals.tickets + n_groups, unsigned(n_groups))) return;
+#pragma unroll
+  for (int i = 0; i < kParts; ++i) {
+    if (part[i] == nullptr) continue;
+    for (int col = threadIdx.x; col < C; col += blockDim.x)
+      param_store(totals.out[i], col, add_rows_in_order(totals.group_part + i * C + col, kParts * C, n_groups));
+  }
+}
+
 // The CTA's column sums: thread (slot, lane) holds sums[i] over its rows for its columns; row
 // blockIdx.x of part[i] (rows part_stride floats apart; skipped when nullptr) gets their sum over the
-// CTA's row slots, in slot order. smem: kParts * rows_per_cta * C floats.
+// CTA's row slots, in slot order; with totals.tickets, the grid's last CTAs add all rows into
+// totals.out (add_partials_in_last_cta). smem: kParts * rows_per_cta * C floats.
 template <int kParts, typename T, int kChunks>
 __device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kChunks>& th, int slot, int rows_per_cta,
                                                       int C, const float (&sums)[kParts][kChunks][Vec<T>::kSize],
-                                                      float* smem, float* const (&part)[kParts], int64_t part_stride) {
+                                                      float* smem, float* const (&part)[kParts], int64_t part_stride,
+                                                      const ColumnTotals& totals) {
   float* mine = smem + slot * kParts * C;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
@@ -148,6 +206,7 @@ __device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kCh
       part[i][int64_t(blockIdx.x) * part_stride + col] = total;
     }
   }
+  if (totals.tickets != nullptr) add_partials_in_last_cta<kParts>(totals, part, part_stride, C);
 }
 
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
@@ -269,7 +328,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
   }
   if (p.affine_part == nullptr) return;
   float* const part[2] = {p.affine_part, p.affine_part + p.C};  // [gridDim.x, (dweight, dbias), C]
-  store_cta_column_sums<2>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 2 * int64_t(p.C));
+  store_cta_column_sums<2>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 2 * int64_t(p.C), p.totals);
 }
 
 // ---- channel-major layer norm -----------------------------------------------------------------

@@ -16,6 +16,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it has that dtype already (``Tensor.to`` would return it
+    too, after a round trip through the dispatcher that backward passes make about a hundred times)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of softmax, biases, masks and reductions: float32 for float16/bfloat16, else ``dtype``."""
     return torch.float32 if dtype in LOW_PRECISION else dtype

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
-from ._inputs import FLOAT_DTYPES, ValidatedInputs, describe
+from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
 from .normalization import row_reasons
 
 Tensor = torch.Tensor
@@ -227,24 +227,24 @@ def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("evoformer_blocks::fused_column_sum", mutates_args=(), device_types="cuda")
-def column_sum(x: Tensor) -> Tensor:
-    """The float32 sum over the rows of ``x [*, C]`` (fixed order)."""
-    return _fused.kernels().column_sum(x)
+def column_sum(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The sum over the rows of ``x [*, C]`` in float32 (fixed order), rounded to ``dtype``."""
+    return _fused.kernels().column_sum(x, dtype)
 
 
 @column_sum.register_fake
-def _(x):
-    return x.new_empty(x.shape[-1], dtype=torch.float32)
+def _(x, dtype):
+    return x.new_empty(x.shape[-1], dtype=dtype)
 
 
 def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
     """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
     kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
-    if dy.is_cuda and dy.dtype in _KERNEL_DTYPES and not row_reasons(dy.shape[-1], dy.element_size(), "out"):
-        total = column_sum(dy) if torch.compiler.is_compiling() else _fused.kernels().column_sum(dy)
-    else:
-        total = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
-    return total.to(dtype)
+    fits = dy.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES and not row_reasons(
+        dy.shape[-1], dy.element_size(), "out")
+    if dy.is_cuda and fits:
+        return column_sum(dy, dtype) if torch.compiler.is_compiling() else _fused.kernels().column_sum(dy, dtype)
+    return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(dtype)
 
 
 def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Optional[str] = None) -> bool:
@@ -274,9 +274,9 @@ class _FusedBiasLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, out]
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(dy2, weight.to(dy2.dtype)).view(x.shape).to(x.dtype)  # [*, in]
+            dx = as_dtype(torch.mm(dy2, as_dtype(weight, dy2.dtype)).view(x.shape), x.dtype)  # [*, in]
         if ctx.needs_input_grad[1]:
-            dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]).to(dy2.dtype)).to(weight.dtype)  # [out, in]
+            dw = as_dtype(torch.mm(dy2.t(), as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)), weight.dtype)  # [out, in]
         if ctx.needs_input_grad[2]:
             db = bias_gradient(dy2, ctx.bias_dtype)  # [out]
         return dx, dw, db, None

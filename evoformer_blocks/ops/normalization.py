@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
-from ._inputs import FLOAT_DTYPES, ValidatedInputs, describe
+from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
 
 Tensor = torch.Tensor
 OP = "layer_norm"
@@ -130,18 +130,19 @@ def _(x, weight, bias, eps):
 
 @torch.library.custom_op("evoformer_blocks::fused_layer_norm_bwd", mutates_args=(), device_types="cuda")
 def layer_norm_bwd(
-    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool
+    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool,
+    affine_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """Returns (dx, affine): affine [2, C] float32 holds the gradients of weight and bias (empty
-    unless need_affine)."""
-    dx, affine = _fused.kernels().layer_norm_bwd(dy, x, weight, mean, rstd, need_affine)
+    """Returns (dx, affine): affine [2, C] holds the gradients of weight and bias, summed in float32
+    and rounded to affine_dtype (empty, float32, unless need_affine)."""
+    dx, affine = _fused.kernels().layer_norm_bwd(dy, x, weight, mean, rstd, need_affine, affine_dtype)
     return dx, affine
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, need_affine):
-    shape = (2, x.shape[-1]) if need_affine else (0,)
-    return x.new_empty(x.shape), x.new_empty(shape, dtype=torch.float32)
+def _(dy, x, weight, mean, rstd, need_affine, affine_dtype):
+    shape, dtype = ((2, x.shape[-1]), affine_dtype) if need_affine else ((0,), torch.float32)
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=dtype)
 
 
 def _save(ctx, x, weight, bias, eps, mean, rstd) -> None:
@@ -152,14 +153,15 @@ def _save(ctx, x, weight, bias, eps, mean, rstd) -> None:
 
 def _gradients(ctx, dy, backward):
     x, weight, mean, rstd = ctx.saved_tensors
-    need_affine = (weight is not None and ctx.needs_input_grad[1]) or (ctx.has_bias and ctx.needs_input_grad[2])
-    dx, affine = backward(dy.contiguous(), x, weight, mean, rstd, need_affine)
     want_w = weight is not None and ctx.needs_input_grad[1]
     want_b = ctx.has_bias and ctx.needs_input_grad[2]
-    if want_w and want_b and weight.dtype == ctx.bias_dtype:
-        affine = affine.to(weight.dtype)  # one conversion for both rows
-    dw = affine[0].to(weight.dtype) if want_w else None
-    db = affine[1].to(ctx.bias_dtype) if want_b else None
+    # the kernel rounds both rows to one dtype: the parameters' when they share it (or one is wanted)
+    dtypes = {weight.dtype} if want_w else set()
+    dtypes |= {ctx.bias_dtype} if want_b else set()
+    affine_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    dx, affine = backward(dy.contiguous(), x, weight, mean, rstd, want_w or want_b, affine_dtype)
+    dw = as_dtype(affine[0], weight.dtype) if want_w else None
+    db = as_dtype(affine[1], ctx.bias_dtype) if want_b else None
     return dx, dw, db, None
 
 
