@@ -86,8 +86,9 @@ __device__ __forceinline__ float cta_sum(float x, float* scratch) {
 }
 
 // Backward of gate_pack: from da, db [C, M] and the recomputed ab, d(ab) [4, C, M], and the bias
-// gradient's partial sums bias_part[4 C, n_chunks], which a row's last CTA adds (p.tickets). CTA = (M-chunk blockIdx.x, row blockIdx.y =
-// edge * C + c): it handles the projection and gate rows of that edge and channel.
+// gradient's partial sums bias_part[4 C, n_chunks], which a row's last CTA adds (p.tickets).
+// CTA = (M-chunk blockIdx.x, row blockIdx.y = edge * C + c): it handles the projection and gate
+// rows of that edge and channel.
 template <typename T>
 __global__ void __launch_bounds__(kBlockOpThreads) gate_pack_backward_kernel(GatePackBackwardParams p) {
   constexpr int kVec = Vec<T>::kSize;
