@@ -120,8 +120,9 @@ void check_cuda(const at::Tensor& t, const char* name, const char* op) {
 constexpr ParamTensor kNoParam{nullptr, kParamFloat};
 
 // The dtypes the block-op kernels read parameters in (ParamDtype).
+bool is_param_dtype(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat; }
 bool is_param_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat;
+  return is_param_dtype(t.scalar_type());
 }
 
 ParamTensor param_tensor(const at::Tensor& t) {
@@ -200,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
                                                   const at::Tensor& rstd, bool need_affine,
                                                   at::ScalarType affine_dtype) {
   check_cuda(x, "x", "layer norm backward");
-  TORCH_CHECK(affine_dtype == at::kHalf || affine_dtype == at::kBFloat16 || affine_dtype == at::kFloat,
+  TORCH_CHECK(is_param_dtype(affine_dtype),
               "layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
               "layer norm backward: `dy` must match `x`, got ", dy.sizes(), " and ", x.sizes());
@@ -615,7 +616,7 @@ at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
   const at::Tensor x = as_rows(x_in, C);
   const int64_t M = x.size(0);
   const auto f32 = x.options().dtype(at::kFloat);
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op,
+  TORCH_CHECK(is_param_dtype(dtype), op,
               ": `dtype` must be float16, bfloat16 or float32, got ", dtype);
   if (M == 0) return at::zeros({C}, x.options().dtype(dtype));
   const int row_threads = row_threads_for(C, x.element_size());

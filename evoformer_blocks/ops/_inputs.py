@@ -93,9 +93,6 @@ class AttentionInputs(ValidatedInputs):
         """B, N, Lq or Lk is 0: the output is all zeros and no backend runs."""
         return min(self.batch, self.rows, self.len_q, self.len_k) == 0
 
-    def tensors(self) -> dict[str, Optional[torch.Tensor]]:
-        return {"q": self.q, "k": self.k, "v": self.v, "mask_bias": self.mask_bias, "pair_bias": self.pair_bias}
-
 
 def describe(tensors: dict[str, Optional[torch.Tensor]]) -> str:
     """One line per argument: shape, dtype, device and stride (or what it is if not a tensor)."""

@@ -33,13 +33,11 @@ import torch.nn.functional as F
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
 from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
-from .normalization import row_reasons
+from .normalization import ROW_KERNEL_CAPABILITIES, ROW_KERNEL_DTYPES, row_reasons
 
 Tensor = torch.Tensor
 GATE_OP = "sigmoid_gate"
 LINEAR_OP = "linear"
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ---- sigmoid_gate -----------------------------------------------------------------------------
@@ -140,9 +138,7 @@ class EagerSigmoidGate(Backend):
 class CutlassSigmoidGate(Backend):
     name = "cutlass"
     op = GATE_OP
-    capabilities = Capabilities(
-        dtypes=_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
-    )
+    capabilities = ROW_KERNEL_CAPABILITIES
 
     def extra_reasons(self, inputs: GateInputs) -> list[str]:
         return row_reasons(inputs.g.shape[-1], inputs.g.element_size(), "C") + _fused.build_reasons()
@@ -240,7 +236,7 @@ def _(x, dtype):
 def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
     """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
     kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
-    fits = dy.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES and not row_reasons(
+    fits = dy.dtype in ROW_KERNEL_DTYPES and dtype in ROW_KERNEL_DTYPES and not row_reasons(
         dy.shape[-1], dy.element_size(), "out")
     if dy.is_cuda and fits:
         return column_sum(dy, dtype) if torch.compiler.is_compiling() else _fused.kernels().column_sum(dy, dtype)
@@ -294,9 +290,7 @@ class EagerLinear(Backend):
 class CutlassLinear(Backend):
     name = "cutlass"
     op = LINEAR_OP
-    capabilities = Capabilities(
-        dtypes=_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
-    )
+    capabilities = ROW_KERNEL_CAPABILITIES
 
     def extra_reasons(self, inputs: LinearInputs) -> list[str]:
         return _fused.build_reasons()

@@ -22,7 +22,12 @@ from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
 Tensor = torch.Tensor
 OP = "layer_norm"
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The row kernels (layer norm here; the gate and the bias-gradient column sum in gating.py): their
+# input dtypes and what their cutlass backends can run.
+ROW_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ROW_KERNEL_CAPABILITIES = Capabilities(
+    dtypes=ROW_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
+)
 MAX_ROW_BYTES = 32 * 4 * 16  # a row spread over one warp, four 16-byte chunks per lane
 
 
@@ -43,7 +48,6 @@ class LayerNormInputs(ValidatedInputs):
     weight: Optional[Tensor]
     bias: Optional[Tensor]
     eps: float
-
 
 
 def _fail(argument: str, rule: str, tensors: dict) -> None:
@@ -193,9 +197,7 @@ class _FusedLayerNormFunction(torch.autograd.Function):
 class CutlassLayerNorm(Backend):
     name = "cutlass"
     op = OP
-    capabilities = Capabilities(
-        dtypes=_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
-    )
+    capabilities = ROW_KERNEL_CAPABILITIES
 
     def extra_reasons(self, inputs: LayerNormInputs) -> list[str]:
         return row_reasons(inputs.x.shape[-1], inputs.x.element_size(), "C") + _fused.build_reasons()
