@@ -91,6 +91,22 @@ def test_outer_product_mean_matches_definition():
     torch.testing.assert_close(opm(m, msa_mask, chunk_size=2), out)
 
 
+@pytest.mark.parametrize("dtype, e", [(torch.bfloat16, 4), (torch.bfloat16, 3), (torch.float32, 2), (F64, 1)])
+def test_outer_product_swap_is_an_exact_permute(dtype, e):
+    # the outer product mean's [i, c, j, e] -> [i, j, c, e] copy, moved as int64 words where the
+    # e-rows allow (also from a view whose offset does not): the same bits as transpose + contiguous
+    from evoformer_blocks.outer_product_mean import _SwapMiddle
+
+    base = torch.randn(2 * 3 * 5 * 4 * e + 1).to(dtype)
+    for x in (base[:-1].view(2, 3, 5, 4, e), base[1:].view(2, 3, 5, 4, e)):
+        x = x.clone().requires_grad_(True) if x.storage_offset() == 0 else x.requires_grad_(True)
+        y = _SwapMiddle.apply(x)
+        assert y.is_contiguous() and torch.equal(y, x.transpose(-3, -2))
+        grad = torch.randn(y.shape).to(dtype)
+        (dx,) = torch.autograd.grad(y, x, grad)
+        assert torch.equal(dx, grad.transpose(-3, -2))
+
+
 @pytest.mark.parametrize("cls", [TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming])
 def test_triangle_multiplication_matches_definition(cls):
     mod = randomize_(cls(c_z=5, c_hidden=3)).to(F64)
