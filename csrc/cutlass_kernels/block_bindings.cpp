@@ -263,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_bwd(const at::Tensor& dsum, co
               "add layer norm backward: `dsum` and `dy` must match `sum`, got ", dsum.sizes(), " and ", dy.sizes());
   TORCH_CHECK(mean.numel() * sum.size(-1) == sum.numel() && rstd.numel() == mean.numel(),
               "add layer norm backward: `mean` and `rstd` must hold one value per row of sum");
-  TORCH_CHECK(affine_dtype == at::kHalf || affine_dtype == at::kBFloat16 || affine_dtype == at::kFloat,
+  TORCH_CHECK(is_param_dtype(affine_dtype),
               "add layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   const c10::cuda::CUDAGuard guard(sum.device());
   auto [dx, affine] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd, need_affine,

@@ -376,7 +376,7 @@ class _FusedAddLayerNormFunction(torch.autograd.Function):
 class CutlassAddLayerNorm(Backend):
     name = "cutlass"
     op = ADD_OP
-    capabilities = CutlassLayerNorm.capabilities
+    capabilities = ROW_KERNEL_CAPABILITIES
 
     def extra_reasons(self, inputs: AddLayerNormInputs) -> list[str]:
         return row_reasons(inputs.x.shape[-1], inputs.x.element_size(), "C") + _fused.build_reasons()
