@@ -346,9 +346,13 @@ class MSAColumnAttention(_GatedAttention):
         check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
         if mask is not None:
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
-            mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]: row r attends over s
+        return self._normalized(self.layer_norm_m(m), mask, chunk_size)
 
-        m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
+    def _normalized(self, m: torch.Tensor, mask: Optional[torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+        """The update from ``m = layer_norm_m(m)`` (checked inputs; the block passes its fused residual
+        add and layer norm's output here)."""
+        if mask is not None:
+            mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]: row r attends over s
         # each residue column attends over the sequences: rows along dim -2, positions along dim -3
         return self._attend(m, mask, None, chunk_size, transposed=True)  # [*, N_seq, N_res, c_m]
 
@@ -395,8 +399,11 @@ class _TriangleAttention(_GatedAttention):
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
         if mask is not None:
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
+        return self._normalized(self.layer_norm_z(z), mask, chunk_size)
 
-        z = self.layer_norm_z(z)  # [*, I, J, c_z]
+    def _normalized(self, z: torch.Tensor, mask: Optional[torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+        """The update from ``z = layer_norm_z(z)`` [*, I, J, c_z] (checked inputs; the block passes its
+        fused residual add and layer norm's output here)."""
         # Starting node: row i, query j, key k; the bias comes from the third edge z[j, k], i.e.
         # pair_bias[b, 0, h, j, k] = linear_z(z[j, k])[h], the same for every row i.
         triangle_bias = self._pair_bias(z)  # [B, 1, H, I, J]
@@ -521,25 +528,34 @@ class MSAColumnGlobalAttention(nn.Module):
         ):
             raise ValueError(f"{name}: `chunk_size` must be a positive int or None, got {chunk_size!r}")
 
+        return self._update(m, mask, chunk_size, normalized=False)
+
+    def _normalized(self, m: torch.Tensor, mask: Optional[torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+        """The update from ``m = layer_norm_m(m)`` (checked inputs, mask not None; the block passes its
+        fused residual add and layer norm's output here)."""
+        return self._update(m, mask, chunk_size, normalized=True)
+
+    def _update(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], normalized: bool) -> torch.Tensor:
         m = rearrange(m, "... s r c -> ... r s c")  # [*, N_res, N_seq, c_m]
         mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]
         n_res = m.shape[-3]
         if chunk_size is None or chunk_size >= n_res:
-            out = self._columns(m, mask)  # [*, N_res, N_seq, c_m]
+            out = self._columns(m, mask, normalized)  # [*, N_res, N_seq, c_m]
         else:
             out = torch.cat(
                 [
-                    self._columns(m[..., i : i + chunk_size, :, :], mask[..., i : i + chunk_size, :])
+                    self._columns(m[..., i : i + chunk_size, :, :], mask[..., i : i + chunk_size, :], normalized)
                     for i in range(0, n_res, chunk_size)
                 ],
                 dim=-3,
             )  # [*, N_res, N_seq, c_m]
         return rearrange(out, "... r s c -> ... s r c")  # [*, N_seq, N_res, c_m]
 
-    def _columns(self, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """m: [*, R, S, c_m] (R residue columns, S sequences); mask: [*, R, S]. Returns [*, R, S, c_m]."""
+    def _columns(self, m: torch.Tensor, mask: torch.Tensor, normalized: bool) -> torch.Tensor:
+        """m: [*, R, S, c_m] (R residue columns, S sequences; layer-normalised already when
+        ``normalized``); mask: [*, R, S]. Returns [*, R, S, c_m]."""
         heads, c = self.no_heads, self.c_hidden
-        m = self.layer_norm_m(m)  # [*, R, S, c_m]
+        m = m if normalized else self.layer_norm_m(m)  # [*, R, S, c_m]
         compute = compute_dtype(m.dtype)
         mask_c = mask.to(compute)  # [*, R, S]
 

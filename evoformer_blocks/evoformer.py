@@ -27,9 +27,19 @@ from .attention import (
 )
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
-from .primitives import Linear
+from .ops import add_layer_norm
+from .primitives import LayerNorm, Linear
 from .transitions import MSATransition, PairTransition
 from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+
+
+def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor):
+    """(x + update, norm(x + update)) by :func:`ops.add_layer_norm` (one pass each way) where x and
+    update share shape and dtype; the sum is what ``x + update`` gives."""
+    if update.dtype != x.dtype or update.shape != x.shape:  # e.g. autocast: the plain add promotes
+        s = x + update
+        return s, norm(s)
+    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, backend=norm.backend)
 
 
 def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, c_m: int, c_z: int):
@@ -127,15 +137,25 @@ class _MSABlock(nn.Module):
 
     def _update(self, m, z, msa_mask, pair_mask, chunk_size):
         # Masks are already checked 0/1 tensors: [*, N_seq, N_res] and [*, N_res, N_res].
-        m = m + self.msa_dropout_row(self.msa_att_row(m, z, msa_mask, chunk_size=chunk_size))
-        m = m + self.msa_att_col(m, msa_mask, chunk_size=chunk_size)
-        m = m + self.msa_transition(m, msa_mask, chunk_size=chunk_size)
-        z = z + self.outer_product_mean(m, msa_mask, chunk_size=chunk_size)
+        # Where a residual add feeds a module that starts with a layer norm, the two run as one op
+        # (add_and_norm) and the module goes on from the normalised rows (its _normalized):
+        # `m = m + update; module(m)` becomes `m, m_ln = add_and_norm(m, norm, update);
+        # module._normalized(m_ln)`. The triangle multiplications normalise inside their own op.
+        update = self.msa_dropout_row(self.msa_att_row(m, z, msa_mask, chunk_size=chunk_size))
+        m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update)
+        update = self.msa_att_col._normalized(m_ln, msa_mask, chunk_size)
+        m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
+        update = self.msa_transition._normalized(m_ln, msa_mask, chunk_size)
+        m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update)
+        z = z + self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size)
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
-        z = z + self.pair_dropout_row(self.tri_mul_in(z, pair_mask))
-        z = z + self.pair_dropout_row(self.tri_att_start(z, pair_mask, chunk_size=chunk_size))
-        z = z + self.pair_dropout_col(self.tri_att_end(z, pair_mask, chunk_size=chunk_size))
-        z = z + self.pair_transition(z, pair_mask, chunk_size=chunk_size)
+        update = self.pair_dropout_row(self.tri_mul_in(z, pair_mask))
+        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update)
+        update = self.pair_dropout_row(self.tri_att_start._normalized(z_ln, pair_mask, chunk_size))
+        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update)
+        update = self.pair_dropout_col(self.tri_att_end._normalized(z_ln, pair_mask, chunk_size))
+        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update)
+        z = z + self.pair_transition._normalized(z_ln, pair_mask, chunk_size)
         return m, z
 
 

@@ -85,7 +85,11 @@ class OuterProductMean(nn.Module):
         check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
         check_optional_positive_int(name, "chunk_size", chunk_size)
         mask = as_mask(name, "mask", mask, m, "[*, N_seq, N_res]")  # [*, N_seq, N_res]
-        m = self.layer_norm(m)  # [*, N_seq, N_res, c_m]
+        return self._normalized(self.layer_norm(m), mask, chunk_size)
+
+    def _normalized(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
+        """The update from ``m = layer_norm(m)`` (checked inputs, mask [*, N_seq, N_res]; the block
+        passes its fused residual add and layer norm's output here)."""
         mask_c = rearrange(mask, "... s r -> ... s r 1")  # [*, N_seq, N_res, 1]
         a = self.linear_1(m) * mask_c  # [*, N_seq, N_res, c_hidden]
         b = self.linear_2(m) * mask_c  # [*, N_seq, N_res, c_hidden]

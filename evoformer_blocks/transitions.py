@@ -34,8 +34,10 @@ class Transition(nn.Module):
         self.linear_2 = Linear(n * c, c, init="final", backend=backend)
 
     def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.layer_norm(x)  # [*, N_b, c]
-        # relu(linear_1(x)), the ReLU in the GEMM's epilogue where the backend can
+        return self._after_norm(self.layer_norm(x), mask)  # [*, N_b, c]
+
+    def _after_norm(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # x = layer_norm(x) [*, N_b, c]; relu(linear_1(x)), the ReLU in the GEMM's epilogue where the backend can
         x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
         return self.linear_2(x) * mask  # [*, N_b, c]
 
@@ -46,8 +48,16 @@ class Transition(nn.Module):
         check_tensor(name, "x", x, (None, None, self.c), f"[*, N_a, N_b, {self.c}]")
         check_optional_positive_int(name, "chunk_size", chunk_size)
         mask = as_mask(name, "mask", mask, x, "[*, N_a, N_b]")  # [*, N_a, N_b]
+        return self._run(self._update, x, mask, chunk_size)
+
+    def _normalized(self, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
+        """The update from ``x = layer_norm(x)`` (checked inputs, mask [*, N_a, N_b]; the block passes
+        its fused residual add and layer norm's output here)."""
+        return self._run(self._after_norm, x, mask, chunk_size)
+
+    def _run(self, update, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
         mask = rearrange(mask, "... a b -> ... a b 1")  # [*, N_a, N_b, 1]
-        return chunked(self._update, {"x": x, "mask": mask}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
+        return chunked(update, {"x": x, "mask": mask}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
 
 
 class MSATransition(Transition):

@@ -269,12 +269,14 @@ def test_one_backend_reaches_every_op(recording_backends):
     stack.eval()(m, z, msa_mask, pair_mask)
     extra.eval()(m, z, msa_mask, pair_mask)
     # Per block: row, column, starting- and ending-node attention (the extra MSA block's global
-    # column attention is plain PyTorch); both triangle multiplications; and the layer norms of
-    # the row attention (m and z), the column attention, both transitions, the outer product mean
-    # and both triangle attentions (the triangle multiplications normalise inside their op).
+    # column attention is plain PyTorch); both triangle multiplications; the layer norms of the row
+    # attention (m and z); and, fused with the residual add in front of them, those of the column
+    # attention, both transitions, the outer product mean and both triangle attentions (the
+    # triangle multiplications normalise inside their op).
     assert calls == ["spy_a"] * (2 * 4 + 3)
     assert block_calls.count(triangle_op.OP) == 3 * 2
-    assert block_calls.count(layer_norm_op.OP) == 3 * 8
+    assert block_calls.count(layer_norm_op.OP) == 3 * 2
+    assert block_calls.count(layer_norm_op.ADD_OP) == 3 * 6
 
 
 # --------------------------------------------------------------------------------------------

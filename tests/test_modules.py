@@ -569,6 +569,26 @@ def test_stacked_gradients_follow_the_projection_layout(transposed):
     assert stacked_gradients(q.contiguous(), k.contiguous(), v.contiguous()) is None
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_separate_gradients_follow_the_input_layout(transposed):
+    # dq, dk, dv as the backward allocates them when they are not stacked (torch.compile's path):
+    # dense, in q's memory order, so that the projection's backward views them without a copy
+    from einops import rearrange
+
+    from evoformer_blocks.ops.cutlass import empty_in_memory_order, memory_order
+
+    heads, c = 2, 8
+    y = torch.randn(2, 5, 7, 4 * heads * c, dtype=torch.float64)
+    to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
+    q = rearrange(y.split(heads * c, dim=-1)[0], to_heads, h=heads)
+    assert memory_order(q) == ([0, 2, 1, 3, 4] if transposed else [0, 1, 2, 3, 4])
+    dq = empty_in_memory_order(q)
+    assert dq.shape == q.shape and dq.stride(-1) == 1 and dq.untyped_storage().nbytes() == dq.numel() * 8  # dense
+    back = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
+    rows = rearrange(dq, back)  # what the projection's backward receives
+    assert rows.is_contiguous() and rows.view(-1, heads * c).data_ptr() == dq.data_ptr()
+
+
 def test_stacked_projection_backward_is_the_same_either_way():
     from types import SimpleNamespace
 

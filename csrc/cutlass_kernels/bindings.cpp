@@ -16,12 +16,12 @@
 //            Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype,
 //            bool need_dpair) -> (dq, dk, dv, dmask_bias, dpair_bias)
 //       takes the forward's prepared tensors (and the caller's pair bias, read when pair_prepared is
-//       [0]); dmask_dtype: the mask bias's dtype when its gradient is wanted, else None. The bias
-//       gradients come in their biases' broadcast shapes and dtypes; one not asked for is [0].
+//       [0]); dmask_dtype: the mask bias's dtype when its gradient is wanted, else None. dq, dk, dv
+//       are dense and laid out like q, k, v (empty_in_memory_order). The bias gradients come in
+//       their biases' broadcast shapes and dtypes; one not asked for is [0].
 //   backward_into(the same arguments, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> (dmask_bias, dpair_bias)
 //       writes dq, dk, dv into the caller's tensors (any layout with D contiguous and even row
-//       strides: e.g. rows of one buffer laid out as the caller's projection) instead of new
-//       contiguous ones.
+//       strides: e.g. rows of one buffer laid out as the caller's projection) instead of new ones.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -218,6 +218,17 @@ at::Tensor kernel_layout(const at::Tensor& t) {
   bool ok = t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % limits::kRowAlignBytes == 0;
   for (int d = 0; d < 4; ++d) ok = ok && kstride(t, d) % per_chunk == 0;
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// A new dense [B, N, L, H, D] tensor laid out like t: its (b, n, l, h) dims in the order of t's
+// strides (largest first, ties in dim order), D innermost. The gradient of a permuted view then
+// has the permuted layout, and whoever permutes it back gets a contiguous tensor, not a copy.
+// The fake implementation (ops/cutlass.py, memory_order) orders the dims the same way.
+at::Tensor empty_in_memory_order(const at::Tensor& t) {
+  std::vector<int64_t> order = {0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  order.push_back(4);
+  return at::empty_permuted(t.sizes(), order, t.options());
 }
 
 // The kernel strides (b, n, l, h) of a [B, N, L, H, D] tensor.
@@ -472,9 +483,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   const Kernels kernels = kernels_for(fam, q.scalar_type(), p.D, pair_kind);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
-  at::Tensor dq = dq_out.value_or(at::empty(q.sizes(), q.options()));
-  at::Tensor dk = dk_out.value_or(at::empty(k.sizes(), k.options()));
-  at::Tensor dv = dv_out.value_or(at::empty(v.sizes(), v.options()));
+  // dq, dk, dv in the layouts q, k, v came in (not the kernel-layout copies: the fake sees those)
+  at::Tensor dq = dq_out.value_or(empty_in_memory_order(q_in));
+  at::Tensor dk = dk_out.value_or(empty_in_memory_order(k_in));
+  at::Tensor dv = dv_out.value_or(empty_in_memory_order(v_in));
   at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;

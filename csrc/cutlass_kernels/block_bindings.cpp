@@ -1,5 +1,6 @@
-// TORCH_LIBRARY bindings of the block ops: the layer norm, the triangle multiplicative update, the
-// sigmoid gate of an output and the column sums of bias gradients, forward and backward. The Python
+// TORCH_LIBRARY bindings of the block ops: the layer norm (also behind a residual add), the triangle
+// multiplicative update, the sigmoid gate of an output and the column sums of bias gradients,
+// forward and backward. The Python
 // ops (evoformer_blocks.ops) validate the arguments; the checks here only guard the kernels' memory
 // accesses for direct torch.ops calls.
 //
@@ -9,6 +10,9 @@
 //       -> (dx, [2, C] in affine_dtype (a float type): the gradients of weight and bias, or [0] without
 //           need_affine)
 //   (weight and bias: contiguous float16, bfloat16 or float32, read in their own dtype)
+//   add_layer_norm_fwd(x, residual, weight?, bias?, eps) -> (sum = x + residual, layer_norm(sum), mean, rstd)
+//   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype)
+//       -> (dsum + the layer norm's input gradient: the gradient of x and of residual, [2, C] as above)
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z],
 //           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c])
@@ -143,8 +147,11 @@ ParamTensor optional_param(const std::optional<at::Tensor>& t, const at::Tensor&
 }
 
 // y = layer_norm(rows of x); x must have C % (16 bytes / element) == 0 (the op routes others to eager).
+// y = layer_norm(rows of x) and its statistics; with `residual` (x's shape and dtype), of the rows of
+// x + residual instead, whose sum is written to `sum` (a new [M, C] tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, ParamTensor weight, ParamTensor bias,
-                                                         double eps) {
+                                                         double eps, const at::Tensor* residual = nullptr,
+                                                         at::Tensor* sum = nullptr) {
   const int64_t C = x.size(-1);
   at::Tensor rows = as_rows(x, C);  // [M, C]
   const int64_t M = rows.size(0);
@@ -153,6 +160,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
   at::Tensor mean = output({M}, f32), rstd = output({M}, f32);
   RowNormParams p{rows.data_ptr(), y.data_ptr(), weight, bias, mean.data_ptr<float>(), rstd.data_ptr<float>(),
                   M, M > 1 ? rows.stride(0) : C, C, int(C), row_threads_for(C, rows.element_size()), float(eps)};
+  at::Tensor residual_rows;  // kept alive through the launch
+  if (residual != nullptr) {
+    residual_rows = as_rows(*residual, C);  // [M, C]
+    *sum = output({M, C}, rows.options());
+    p.residual = residual_rows.data_ptr(), p.residual_stride = M > 1 ? residual_rows.stride(0) : C;
+    p.sum = sum->data_ptr(), p.sum_stride = C;
+  }
   by_dtype(rows.scalar_type(), "layer norm", [&](auto element) {
     launch_layer_norm_rows<decltype(element)>(p, row_norm_ctas(M, p.row_threads), c10::cuda::getCurrentCUDAStream());
   });
@@ -164,7 +178,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
 std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, const at::Tensor& x_in,
                                                       ParamTensor weight, const at::Tensor& mean,
                                                       const at::Tensor& rstd, bool affine_grad,
-                                                      at::ScalarType affine_dtype = at::kFloat) {
+                                                      at::ScalarType affine_dtype = at::kFloat,
+                                                      const at::Tensor* dsum_in = nullptr) {
   const int64_t C = x_in.size(-1);
   at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
   const int64_t M = x.size(0);
@@ -182,6 +197,11 @@ std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, c
                           rstd.data_ptr<float>(), affine_grad ? sums->data() : nullptr, M,
                           M > 1 ? x.stride(0) : C, M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
   if (affine_grad) p.totals = sums->totals;
+  at::Tensor dsum;  // another gradient of x, added to dx
+  if (dsum_in != nullptr) {
+    dsum = as_rows(*dsum_in, C);
+    p.dsum = dsum.data_ptr(), p.dsum_stride = M > 1 ? dsum.stride(0) : C;
+  }
   by_dtype(x.scalar_type(), "layer norm backward",
            [&](auto element) { launch_layer_norm_rows_backward<decltype(element)>(p, ctas, stream); });
   return {dx, affine};
@@ -211,6 +231,44 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
   auto [dx, affine] =
       norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine, affine_dtype);
   return {dx.view(x.sizes()), affine};
+}
+
+// sum = x + residual and layer_norm(sum), in one pass over the rows (the residual add of a block
+// and the layer norm of the module after it).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(const at::Tensor& x,
+                                                                          const at::Tensor& residual,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          const std::optional<at::Tensor>& bias,
+                                                                          double eps) {
+  check_cuda(x, "x", "add layer norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  residual.device() == x.device(),
+              "add layer norm: `residual` must match x, got ", residual.sizes(), " ", residual.scalar_type());
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor sum;
+  auto [y, mean, rstd] =
+      norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps, &residual, &sum);
+  return {sum.view(x.sizes()), y.view(x.sizes()), mean, rstd};
+}
+
+// The backward of add_layer_norm_fwd: dx = dsum + the layer norm's input gradient (the gradient of
+// x and of residual alike), and the weight and bias gradients as layer_norm_bwd returns them.
+std::tuple<at::Tensor, at::Tensor> add_layer_norm_bwd(const at::Tensor& dsum, const at::Tensor& dy,
+                                                      const at::Tensor& sum, const std::optional<at::Tensor>& weight,
+                                                      const at::Tensor& mean, const at::Tensor& rstd,
+                                                      bool need_affine, at::ScalarType affine_dtype) {
+  check_cuda(sum, "sum", "add layer norm backward");
+  TORCH_CHECK(dsum.sizes() == sum.sizes() && dsum.scalar_type() == sum.scalar_type() && dy.sizes() == sum.sizes() &&
+                  dy.scalar_type() == sum.scalar_type(),
+              "add layer norm backward: `dsum` and `dy` must match `sum`, got ", dsum.sizes(), " and ", dy.sizes());
+  TORCH_CHECK(mean.numel() * sum.size(-1) == sum.numel() && rstd.numel() == mean.numel(),
+              "add layer norm backward: `mean` and `rstd` must hold one value per row of sum");
+  TORCH_CHECK(is_param_dtype(affine_dtype),
+              "add layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
+  const c10::cuda::CUDAGuard guard(sum.device());
+  auto [dx, affine] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd, need_affine,
+                                         affine_dtype, &dsum);
+  return {dx.view(sum.sizes()), affine};
 }
 
 // ---- triangle multiplicative update ------------------------------------------------------------
@@ -649,6 +707,10 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
   m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
+  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
+        "bool need_affine, ScalarType affine_dtype) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
@@ -659,4 +721,6 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("sigmoid_gate_fwd", &evoformer::block::sigmoid_gate_fwd);
   m.impl("sigmoid_gate_bwd", &evoformer::block::sigmoid_gate_bwd);
   m.impl("column_sum", &evoformer::block::column_sum);
+  m.impl("add_layer_norm_fwd", &evoformer::block::add_layer_norm_fwd);
+  m.impl("add_layer_norm_bwd", &evoformer::block::add_layer_norm_bwd);
 }

@@ -53,6 +53,9 @@ struct RowNormParams {
   int C;
   int row_threads;      // lanes per row (power of two <= 32)
   float eps;
+  const void* residual = nullptr;  // [M, C] row-major or nullptr: normalise x + residual
+  void* sum = nullptr;             // [M, C] row-major: x + residual, written when residual is given
+  int64_t residual_stride = 0, sum_stride = 0;
 };
 
 struct RowNormBackwardParams {
@@ -67,6 +70,8 @@ struct RowNormBackwardParams {
   int C;
   int row_threads;
   ColumnTotals totals;   // affine_part's sums: out[0] dweight, out[1] dbias
+  const void* dsum = nullptr;  // [M, C] row-major or nullptr: a gradient of x to add to dx
+  int64_t dsum_stride = 0;
 };
 
 struct ChannelNormParams {

@@ -82,6 +82,16 @@ struct Vec {
   }
 };
 
+// v rounded to T and back (what a tensor of T holds after storing v).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return float(T(v));
+  }
+}
+
 // Sum over the `width` lanes of an aligned lane segment (width a power of two <= 32).
 __device__ __forceinline__ float segment_sum(float x, int width) {
   for (int offset = width / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
@@ -211,7 +221,8 @@ __device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kCh
 
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
 // x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
-// or absent.
+// or absent. With p.residual, x + residual (rounded to T, as a PyTorch add would) is written to
+// p.sum and normalised instead of x.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
@@ -228,6 +239,13 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
     for (int c = 0; c < kChunks; ++c) {
       if (row_ok && th.valid(c, p.C)) {
         th.x[c].load(x + th.col(c));
+        if (p.residual != nullptr) {
+          Vec<T> r;
+          r.load(static_cast<const T*>(p.residual) + row * p.residual_stride + th.col(c));
+#pragma unroll
+          for (int i = 0; i < Th::kVec; ++i) th.x[c].v[i] = round_to<T>(th.x[c].v[i] + r.v[i]);
+          th.x[c].store(static_cast<T*>(p.sum) + row * p.sum_stride + th.col(c));
+        }
 #pragma unroll
         for (int i = 0; i < Th::kVec; ++i) sum += th.x[c].v[i];
       }
@@ -267,7 +285,8 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
   }
 }
 
-// Backward: dx from dy, x, the saved mean / rstd and the weight; with want_affine_grad, each CTA
+// Backward: dx from dy, x, the saved mean / rstd and the weight (plus p.dsum where given: the
+// gradient that reaches x by another path, added before the one rounding); with want_affine_grad, each CTA
 // writes its partial sums of dy * x_hat and dy over its rows into affine_part [gridDim.x, 2, C]
 // (float32).
 template <typename T, int kChunks>
@@ -323,6 +342,12 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
       Vec<T> out;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) out.v[i] = rstd * (g[c].v[i] - mean_g - th.x[c].v[i] * mean_gx);
+      if (p.dsum != nullptr) {
+        Vec<T> d;
+        d.load(static_cast<const T*>(p.dsum) + row * p.dsum_stride + th.col(c));
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) out.v[i] += d.v[i];
+      }
       out.store(dx + th.col(c));
     }
   }

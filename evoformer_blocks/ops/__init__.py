@@ -1,6 +1,6 @@
 """The functional ops and their backends: ``evoformer_attention`` (the attention core of every
 Evoformer attention module), ``triangle_multiplication`` (the triangle multiplicative update) and
-``layer_norm``, and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
+``layer_norm`` (``add_layer_norm``: with the residual add in front of it), and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
 ``linear`` (whose backward sums the bias gradient with a kernel).
 
 Backends, one setting for every op: ``"eager"`` (plain PyTorch, any device and float dtype),
@@ -23,7 +23,7 @@ from ._dispatch import (
 from ._inputs import AttentionInputs, validate
 from .functional import DS4Sci_EvoformerAttention, evoformer_attention
 from .gating import linear, sigmoid_gate
-from .normalization import layer_norm
+from .normalization import add_layer_norm, layer_norm
 from .triangle import triangle_multiplication
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "DS4Sci_EvoformerAttention",
     "triangle_multiplication",
     "layer_norm",
+    "add_layer_norm",
     "sigmoid_gate",
     "linear",
     "set_backend",

@@ -163,6 +163,18 @@ def attention_bwd(
     return dq, dk, dv, dmask, dpair
 
 
+def memory_order(t: Tensor) -> list[int]:
+    """The physical order of a new gradient of ``t [B, N, L, H, D]``: (b, n, l, h) by ``t``'s strides,
+    largest first (ties in dim order), then D. The backward kernels write dq, dk, dv so (the
+    extension orders them the same way), so that the gradient of a permuted view is a permuted
+    dense tensor: column attention's projection backward reads it without a copy."""
+    return sorted(range(4), key=lambda d: -t.stride(d)) + [4]
+
+
+def empty_in_memory_order(t: Tensor) -> Tensor:
+    return torch.empty_permuted(t.shape, memory_order(t), dtype=t.dtype, device=t.device)
+
+
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair):
     if dmask_dtype is not None and mask_prepared.numel() > 0:
@@ -170,7 +182,7 @@ def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale,
     else:
         dmask = q.new_empty(0)
     dpair = pair_bias.new_empty(pair_bias.shape) if need_dpair and pair_bias is not None else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dpair
+    return empty_in_memory_order(q), empty_in_memory_order(k), empty_in_memory_order(v), dmask, dpair
 
 
 def _save(ctx, inputs, outputs) -> None:

@@ -1,4 +1,5 @@
-"""The layer-norm op: ``layer_norm(x, weight, bias, eps)`` over the last dimension.
+"""The layer-norm ops: ``layer_norm(x, weight, bias, eps)`` over the last dimension, and
+``add_layer_norm(x, residual, weight, bias, eps)``, the residual add in front of it in one pass.
 
 Backends: ``"eager"`` (``torch.nn.functional.layer_norm``) and ``"cutlass"`` (the fused CUDA kernels
 of csrc/cutlass_kernels/layer_norm.cuh: one pass over the rows forward, one backward, float32
@@ -21,6 +22,7 @@ from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
 
 Tensor = torch.Tensor
 OP = "layer_norm"
+ADD_OP = "add_layer_norm"
 
 # The row kernels (layer norm here; the gate and the bias-gradient column sum in gating.py): their
 # input dtypes and what their cutlass backends can run.
@@ -155,18 +157,28 @@ def _save(ctx, x, weight, bias, eps, mean, rstd) -> None:
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _gradients(ctx, dy, backward):
-    x, weight, mean, rstd = ctx.saved_tensors
-    want_w = weight is not None and ctx.needs_input_grad[1]
-    want_b = ctx.has_bias and ctx.needs_input_grad[2]
-    # the kernel rounds both rows to one dtype: the parameters' when they share it (or one is wanted)
+def _affine_request(ctx, weight, first: int) -> tuple[bool, bool, torch.dtype]:
+    """(weight gradient wanted, bias gradient wanted, the dtype the kernel rounds both to: the
+    parameters' when they share it or one is wanted, else float32); weight and bias are the
+    inputs ``first`` and ``first + 1`` of the op."""
+    want_w = weight is not None and ctx.needs_input_grad[first]
+    want_b = ctx.has_bias and ctx.needs_input_grad[first + 1]
     dtypes = {weight.dtype} if want_w else set()
     dtypes |= {ctx.bias_dtype} if want_b else set()
-    affine_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    dx, affine = backward(dy.contiguous(), x, weight, mean, rstd, want_w or want_b, affine_dtype)
+    return want_w, want_b, dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _affine_grads(ctx, weight, affine, want_w: bool, want_b: bool) -> tuple[Optional[Tensor], Optional[Tensor]]:
     dw = as_dtype(affine[0], weight.dtype) if want_w else None
     db = as_dtype(affine[1], ctx.bias_dtype) if want_b else None
-    return dx, dw, db, None
+    return dw, db
+
+
+def _gradients(ctx, dy, backward):
+    x, weight, mean, rstd = ctx.saved_tensors
+    want_w, want_b, affine_dtype = _affine_request(ctx, weight, 1)
+    dx, affine = backward(dy.contiguous(), x, weight, mean, rstd, want_w or want_b, affine_dtype)
+    return (dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -212,3 +224,170 @@ class CutlassLayerNorm(Backend):
 
 _dispatch.register(CutlassLayerNorm(), auto_priority=10)
 _dispatch.register(EagerLayerNorm(), auto_priority=100)
+
+
+# ---- residual add + layer norm --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddLayerNormInputs(ValidatedInputs):
+    """Validated inputs of :func:`add_layer_norm`: x and residual ``[*, C]``, weight and bias ``[C]``
+    or None."""
+
+    x: Tensor
+    residual: Tensor
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    eps: float
+
+    def norm_inputs(self, s: Tensor) -> LayerNormInputs:
+        return LayerNormInputs(s, self.weight, self.bias, self.eps)
+
+
+def validate_add(x, residual, weight=None, bias=None, eps=1e-5) -> AddLayerNormInputs:
+    """Checks :func:`add_layer_norm`'s arguments (``ValueError`` naming the argument and the rule)."""
+    inputs = validate(x, weight, bias, eps)
+    tensors = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+    if not isinstance(residual, torch.Tensor):
+        raise ValueError(f"add_layer_norm: invalid `residual`: must be a torch.Tensor\n{describe(tensors)}")
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            "add_layer_norm: invalid `residual`: must have x's shape, dtype and device "
+            f"({list(x.shape)}, {x.dtype}, {x.device})\n{describe(tensors)}"
+        )
+    return AddLayerNormInputs(x, residual, inputs.weight, inputs.bias, inputs.eps)
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    """``s = x + residual`` and ``layer_norm(s, weight, bias, eps)``: a block's residual add and the
+    layer norm of the module after it, in one pass over the rows (and one backward: the gradient of
+    ``s`` from later in the block is added to the layer norm's input gradient in the same kernel).
+
+    Returns ``(s, y)``, both x's shape and dtype; ``s`` is rounded to x's dtype before it is
+    normalised, as the PyTorch code ``s = x + residual; y = F.layer_norm(s, (C,), weight, bias, eps)``
+    does. x and residual must share shape, dtype and device; weight and bias as :func:`layer_norm`.
+
+    Raises:
+        ValueError: an argument breaks a rule above, or the requested backend cannot run it.
+    """
+    inputs = validate_add(x, residual, weight, bias, eps)
+    if x.numel() == 0:
+        return _eager_add(inputs)
+    return _dispatch.select(ADD_OP, inputs, backend).forward(inputs, None)
+
+
+def _eager_add(inputs: AddLayerNormInputs) -> tuple[Tensor, Tensor]:
+    s = inputs.x + inputs.residual
+    return s, _eager(inputs.norm_inputs(s))
+
+
+class EagerAddLayerNorm(Backend):
+    name = "eager"
+    op = ADD_OP
+    capabilities = Capabilities(dtypes=FLOAT_DTYPES, device_types=())
+
+    def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        return _eager_add(inputs)
+
+
+@torch.library.custom_op("evoformer_blocks::fused_add_layer_norm_fwd", mutates_args=(), device_types="cuda")
+def add_layer_norm_fwd(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (s = x + residual, y = layer_norm(s), mean [M], rstd [M])."""
+    s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps)
+    return s, y, mean, rstd
+
+
+@add_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    stats = (x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32))
+    return x.new_empty(x.shape), x.new_empty(x.shape), *stats
+
+
+@torch.library.custom_op("evoformer_blocks::fused_add_layer_norm_bwd", mutates_args=(), device_types="cuda")
+def add_layer_norm_bwd(
+    ds: Tensor, dy: Tensor, s: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool,
+    affine_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Returns (dx, affine): dx = ds + the layer norm's input gradient (the gradient of x and of the
+    residual alike); affine as :func:`layer_norm_bwd`."""
+    dx, affine = _fused.kernels().add_layer_norm_bwd(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype)
+    return dx, affine
+
+
+@add_layer_norm_bwd.register_fake
+def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype):
+    shape, dtype = ((2, s.shape[-1]), affine_dtype) if need_affine else ((0,), torch.float32)
+    return s.new_empty(s.shape), s.new_empty(shape, dtype=dtype)
+
+
+def _save_add(ctx, s, weight, bias, mean, rstd) -> None:
+    ctx.save_for_backward(s, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _add_gradients(ctx, ds, dy, backward):
+    """(dx, dresidual, dweight, dbias, None): dx and dresidual are one tensor (the add passes the
+    gradient through to both)."""
+    s, weight, mean, rstd = ctx.saved_tensors
+    ds = torch.zeros_like(s) if ds is None else ds.contiguous()
+    dy = torch.zeros_like(s) if dy is None else dy.contiguous()
+    want_w, want_b, affine_dtype = _affine_request(ctx, weight, 2)
+    dx, affine = backward(ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype)
+    return (dx, dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
+
+
+def _add_setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps = inputs
+    _save_add(ctx, output[0], weight, bias, output[2], output[3])
+
+
+add_layer_norm_fwd.register_autograd(
+    lambda ctx, ds, dy, _dmean, _drstd: _add_gradients(ctx, ds, dy, add_layer_norm_bwd),
+    setup_context=_add_setup_context,
+)
+
+
+class _FusedAddLayerNormFunction(torch.autograd.Function):
+    """The fused add + layer norm with the custom ops' autograd, called without the custom-op layers."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps):
+        s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps)
+        _save_add(ctx, s, weight, bias, mean, rstd)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        return _add_gradients(ctx, ds, dy, _fused.kernels().add_layer_norm_bwd)
+
+
+class CutlassAddLayerNorm(Backend):
+    name = "cutlass"
+    op = ADD_OP
+    capabilities = ROW_KERNEL_CAPABILITIES
+
+    def extra_reasons(self, inputs: AddLayerNormInputs) -> list[str]:
+        return row_reasons(inputs.x.shape[-1], inputs.x.element_size(), "C") + _fused.build_reasons()
+
+    def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (inputs.weight, inputs.bias))
+        if torch.compiler.is_compiling():
+            s, y, _, _ = add_layer_norm_fwd(inputs.x, inputs.residual, weight, bias, inputs.eps)
+            return s, y
+        return _FusedAddLayerNormFunction.apply(inputs.x, inputs.residual, weight, bias, inputs.eps)
+
+
+_dispatch.register(CutlassAddLayerNorm(), auto_priority=10)
+_dispatch.register(EagerAddLayerNorm(), auto_priority=100)
