@@ -80,6 +80,8 @@ class _StackedProjection(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         dx, dweights = None, []
         x2 = None
+        if torch.compiler.is_compiling() and all(g is not None for g in grads):
+            return _concatenated_backward(ctx, x, weights, grads)
         qkv = _one_matrix(grads[:3])  # [rows, 3 * width] when the attention wrote them so
         if qkv is not None and any(ctx.needs_input_grad[3:6]):
             w = as_dtype(torch.cat(weights[:3]), qkv.dtype)  # [3 * width, c_in]
@@ -101,12 +103,31 @@ class _StackedProjection(torch.autograd.Function):
                 dweights.append(as_dtype(torch.mm(g2.t(), x2), weight.dtype))  # [width, c_in]
             else:
                 dweights.append(None)
-        dbias = None
-        if ctx.needs_input_grad[1] and grads[-1] is not None:
-            g2 = grads[-1].reshape(-1, grads[-1].shape[-1])  # [rows, width]
-            dbias = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
         dx = None if dx is None else as_dtype(dx.view(x.shape), x.dtype)
-        return (dx, dbias, None, *dweights)
+        return (dx, _bias_grad(ctx, grads[-1]), None, *dweights)
+
+
+def _bias_grad(ctx, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The gradient of _StackedProjection's bias from its output's gradient ``grad [..., width]``."""
+    if not ctx.needs_input_grad[1] or grad is None:
+        return None
+    g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
+    return bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
+
+
+def _concatenated_backward(ctx, x, weights, grads):
+    """_StackedProjection's backward under torch.compile, where the attention's gradients arrive as
+    separate tensors: one GEMM for dx and one for the weights over the concatenated gradients.
+    (The eager path's accumulation ``dx.addmm_`` runs out of place in inductor, which copies dx once
+    per projection first.)"""
+    g2 = torch.cat([g.reshape(-1, g.shape[-1]) for g in grads], dim=1)  # [rows, k * width]
+    dx = torch.mm(g2, as_dtype(torch.cat(weights), g2.dtype))  # [rows, c_in]
+    dweights = [None] * len(weights)
+    if any(ctx.needs_input_grad[3:]):
+        x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype)  # [rows, c_in]
+        dw = torch.mm(g2.t(), x2).split(weights[0].shape[0])  # k x [width, c_in]
+        dweights = [as_dtype(d, t.dtype) if need else None for d, t, need in zip(dw, weights, ctx.needs_input_grad[3:])]
+    return (as_dtype(dx.view(x.shape), x.dtype), _bias_grad(ctx, grads[-1]), None, *dweights)
 
 
 def _row_pitch(t: torch.Tensor) -> Optional[int]:

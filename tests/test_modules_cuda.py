@@ -121,7 +121,14 @@ def test_blocks_cutlass_match_eager(block_cls):
 
     ref, eager, fused = grads("eager", torch.float32), grads("eager", torch.bfloat16), grads("cutlass", torch.bfloat16)
     names = ["out_m", "out_z", "dm", "dz", *(name for name, _ in template.named_parameters())]
-    for name, f, e, r in zip(names, fused, eager, ref):
+    # The row attention's pair-bias layer norm feeds only the pair bias, whose gradient sums to zero
+    # over the keys (a softmax's), so its bias's gradient is zero in exact arithmetic: no relative
+    # error exists. It must stay at rounding level, measured against its weight's gradient.
+    zero = names.index("msa_att_row.layer_norm_z.bias")
+    scale = ref[names.index("msa_att_row.layer_norm_z.weight")].norm()
+    assert ref[zero].norm() <= 1e-5 * scale
+    assert torch.isfinite(fused[zero]).all() and fused[zero].norm() <= 2e-2 * scale, fused[zero].norm() / scale
+    for name, f, e, r in [entry for i, entry in enumerate(zip(names, fused, eager, ref)) if i != zero]:
         assert torch.isfinite(f).all(), name
         e_fused, e_eager = rel(f, r), rel(e, r)
         assert e_fused <= RATIO * e_eager + 2e-3, f"{block_cls.__name__} {name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
