@@ -21,11 +21,16 @@ attention cores 4 * rows * H * L^2 * C (q.k and p.v), the outer product 2 * S * 
 triangle products 2 * R^3 * c; forward+backward counts 3x the forward for projections and products
 (the input and the weight gradient) and 3.5x for the attention cores (recomputation).
 
+With --triangle N[,N...], TriangleMultiplicationOutgoing and TriangleMultiplicationIncoming alone
+(c_z = c_hidden = 128, z [N, N, 128], mask with 5 % zeros) at each N_res given, against
+cuEquivariance's fused triangle_multiplicative_update on the same weights: time and peak memory
+(instead of the block cases unless --shapes is given too).
+
 With --profile, the CUDA kernels of one forward+backward of the default block (torch.profiler,
 gradients by torch.autograd.grad as in the timing, grouped by kernel name).
 
     python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
-                                     [--json out.json]
+                                     [--triangle 384,768,1024] [--json out.json]
 """
 
 from __future__ import annotations
@@ -244,14 +249,49 @@ def breakdown(block, m, z, msa_mask, pair_mask, args) -> list[dict]:
     return rows
 
 
+def triangle_sweep(sizes: list[int], args) -> list[dict]:
+    """Both triangle multiplications alone at c_z = c_hidden = 128 against cuEquivariance's."""
+    rows, table = [], []
+    for n in sizes:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        z = torch.randn(n, n, 128, generator=gen, device="cuda").to(DTYPE)
+        mask = (torch.rand(n, n, generator=gen, device="cuda") > 0.05).to(DTYPE)
+        for cls in (eb.TriangleMultiplicationOutgoing, eb.TriangleMultiplicationIncoming):
+            module = randomized(cls(128, 128)).to("cuda", DTYPE)
+            leaves = [z, *module.parameters()]
+            ours = measure(Impl("ours", lambda mod=module, z=z, mask=mask: mod(z, mask)), (), leaves,
+                           forward_only=args.forward_only)
+            peer = Impl("cueq", lambda mod=module, z=z, mask=mask: cueq_triangle_multiplication(mod, z, mask),
+                        requires=("cuequivariance_torch",))
+            theirs = measure(peer, (), leaves, forward_only=args.forward_only)
+            ratio = (speedup(theirs.fwd_ms, ours.fwd_ms), speedup(theirs.fwdbwd_ms, ours.fwdbwd_ms))
+            peaks = [fmt(r.peak_mib if r.ok else None, 0) for r in (ours, theirs)]
+            table.append([f"{cls.__name__} N_res {n}", ours.cell(), theirs.cell(), f"{ratio[0]} ; {ratio[1]}",
+                          f"{peaks[0]} ({peaks[1]})"])
+            rows.append({"module": cls.__name__, "n_res": n, "ours": ours.as_dict(), "peer": theirs.as_dict()})
+            print(f"  {table[-1][0]}: {ours.cell()} | cuEquivariance {theirs.cell()} ({ratio[0]} ; {ratio[1]})", flush=True)
+            del module
+        del z, mask
+        torch.cuda.empty_cache()
+    print(markdown_table(["triangle multiplication", "ours fwd / fwd+bwd ms", "cuEquivariance",
+                          "cuEquivariance / ours (fwd ; f+b)", "peak MiB f+b ours (cuEquivariance)"], table), flush=True)
+    return rows
+
+
 def main() -> None:
     cli = CommandLine(__doc__, shapes=[c.label() for c in CASES], impls=list(IMPLS))
     cli.add_argument("--breakdown", action="store_true", help="time the nine sub-modules and the module-level peers")
     cli.add_argument("--profile", action="store_true",
                      help="list the CUDA kernels of one forward+backward of the default block (torch.profiler)")
+    cli.add_argument("--triangle", default="", help="N_res list for the triangle multiplication sweep, e.g. 384,768,1024")
     args = cli.parse()
+    if args.triangle and not any(a.startswith("--shapes") for a in sys.argv[1:]):
+        args.shapes = []  # the sweep alone
     print(run_info_line(), flush=True)
     results = []
+    if args.triangle:
+        print("\n## triangle multiplication, c_z = c_hidden = 128", flush=True)
+        results.append({"triangle": triangle_sweep([int(n) for n in args.triangle.split(",")], args)})
     for index in args.shapes:
         case = CASES[index]
         cfg, block, m, z, msa_mask, pair_mask = build(case)
