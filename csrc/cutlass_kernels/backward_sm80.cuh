@@ -392,6 +392,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   using PairT = typename Cfg::PairT;
   constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockKB;
   constexpr int kNTiles = Cfg::kNTilesB, kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitchB;
+  constexpr int kParts = Cfg::kTf32 ? 2 : 1, kSub = kNTiles / kParts;
 
   extern __shared__ __align__(16) char smem[];
   PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockQ][kPairPitch]
@@ -473,20 +474,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       stats_row[r] = stage_stats(s)[warp_row0 + g + 8 * r];
       delta_row[r] = stage_delta(s)[warp_row0 + g + 8 * r];
     }
-    float ds[kNTiles][4];
-    if (p.mask_scaled)
-      compute_ds_tile<Cfg, kNTiles, kPairPitch, true, false>(ds, p, unused_frags, unused_frags, stage_q(s),
-                                                              stage_do(s), stage_k(s), stage_v(s), sPair,
-                                                              stage_mask(s), stats_row, delta_row, warp_row0,
-                                                              p.Lk - n0, lane);
-    else
-      compute_ds_tile<Cfg, kNTiles, kPairPitch, false, false>(ds, p, unused_frags, unused_frags, stage_q(s),
-                                                               stage_do(s), stage_k(s), stage_v(s), sPair, nullptr,
-                                                               stats_row, delta_row, warp_row0, p.Lk - n0, lane);
+    if constexpr (kParts == 1) {
+      float ds[kNTiles][4];
+      if (p.mask_scaled)
+        compute_ds_tile<Cfg, kNTiles, kPairPitch, true, false>(ds, p, unused_frags, unused_frags, stage_q(s),
+                                                                stage_do(s), stage_k(s), stage_v(s), sPair,
+                                                                stage_mask(s), stats_row, delta_row, warp_row0,
+                                                                p.Lk - n0, lane);
+      else
+        compute_ds_tile<Cfg, kNTiles, kPairPitch, false, false>(ds, p, unused_frags, unused_frags, stage_q(s),
+                                                                 stage_do(s), stage_k(s), stage_v(s), sPair, nullptr,
+                                                                 stats_row, delta_row, warp_row0, p.Lk - n0, lane);
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] += ds[nt][e];
+        for (int e = 0; e < 4; ++e) acc[nt][e] += ds[nt][e];
+    } else {
+      // float32: dS in kParts key slices of kSub n8 tiles, so that S and dP of a slice fit the
+      // registers next to the accumulator without spills (the 16-bit form above is the one measured:
+      // another register allocation of this kernel was slower, DESIGN.md)
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        const int key0 = part * kSub * 8;
+        float ds[kSub][4];
+        const float* mask_part = p.mask_scaled ? stage_mask(s) + key0 : nullptr;
+        compute_ds_tile<Cfg, kSub, kPairPitch, true, false>(ds, p, unused_frags, unused_frags, stage_q(s), stage_do(s),
+                                                            stage_k(s) + key0 * kPitch, stage_v(s) + key0 * kPitch,
+                                                            sPair + key0, mask_part, stats_row, delta_row, warp_row0,
+                                                            p.Lk - n0 - key0, lane);
+#pragma unroll
+        for (int nt = 0; nt < kSub; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[part * kSub + nt][e] += ds[nt][e];
+      }
+    }
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 

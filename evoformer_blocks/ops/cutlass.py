@@ -318,9 +318,10 @@ def kernel_family(device: Optional[torch.device] = None, dtype: Optional[torch.d
     forces them); float32 (TF32 tensor cores) always ``"sm80"``. Any other value of the variable
     raises ValueError. The variable is read at every forward (a backward runs the family of its
     forward). Builds the kernels on first use."""
+    if dtype is not None and dtype == TF32_DTYPE:
+        return TF32_FAMILY
     index = torch.device(device if device is not None else "cuda").index
-    family = _family(torch.cuda.current_device() if index is None else index)
-    return TF32_FAMILY if dtype is not None and dtype == TF32_DTYPE else family
+    return _family(torch.cuda.current_device() if index is None else index)
 
 
 def _capabilities(table: Optional[dict]) -> Capabilities:
