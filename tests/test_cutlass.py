@@ -8,6 +8,7 @@ kernel launch (EVOFORMER_BLOCKS_POISON=1), so an element a kernel fails to write
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -82,7 +83,9 @@ def test_kernel_family_rejects_unknown_setting(monkeypatch):
 def test_capabilities_come_from_the_kernel_table():
     table = json.loads((Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels/kernel_table.json").read_text())
     caps = ops.get_backend("cutlass").capabilities
-    assert caps.dtypes == tuple(getattr(torch, d["torch"]) for d in table["dtypes"])
+    assert caps.dtypes == tuple(getattr(torch, d["torch"]) for d in table["dtypes"] + [table["tf32"]["dtype"]])
+    assert (cutlass.TF32_DTYPE, cutlass.TF32_MAX_HEAD_DIM) == (torch.float32, table["tf32"]["max_head_dim"])
+    assert table["tf32"]["families"] == [cutlass.TF32_FAMILY]
     assert (caps.head_dim_multiple, caps.max_head_dim) == (table["head_dim"]["multiple"], table["head_dim"]["max"])
     assert caps.min_compute_capability == tuple(table["min_compute_capability"])
     grid = table["grid"]
@@ -90,6 +93,35 @@ def test_capabilities_come_from_the_kernel_table():
     q = torch.empty(1, rows, grid["row_tile"] + 1, grid["max_heads"] + 1, 8, device="meta", dtype=torch.bfloat16)
     reasons = ops.get_backend("cutlass").extra_reasons(ops.validate(q, q, q))
     assert len(reasons) == 2 and "grid size" in reasons[0] and f"exceeds {grid['max_heads']}" in reasons[1]
+
+
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_float32_beyond_the_tf32_head_dims_is_refused_with_a_reason(head_dim):
+    q = torch.empty(1, 2, 10, 2, head_dim, device="meta", dtype=torch.float32)
+    reasons = ops.get_backend("cutlass").extra_reasons(ops.validate(q, q, q))
+    assert reasons and reasons[0] == (
+        f"`q` is float32 with head dim D={head_dim}: the float32 (TF32) kernels take D <= {cutlass.TF32_MAX_HEAD_DIM}"
+    )
+    # 16-bit inputs of that head dim have kernels: no such reason (the grid rule makes the list
+    # non-empty without building the extension)
+    rows = 2 ** 31 // 64
+    q16 = torch.empty(1, rows, 65, 1, head_dim, device="meta", dtype=torch.bfloat16)
+    assert not any("TF32" in r for r in ops.get_backend("cutlass").extra_reasons(ops.validate(q16, q16, q16)))
+
+
+def test_auto_keeps_float32_on_cpu_eager():
+    from evoformer_blocks.ops._dispatch import ATTENTION_OP, select
+
+    q = torch.randn(1, 2, 5, 2, 16)
+    assert select(ATTENTION_OP, ops.validate(q, q, q), None).name == "eager"
+    with pytest.raises(ValueError, match="device type 'cpu'"):
+        ops.evoformer_attention(q, q, q, backend="cutlass")
+
+
+def test_float32_family_is_sm80(monkeypatch):
+    # float32 has kernels in the portable family only: the choice never reaches the extension
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm80")
+    assert cutlass.kernel_family("cuda:0", torch.float32) == "sm80"
 
 
 def test_generated_kernel_sources_are_current():
@@ -118,13 +150,14 @@ def test_pair_needs_copy(make, needs_copy):
     assert cutlass.pair_needs_copy(make()) is needs_copy
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("len_k", [21, 24])  # the pair bias copied or read in place
-def test_compile_fullgraph_traces_the_fakes(len_k, monkeypatch):
+def test_compile_fullgraph_traces_the_fakes(len_k, dtype, monkeypatch):
     # The custom ops' fakes carry torch.compile through forward and backward without a GPU (meta
     # tensors; the sm80 setting keeps the family choice from asking the extension).
     monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm80")
 
-    def leaf(*shape, dtype=torch.bfloat16):
+    def leaf(*shape, dtype=dtype):
         return meta(*shape, dtype=dtype).requires_grad_(True)
 
     q, k, v = leaf(1, 2, 20, 2, 32), leaf(1, 2, len_k, 2, 32), leaf(1, 2, len_k, 2, 32)
@@ -138,14 +171,25 @@ def test_compile_fullgraph_traces_the_fakes(len_k, monkeypatch):
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
-@pytest.mark.parametrize("pair_dtype,len_k", [(None, 21), (torch.bfloat16, 21), (torch.float32, 24)])
-def test_fake_shapes(with_mask, pair_dtype, len_k):
-    q, k = meta(2, 3, 20, 4, 32), meta(2, 3, len_k, 4, 32)
-    mask_bias = meta(1, 3, 1, 1, len_k) if with_mask else None
+@pytest.mark.parametrize(
+    "dtype,pair_dtype,len_k",
+    [
+        (torch.bfloat16, None, 21),
+        (torch.bfloat16, torch.bfloat16, 21),
+        (torch.bfloat16, torch.float32, 24),
+        (torch.float32, None, 21),
+        (torch.float32, torch.float32, 21),
+        (torch.float32, torch.float32, 24),
+    ],
+)
+def test_fake_shapes(with_mask, dtype, pair_dtype, len_k):
+    q, k = meta(2, 3, 20, 4, 32, dtype=dtype), meta(2, 3, len_k, 4, 32, dtype=dtype)
+    mask_bias = meta(1, 3, 1, 1, len_k, dtype=dtype) if with_mask else None
     pair_bias = meta(2, 1, 4, 20, len_k, dtype=pair_dtype) if pair_dtype else None
-    copy_pair = pair_bias is not None and len_k % 8 != 0
+    copy_pair = pair_bias is not None and len_k % (16 // pair_bias.element_size()) != 0
     out, stats, mask_prepared, pair_prepared = cutlass.attention_fwd(q, k, k, mask_bias, pair_bias, 0.25, "sm80")
-    assert out.shape == q.shape and stats.shape == (2, 3, 4, 20, 2) and stats.dtype == torch.float32
+    assert out.shape == q.shape and out.dtype == dtype and stats.shape == (2, 3, 4, 20, 2)
+    assert stats.dtype == torch.float32
     assert mask_prepared.dtype == torch.float32
     assert mask_prepared.shape == ((1, 3, 24) if with_mask else (0,))  # Lk padded to whole 16-byte rows
     if pair_bias is not None and copy_pair:
@@ -157,6 +201,7 @@ def test_fake_shapes(with_mask, pair_dtype, len_k):
         q, q, k, k, out, stats, mask_prepared, pair_bias, pair_prepared, 0.25, "sm80", dmask_dtype, pair_bias is not None
     )
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, k.shape]
+    assert [g.dtype for g in grads[:3]] == [dtype] * 3
     assert grads[3].shape == ((1, 3, 1, 1, len_k) if with_mask else (0,))
     assert grads[3].dtype == (torch.float32 if with_mask else q.dtype)
     assert grads[4].shape == (pair_bias.shape if pair_bias is not None else (0,))
@@ -173,6 +218,12 @@ FLOOR = {
     (torch.bfloat16, "backward"): 1e-4,
     (torch.float16, "forward"): 1e-4,
     (torch.float16, "backward"): 1e-4,
+    # float32 runs on the TF32 tensor cores; its bar is eager float32 with TF32 matmuls and its
+    # reference float64. The floor is about one TF32 rounding of the values (2^-12 relative at
+    # most): at L = 1 the fused output is v rounded to TF32 (and dv is dO rounded so), where cuBLAS
+    # may multiply by P = 1 exactly.
+    (torch.float32, "forward"): 2e-4,
+    (torch.float32, "backward"): 2e-4,
 }
 GRAD_NAMES = ("q", "k", "v", "mask_bias", "pair_bias")
 
@@ -223,13 +274,17 @@ def run(backend, q, k, v, mask_bias, pair_bias, dout, cast=None):
     return out.detach(), {name: t.grad for name, t in leaves.items()}
 
 
-def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1, ref_dtype=torch.float32):
+def check_against_reference(q, k, v, mask_bias, pair_bias, seed=1, ref_dtype=None):
     """The pass rule above for the output and every gradient; the reference is the eager backend
-    in `ref_dtype`."""
+    in `ref_dtype` (default: float32, float64 for float32 inputs), the bar eager in q's dtype (with
+    TF32 matmuls for float32 inputs)."""
+    tf32 = q.dtype == torch.float32
+    ref_dtype = ref_dtype or (torch.float64 if tf32 else torch.float32)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dout = torch.randn(q.shape, generator=gen, device="cuda")
     ref_out, ref_grads = run("eager", q, k, v, mask_bias, pair_bias, dout, cast=ref_dtype)
-    eager_out, eager_grads = run("eager", q, k, v, mask_bias, pair_bias, dout)
+    bar = eager_with_tf32_matmuls if tf32 else functools.partial(run, "eager")
+    eager_out, eager_grads = bar(q, k, v, mask_bias, pair_bias, dout)
     fused_out, fused_grads = run("cutlass", q, k, v, mask_bias, pair_bias, dout)
     dtype = q.dtype
     assert fused_out.dtype == dtype and fused_out.shape == q.shape
@@ -270,24 +325,92 @@ def test_float32_biases(dtype, variant, head_dim):
     check_against_reference(*inputs)
 
 
+def eager_with_tf32_matmuls(*args, **kwargs):
+    """`run` on the eager backend with torch.backends.cuda.matmul.allow_tf32 = True (restored after)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return run("eager", *args, **kwargs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 @gpu
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 64])
+@pytest.mark.parametrize("variant", ["none", "mask", "pair", "both"])
+@pytest.mark.parametrize("length", [1, 7, 17, 1000])
+def test_float32_matches_reference(head_dim, variant, length):
+    rows = 3 if length < 1000 else 2
+    inputs = make_inputs(2, rows, length, length, 2, head_dim, torch.float32, variant, seed=length + head_dim)
+    check_against_reference(*inputs)
+
+
+@gpu
+def test_float32_runs_the_sm80_family(kernel_family):
+    # on a Hopper GPU too, whatever EVOFORMER_BLOCKS_KERNELS says
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 3, 40, 40, 2, 32, torch.float32, "both")
+    out = cutlass.attention(*(t.requires_grad_(True) for t in (q, k, v, mask_bias, pair_bias)), 0.25)
+    assert out.grad_fn.family == "sm80" == cutlass.kernel_family(q.device, torch.float32)
+    if "sm90" in cutlass.available_kernel_families(torch.cuda.current_device()):
+        with pytest.raises(RuntimeError, match="sm80 kernel family only"):
+            cutlass.attention_fwd(q.detach(), k.detach(), v.detach(), None, None, 0.25, "sm90")
+
+
+@gpu
+def test_auto_runs_float32_fused():
+    # auto picks the cutlass backend for float32, and nothing [B, N, H, L, L] is allocated: the
+    # float32 logits alone would take 256 MiB here, q, k, v 16 MiB each.
+    from evoformer_blocks.ops._dispatch import ATTENTION_OP, select
+
+    q, k, v, mask_bias, _ = make_inputs(1, 64, 512, 512, 4, 32, torch.float32, "mask")
+    assert select(ATTENTION_OP, ops.validate(q, k, v, mask_bias), None).name == "cutlass"
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    ops.evoformer_attention(*leaves, mask_bias, backend="auto")  # builds, warms up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = ops.evoformer_attention(*leaves, mask_bias, backend="auto")
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    logits_bytes = 64 * 4 * 512 * 512 * 4
+    assert torch.cuda.max_memory_allocated() - before < logits_bytes // 2
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_float32_beyond_the_tf32_head_dims_falls_back(head_dim):
+    from evoformer_blocks.ops._dispatch import ATTENTION_OP, select
+
+    q = torch.randn(1, 2, 10, 2, head_dim, device="cuda")
+    with pytest.raises(ValueError, match=r"float32 \(TF32\) kernels take D <= 64"):
+        ops.evoformer_attention(q, q, q, backend="cutlass")
+    assert select(ATTENTION_OP, ops.validate(q, q, q), None).name == "eager"
+    torch.testing.assert_close(
+        ops.evoformer_attention(q, q, q, backend="auto"), ops.evoformer_attention(q, q, q, backend="eager"), rtol=0, atol=0
+    )
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("len_q,len_k", [(33, 100), (130, 7)])
-def test_query_and_key_lengths_differ(len_q, len_k):
-    check_against_reference(*make_inputs(1, 3, len_q, len_k, 2, 32, torch.bfloat16, "both"))
+def test_query_and_key_lengths_differ(len_q, len_k, dtype):
+    check_against_reference(*make_inputs(1, 3, len_q, len_k, 2, 32, dtype, "both"))
 
 
 @gpu
-def test_broadcast_biases():
-    q, k, v, _, _ = make_inputs(2, 3, 40, 40, 4, 32, torch.bfloat16, "none")
-    mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 40, device="cuda") > 0.2).float() - 1)).bfloat16()  # B broadcast
-    pair_bias = torch.randn(2, 1, 1, 40, 40, device="cuda").bfloat16()  # H broadcast
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_broadcast_biases(dtype):
+    q, k, v, _, _ = make_inputs(2, 3, 40, 40, 4, 32, dtype, "none")
+    mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 40, device="cuda") > 0.2).float() - 1)).to(dtype)  # B broadcast
+    pair_bias = torch.randn(2, 1, 1, 40, 40, device="cuda").to(dtype)  # H broadcast
     check_against_reference(q, k, v, mask_bias, pair_bias)
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("mask_value", [-1e9, float("-inf")])
-def test_fully_masked_rows(mask_value):
-    q, k, v, mask_bias, pair_bias = make_inputs(1, 4, 50, 50, 2, 32, torch.bfloat16, "both")
+def test_fully_masked_rows(mask_value, dtype):
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 4, 50, 50, 2, 32, dtype, "both")
     mask_bias[:, 1] = mask_value  # every key of row n = 1 masked
     mask_bias[:, 2, ..., 10:] = mask_value  # most keys of row n = 2 masked
     check_against_reference(q, k, v, mask_bias, pair_bias)
@@ -344,15 +467,16 @@ def test_rows_masked_by_a_finite_fill_match_eager(dtype, fill, mask_dtype, lengt
 
 
 @gpu
-def test_non_contiguous_inputs():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_non_contiguous_inputs(dtype):
     # q, k, v as views of one packed projection [B, N, L, 3, H, D], plus a transposed layout.
-    packed = torch.randn(1, 3, 45, 3, 2, 40, device="cuda", dtype=torch.bfloat16)
+    packed = torch.randn(1, 3, 45, 3, 2, 40, device="cuda", dtype=dtype)
     q, k, v = packed.unbind(dim=3)
     assert not q.is_contiguous()
-    mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 45, device="cuda") > 0.2).float() - 1)).bfloat16()
-    pair_bias = torch.randn(1, 1, 45, 45, 2, device="cuda").bfloat16().permute(0, 1, 4, 2, 3)  # keys not contiguous
+    mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 45, device="cuda") > 0.2).float() - 1)).to(dtype)
+    pair_bias = torch.randn(1, 1, 45, 45, 2, device="cuda").to(dtype).permute(0, 1, 4, 2, 3)  # keys not contiguous
     check_against_reference(q, k, v, mask_bias, pair_bias)
-    q_t = torch.randn(1, 3, 2, 45, 40, device="cuda", dtype=torch.bfloat16).transpose(2, 3)  # [B, N, L, H, D] view
+    q_t = torch.randn(1, 3, 2, 45, 40, device="cuda", dtype=dtype).transpose(2, 3)  # [B, N, L, H, D] view
     mask_strided = (1e9 * ((torch.rand(1, 3, 1, 1, 90, device="cuda") > 0.2).float() - 1))[..., ::2]  # key stride 2
     check_against_reference(q_t, k, v, mask_strided, pair_bias)
 
@@ -387,13 +511,16 @@ def test_caller_tensors_untouched():
 
 
 @gpu
-@pytest.mark.parametrize("length", [20, 24])  # the pair bias copied (rows of 40 bytes) or read in place
-def test_opcheck(length):
+@pytest.mark.parametrize(
+    "dtype,length",  # the pair bias copied (rows not a multiple of 16 bytes) or read in place
+    [(torch.bfloat16, 20), (torch.bfloat16, 24), (torch.float32, 22), (torch.float32, 24)],
+)
+def test_opcheck(dtype, length):
     from evoformer_blocks.ops.cutlass import attention_bwd, attention_fwd
 
-    q, k, v, mask_bias, pair_bias = make_inputs(1, 2, length, length, 2, 32, torch.bfloat16, "both")
-    family = cutlass.kernel_family(q.device)
-    assert cutlass.pair_needs_copy(pair_bias) == (length == 20)
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 2, length, length, 2, 32, dtype, "both")
+    family = cutlass.kernel_family(q.device, dtype)
+    assert cutlass.pair_needs_copy(pair_bias) == (length % (16 // pair_bias.element_size()) != 0)
     for t in (q, k, v, mask_bias, pair_bias):
         t.requires_grad_(True)
     torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25, family))
@@ -407,11 +534,11 @@ def test_opcheck(length):
 
 @gpu
 def test_auto_falls_back_for_unsupported_inputs():
-    q32 = torch.randn(1, 2, 10, 2, 16, device="cuda")  # float32: not supported by cutlass
-    with pytest.raises(ValueError, match="float32"):
-        ops.evoformer_attention(q32, q32, q32, backend="cutlass")
-    out = ops.evoformer_attention(q32, q32, q32, backend="auto")
-    assert out.dtype == torch.float32
+    q64 = torch.randn(1, 2, 10, 2, 16, device="cuda", dtype=torch.float64)  # float64: not supported by cutlass
+    with pytest.raises(ValueError, match="float64"):
+        ops.evoformer_attention(q64, q64, q64, backend="cutlass")
+    out = ops.evoformer_attention(q64, q64, q64, backend="auto")
+    assert out.dtype == torch.float64
     big_d = torch.randn(1, 2, 10, 1, 136, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim"):
         ops.evoformer_attention(big_d, big_d, big_d, backend="cutlass")

@@ -13,6 +13,8 @@
 //    block, h), loops over the chunk's rows n recomputing S, dP and dS, sums dS in registers and
 //    writes its tile of the chunk's partial once. The partials ([n_chunks, B, H, Lq, Lk] fp32) are
 //    summed by the host in a fixed order.
+// Element float runs the products on the TF32 tensor cores (mma_sm80.cuh), with 32-query steps in
+// the dK/dV kernel at D = 64 to bound shared memory; gradients are float32.
 #pragma once
 
 #include "epilogue.cuh"
@@ -20,6 +22,8 @@
 #include "preprocess.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
+
+#include <type_traits>
 
 // Minimum resident CTAs per SM of the D = 32 backward kernels (see BackwardConfig); a build-time
 // knob for tuning experiments like the forward's tiling macros.
@@ -36,19 +40,24 @@ struct BackwardConfig {
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kPair = kPair_;
+  // float32 inputs (TF32 tensor cores): tiles of twice the bytes, D <= 64
+  static constexpr bool kTf32 = std::is_same_v<Element, float>;
+  static_assert(!kTf32 || kHeadDim <= limits::kTf32MaxHeadDim,
+                "float32 (TF32) kernels exist up to limits::kTf32MaxHeadDim");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kPitch = kHeadDim + 8;
+  static constexpr int kPitch = kHeadDim + kChunkElems<Element>;  // +16 B per row: conflict-free ldmatrix
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kTileBytes16 = kPitch * sizeof(Element);  // one row of a q/k/v tile
   // Resident CTAs per SM compiled for: the register cap (168 at 3 CTAs) pays off at D = 32 and
-  // makes D = 64 / 128 spill hundreds of bytes, so those keep the compiler's own allocation.
-  static constexpr int kMinBlocksPerSM = kHeadDim <= 32 ? EVOFORMER_BWD_MIN_BLOCKS : 1;
+  // makes D = 64 / 128 spill hundreds of bytes, so those keep the compiler's own allocation; float32
+  // (93-160 KB of shared memory per CTA) fits at most two CTAs per SM anyway.
+  static constexpr int kMinBlocksPerSM = kHeadDim <= 32 && !kTf32 ? EVOFORMER_BWD_MIN_BLOCKS : 1;
 
   // dK/dV kernel: 16 keys per warp, query steps of kBlockQ.
   static constexpr int kBlockKV = kWarps * 16;
-  static constexpr int kBlockQ = kHeadDim <= 64 ? 64 : 32;
+  static constexpr int kBlockQ = kHeadDim <= (kTf32 ? 32 : 64) ? 64 : 32;
   static constexpr int kQTiles = kBlockQ / 8;
   static constexpr bool kKVInRegs = kHeadDim <= 64;  // keep K and V A-fragments in registers
   static constexpr int kPairPitchT = kBlockKV + 8;     // pair tile [kBlockQ queries][kBlockKV keys]
@@ -56,9 +65,10 @@ struct BackwardConfig {
       2 * kBlockQ * kTileBytes16 + (kPair ? kBlockQ * kPairPitchT * int(sizeof(PairT)) : 0) + 3 * kBlockQ * 4;
   static constexpr int kDkdvSmemBytes = 2 * kBlockKV * kTileBytes16 + 2 * kDkdvStageBytes;
 
-  // dQ kernel: 16 queries per warp, key steps of kBlockK.
+  // dQ kernel: 16 queries per warp, key steps of kBlockK (float32: 32, which keeps its score and
+  // dP tiles and twice-as-wide Q / dO fragments within the register cap without spills).
   static constexpr int kBlockQ2 = kWarps * 16;
-  static constexpr int kBlockK = 64;
+  static constexpr int kBlockK = kTf32 ? 32 : 64;
   static constexpr int kNTiles = kBlockK / 8;
   static constexpr bool kQInRegs = kHeadDim <= 64;  // keep Q and dO A-fragments in registers
   static constexpr int kPairPitch = kBlockK + 8;
@@ -66,14 +76,17 @@ struct BackwardConfig {
       2 * kBlockK * kTileBytes16 + (kPair ? kBlockQ2 * kPairPitch * int(sizeof(PairT)) : 0) + kBlockK * 4;
   static constexpr int kDqSmemBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kDqStageBytes;
 
-  // Pair-bias kernel: a [kBlockQ2, kBlockK] tile, 16 queries per warp; per row n a stage holds Q,
-  // dO [kBlockQ2][kPitch], K, V [kBlockK][kPitch], mask [kBlockK], stats [kBlockQ2] (float2) and
-  // delta [kBlockQ2]; the pair tile [kBlockQ2][kPairPitch] is loaded once.
-  static constexpr int kBiasStageBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kBlockK * kTileBytes16 + kBlockK * 4 +
+  // Pair-bias kernel: a [kBlockQ2, kBlockKB] tile, 16 queries per warp; per row n a stage holds Q,
+  // dO [kBlockQ2][kPitch], K, V [kBlockKB][kPitch], mask [kBlockKB], stats [kBlockQ2] (float2) and
+  // delta [kBlockQ2]; the pair tile [kBlockQ2][kPairPitchB] is loaded once.
+  static constexpr int kBlockKB = limits::kPairGradTileKeys;
+  static constexpr int kNTilesB = kBlockKB / 8;
+  static constexpr int kPairPitchB = kBlockKB + 8;
+  static constexpr int kBiasStageBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kBlockKB * kTileBytes16 + kBlockKB * 4 +
                                          kBlockQ2 * 8 + kBlockQ2 * 4;
-  static constexpr int kBiasPairBytes = kPair ? kBlockQ2 * kPairPitch * int(sizeof(PairT)) : 0;
+  static constexpr int kBiasPairBytes = kPair ? kBlockQ2 * kPairPitchB * int(sizeof(PairT)) : 0;
   static constexpr int kBiasSmemBytes = kBiasPairBytes + 2 * kBiasStageBytes;
-  static_assert(kBlockQ2 == limits::kPairGradTileQueries && kBlockK == limits::kPairGradTileKeys,
+  static_assert(kBlockQ2 == limits::kPairGradTileQueries,
                 "the pair-bias kernel's tile is the one its launch and the host size the grid from");
 };
 
@@ -154,7 +167,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dt][e] = 0.f, dv[dt][e] = 0.f;
   float dmask_acc[2] = {0.f, 0.f};
-  uint32_t kf[1][kKSteps][4], vf[1][kKSteps][4];  // used when Cfg::kKVInRegs
+  uint32_t kf[1][kKSteps][kARegs<Element>], vf[1][kKSteps][kARegs<Element>];  // used when Cfg::kKVInRegs
 
   const int n_blocks = (p.Lq + kBlockQ - 1) / kBlockQ;
   for (int ib = 0; ib < n_blocks; ++ib) {
@@ -232,22 +245,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   store_dkdv_rows<Element, kDTiles>(dk, dv, dmask_acc, p, b, n, h, j0 + warp * 16 + g, lane);
 }
 
-// S = (mask + pair) / scale + Q.K^T and dP = dO.V^T for one warp's 16 query rows and a kBlockK key
-// tile, then dS = P * (dP - delta) with P = exp2((S - m) * scale_log2 - l); dS is left in `dp`.
-// The A fragments of Q and dO come from qf / dof when kFragsInRegs, else from sQ / sdO.
-template <typename Cfg, bool kHasMask, bool kFragsInRegs>
-__device__ __forceinline__ void compute_ds_tile(float (&dp)[Cfg::kNTiles][4], const AttentionParams& p,
-                                                const uint32_t (&qf)[1][Cfg::kKSteps][4],
-                                                const uint32_t (&dof)[1][Cfg::kKSteps][4],
+// S = (mask + pair) / scale + Q.K^T and dP = dO.V^T for one warp's 16 query rows and a key tile of
+// kNTiles * 8 keys (the pair tile's rows kPairPitch apart), then dS = P * (dP - delta) with
+// P = exp2((S - m) * scale_log2 - l); dS is left in `dp`. The A fragments of Q and dO come from
+// qf / dof when kFragsInRegs, else from sQ / sdO.
+template <typename Cfg, int kNTiles, int kPairPitch, bool kHasMask, bool kFragsInRegs>
+__device__ __forceinline__ void compute_ds_tile(float (&dp)[kNTiles][4], const AttentionParams& p,
+                                                const uint32_t (&qf)[1][Cfg::kKSteps][kARegs<typename Cfg::Element>],
+                                                const uint32_t (&dof)[1][Cfg::kKSteps][kARegs<typename Cfg::Element>],
                                                 const typename Cfg::Element* sQ, const typename Cfg::Element* sdO,
                                                 const typename Cfg::Element* sK, const typename Cfg::Element* sV,
                                                 const typename Cfg::PairT* sPair, const float* sMask,
                                                 const float2 (&stats_row)[2], const float (&delta_row)[2],
                                                 int warp_row0, int valid_keys, int lane) {
   using Element = typename Cfg::Element;
-  constexpr int kNTiles = Cfg::kNTiles, kKSteps = Cfg::kKSteps, kPitch = Cfg::kPitch;
+  constexpr int kKSteps = Cfg::kKSteps, kPitch = Cfg::kPitch;
   float sc[kNTiles][4];
-  init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair, warp_row0,
+  init_block_scores<Cfg::kPair != kNoPair, kNTiles, kPairPitch>(sc, kHasMask ? sMask : nullptr, sPair, warp_row0,
                                                                      valid_keys, p.inv_scale, lane);
   start_at_minus_delta<kNTiles>(dp, delta_row);
   mma_a_by_nmajor<Element, kNTiles, kKSteps, kPitch>(
@@ -331,7 +345,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
-  uint32_t qf[1][kKSteps][4], dof[1][kKSteps][4];  // used when Cfg::kQInRegs
+  uint32_t qf[1][kKSteps][kARegs<Element>], dof[1][kKSteps][kARegs<Element>];  // used when Cfg::kQInRegs
 
   const int n_blocks = (p.Lk + kBlockK - 1) / kBlockK;
   for (int jb = 0; jb < n_blocks; ++jb) {
@@ -350,11 +364,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     const Element* sK = stage_k(s);
     float ds[Cfg::kNTiles][4];
     if (has_mask)
-      compute_ds_tile<Cfg, true, Cfg::kQInRegs>(ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), stage_mask(s),
-                                                stats_row, delta_row, warp_row0, p.Lk - n0, lane);
+      compute_ds_tile<Cfg, Cfg::kNTiles, kPairPitch, true, Cfg::kQInRegs>(
+          ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), stage_mask(s), stats_row, delta_row, warp_row0,
+          p.Lk - n0, lane);
     else
-      compute_ds_tile<Cfg, false, Cfg::kQInRegs>(ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), nullptr,
-                                                 stats_row, delta_row, warp_row0, p.Lk - n0, lane);
+      compute_ds_tile<Cfg, Cfg::kNTiles, kPairPitch, false, Cfg::kQInRegs>(
+          ds, p, qf, dof, sQ, sdO, sK, stage_v(s), stage_pair(s), nullptr, stats_row, delta_row, warp_row0, p.Lk - n0,
+          lane);
 
     // dQ += dS . K
     mma_c_by_kmajor<Element, Cfg::kNTiles, kDTiles, kPitch>(dq, ds, sK, lane);
@@ -374,8 +390,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     backward_sm80_dpair_kernel(const AttentionParams p) {
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
-  constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockK;
-  constexpr int kNTiles = Cfg::kNTiles, kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitch;
+  constexpr int kPitch = Cfg::kPitch, kBlockQ = Cfg::kBlockQ2, kBlockK = Cfg::kBlockKB;
+  constexpr int kNTiles = Cfg::kNTilesB, kThreads = Cfg::kThreads, kPairPitch = Cfg::kPairPitchB;
+  constexpr int kParts = Cfg::kTf32 ? 2 : 1, kSub = kNTiles / kParts;
 
   extern __shared__ __align__(16) char smem[];
   PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockQ][kPairPitch]
@@ -442,7 +459,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-  const uint32_t unused_frags[1][Cfg::kKSteps][4] = {};  // Q and dO fragments are read from shared memory
+  const uint32_t unused_frags[1][Cfg::kKSteps][kARegs<Element>] = {};  // Q and dO fragments are read from shared memory
 
   for (int n = n_begin; n < n_end; ++n) {
     const int s = (n - n_begin) & 1;
@@ -457,18 +474,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       stats_row[r] = stage_stats(s)[warp_row0 + g + 8 * r];
       delta_row[r] = stage_delta(s)[warp_row0 + g + 8 * r];
     }
-    float ds[kNTiles][4];
-    if (p.mask_scaled)
-      compute_ds_tile<Cfg, true, false>(ds, p, unused_frags, unused_frags, stage_q(s), stage_do(s), stage_k(s),
-                                        stage_v(s), sPair, stage_mask(s), stats_row, delta_row, warp_row0, p.Lk - n0,
-                                        lane);
-    else
-      compute_ds_tile<Cfg, false, false>(ds, p, unused_frags, unused_frags, stage_q(s), stage_do(s), stage_k(s),
-                                         stage_v(s), sPair, nullptr, stats_row, delta_row, warp_row0, p.Lk - n0, lane);
+    if constexpr (kParts == 1) {
+      float ds[kNTiles][4];
+      if (p.mask_scaled)
+        compute_ds_tile<Cfg, kNTiles, kPairPitch, true, false>(ds, p, unused_frags, unused_frags, stage_q(s),
+                                                                stage_do(s), stage_k(s), stage_v(s), sPair,
+                                                                stage_mask(s), stats_row, delta_row, warp_row0,
+                                                                p.Lk - n0, lane);
+      else
+        compute_ds_tile<Cfg, kNTiles, kPairPitch, false, false>(ds, p, unused_frags, unused_frags, stage_q(s),
+                                                                 stage_do(s), stage_k(s), stage_v(s), sPair, nullptr,
+                                                                 stats_row, delta_row, warp_row0, p.Lk - n0, lane);
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] += ds[nt][e];
+        for (int e = 0; e < 4; ++e) acc[nt][e] += ds[nt][e];
+    } else {
+      // float32: dS in kParts key slices of kSub n8 tiles, so that S and dP of a slice fit the
+      // registers next to the accumulator without spills (the 16-bit form above is the one measured:
+      // another register allocation of this kernel was slower, DESIGN.md)
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        const int key0 = part * kSub * 8;
+        float ds[kSub][4];
+        const float* mask_part = p.mask_scaled ? stage_mask(s) + key0 : nullptr;
+        compute_ds_tile<Cfg, kSub, kPairPitch, true, false>(ds, p, unused_frags, unused_frags, stage_q(s), stage_do(s),
+                                                            stage_k(s) + key0 * kPitch, stage_v(s) + key0 * kPitch,
+                                                            sPair + key0, mask_part, stats_row, delta_row, warp_row0,
+                                                            p.Lk - n0 - key0, lane);
+#pragma unroll
+        for (int nt = 0; nt < kSub; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[part * kSub + nt][e] += ds[nt][e];
+      }
+    }
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 

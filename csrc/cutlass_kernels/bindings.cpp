@@ -64,12 +64,14 @@ std::string describe(const char* name, const at::Tensor& t) {
   return os.str();
 }
 
+// float16, bfloat16 (EVOFORMER_KERNEL_ELEMENTS) or float32 (TF32 tensor cores, sm80 family, D up to
+// limits::kTf32MaxHeadDim).
 bool kernel_dtype(at::ScalarType dtype) {
 #define EVOFORMER_DTYPE_CASE(scalar, element) \
   if (dtype == at::k##scalar) return true;
   EVOFORMER_KERNEL_ELEMENTS(EVOFORMER_DTYPE_CASE)
 #undef EVOFORMER_DTYPE_CASE
-  return false;
+  return dtype == at::kFloat;
 }
 
 int head_dim_bucket(int64_t head_dim) {
@@ -79,25 +81,26 @@ int head_dim_bucket(int64_t head_dim) {
   return 0;
 }
 
-// pick(integral_constant<kHeadDimBuckets[i]>) for the bucket `bucket` (one of them).
-template <typename R, size_t I = 0, typename Pick>
+// pick(integral_constant<kHeadDimBuckets[i]>) for the bucket `bucket` (one of those up to kMaxBucket).
+template <typename R, int kMaxBucket = limits::kMaxHeadDim, size_t I = 0, typename Pick>
 R by_bucket(int bucket, Pick&& pick) {
   constexpr int kBucket = limits::kHeadDimBuckets[I];
-  if constexpr (I + 1 == std::size(limits::kHeadDimBuckets)) {
+  if constexpr (I + 1 == std::size(limits::kHeadDimBuckets) || limits::kHeadDimBuckets[I + 1] > kMaxBucket) {
     return pick(std::integral_constant<int, kBucket>{});
   } else {
-    return bucket == kBucket ? pick(std::integral_constant<int, kBucket>{}) : by_bucket<R, I + 1>(bucket, pick);
+    return bucket == kBucket ? pick(std::integral_constant<int, kBucket>{})
+                             : by_bucket<R, kMaxBucket, I + 1>(bucket, pick);
   }
 }
 
-// pick(integral_constant<kPairKinds[i]>) for the pair kind `pair` (one of them).
-template <typename R, size_t I = 0, typename Pick>
+// pick(integral_constant<kKinds[i]>) for the pair kind `pair` (one of kKinds).
+template <typename R, const auto& kKinds, size_t I = 0, typename Pick>
 R by_pair_kind(int pair, Pick&& pick) {
-  constexpr int kKind = limits::kPairKinds[I];
-  if constexpr (I + 1 == std::size(limits::kPairKinds)) {
+  constexpr int kKind = kKinds[I];
+  if constexpr (I + 1 == std::size(kKinds)) {
     return pick(std::integral_constant<int, kKind>{});
   } else {
-    return pair == kKind ? pick(std::integral_constant<int, kKind>{}) : by_pair_kind<R, I + 1>(pair, pick);
+    return pair == kKind ? pick(std::integral_constant<int, kKind>{}) : by_pair_kind<R, kKinds, I + 1>(pair, pick);
   }
 }
 
@@ -111,13 +114,26 @@ Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair)
       return {&launch_forward_sm90<E, D, P>, &launch_backward_sm90<E, D, P>, &pair_grad_blocks_per_sm_sm90<E, D, P>};
     return {&launch_forward_sm80<E, D, P>, &launch_backward_sm80<E, D, P>, &pair_grad_blocks_per_sm_sm80<E, D, P>};
   };
-#define EVOFORMER_DTYPE_CASE(scalar, element)                                                    \
-  if (dtype == at::k##scalar)                                                                    \
-    return by_bucket<Kernels>(bucket, [&](auto dim) {                                            \
-      return by_pair_kind<Kernels>(pair, [&](auto kind) { return entries(element{}, dim, kind); }); \
+#define EVOFORMER_DTYPE_CASE(scalar, element)                                  \
+  if (dtype == at::k##scalar)                                                  \
+    return by_bucket<Kernels>(bucket, [&](auto dim) {                          \
+      return by_pair_kind<Kernels, limits::kPairKinds>(                        \
+          pair, [&](auto kind) { return entries(element{}, dim, kind); });     \
     });
   EVOFORMER_KERNEL_ELEMENTS(EVOFORMER_DTYPE_CASE)
 #undef EVOFORMER_DTYPE_CASE
+  if (dtype == at::kFloat) {  // TF32: the sm80 family only, its buckets and pair kinds (guard_qkv checked D)
+    TORCH_CHECK(family == Family::kSm80, "evoformer attention: float32 inputs run on the sm80 kernel family only "
+                "(TF32 tensor cores); pass family `sm80`");
+    TORCH_CHECK(pair != kPairFloat, "evoformer attention: float32 inputs take a float32 pair bias as kPairInput");
+    return by_bucket<Kernels, limits::kTf32MaxHeadDim>(bucket, [&](auto dim) {
+      return by_pair_kind<Kernels, limits::kTf32PairKinds>(pair, [&](auto kind) {
+        constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
+        return Kernels{&launch_forward_sm80<float, D, P>, &launch_backward_sm80<float, D, P>,
+                       &pair_grad_blocks_per_sm_sm80<float, D, P>};
+      });
+    });
+  }
   TORCH_CHECK(false, "evoformer attention: no kernels for dtype ", dtype);
   return Kernels{};
 }
@@ -162,7 +178,7 @@ Family family_on(const std::string& family, int64_t device) {
 void guard_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
     TORCH_CHECK(t.is_cuda() && t.dim() == 5 && kernel_dtype(t.scalar_type()),
-                "evoformer attention: `", name, "` must be a float16 or bfloat16 CUDA tensor [B, N, L, H, D]; ",
+                "evoformer attention: `", name, "` must be a float16, bfloat16 or float32 CUDA tensor [B, N, L, H, D]; ",
                 describe(name, t));
     TORCH_CHECK(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
                 "evoformer attention: q, k, v must share dtype and device; ", describe(name, t));
@@ -178,6 +194,9 @@ void guard_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(d % limits::kHeadDimMultiple == 0 && d <= limits::kMaxHeadDim,
               "evoformer attention: head dim D must be a multiple of ", limits::kHeadDimMultiple, " and at most ",
               limits::kMaxHeadDim, "; ", describe("q", q));
+  TORCH_CHECK(q.scalar_type() != at::kFloat || d <= limits::kTf32MaxHeadDim,
+              "evoformer attention: float32 inputs (TF32 kernels) need head dim D at most ", limits::kTf32MaxHeadDim,
+              "; ", describe("q", q));
   const int64_t tiles = (std::max(q.size(2), k.size(2)) + limits::kRowTile - 1) / limits::kRowTile;
   TORCH_CHECK(q.size(0) * q.size(1) * tiles < (int64_t(1) << limits::kMaxGridXLog2) && q.size(3) <= limits::kMaxHeads,
               "evoformer attention: B * N * ceil(L / ", limits::kRowTile, ") must be below 2^", limits::kMaxGridXLog2,
@@ -191,12 +210,12 @@ void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
               "; ", describe("q", q));
 }
 
-// A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row 4-byte
-// aligned (the kernels store pairs of elements). Absent: the binding allocates a contiguous one.
+// A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row aligned
+// to two elements (the kernels store pairs of elements). Absent: the binding allocates a contiguous one.
 void guard_gradient_out(const char* name, const std::optional<at::Tensor>& t, const at::Tensor& like) {
   if (!t.has_value()) return;
   bool ok = t->device() == like.device() && t->scalar_type() == like.scalar_type() && t->sizes() == like.sizes() &&
-            t->stride(4) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0;
+            t->stride(4) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % (2 * t->element_size()) == 0;
   for (int d = 0; d < 4; ++d) ok = ok && t->stride(d) % 2 == 0;
   TORCH_CHECK(ok, "evoformer attention backward: `", name, "` must match its input's shape, dtype and device, with D ",
               "contiguous and even row strides; ", describe(name, *t), "; ", describe("input", like));
@@ -332,13 +351,13 @@ at::Tensor pair_view(const at::Tensor& pb, const AttentionParams& p, const at::T
 }
 
 // Points p at the pair-bias tensor the kernels read (t [B|1, H|1, Lq, Lk(_pad)] in kernel layout)
-// and returns its pair kind.
-int use_pair(AttentionParams& p, const at::Tensor& t) {
+// and returns its pair kind: kPairInput in q's dtype (float32 for float32 q), else kPairFloat.
+int use_pair(AttentionParams& p, const at::Tensor& t, const at::Tensor& q) {
   p.pair = t.data_ptr();
   p.pair_stride_b = kstride(t, 0);
   p.pair_stride_h = kstride(t, 1);
   p.pair_stride_q = t.stride(2);
-  return t.scalar_type() == at::kFloat ? kPairFloat : kPairInput;
+  return t.scalar_type() == q.scalar_type() ? kPairInput : kPairFloat;
 }
 
 // The forward's pair bias: with copy_pair a zero-padded copy in kernel layout (returned, read by the
@@ -356,13 +375,13 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
                 "evoformer attention: `pair_bias` must have contiguous keys and 16-byte aligned rows of a multiple of "
                 "16 bytes when `copy_pair` is false; ",
                 describe("pair_bias", *pair_bias));
-    pair_kind = use_pair(p, t);
+    pair_kind = use_pair(p, t, q);
     return at::empty({0}, t.options());
   }
   const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
   at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());  // [B|1, H|1, Lq, Lk_pad]
   padded.narrow(3, 0, p.Lk).copy_(t);  // keys past Lk stay zero
-  pair_kind = use_pair(p, padded);
+  pair_kind = use_pair(p, padded, q);
   return padded;
 }
 
@@ -465,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
                 "evoformer attention backward: the pair bias the kernels read must be in kernel layout (the forward's "
                 "`pair_prepared` when it made a copy); ",
                 describe("pair_bias", *pair_bias), "; ", describe("pair_prepared", pair_prepared));
-    pair_kind = use_pair(p, t);
+    pair_kind = use_pair(p, t, q);
   } else {
     TORCH_CHECK(pair_prepared.numel() == 0, "evoformer attention backward: `pair_prepared` without `pair_bias`; ",
                 describe("pair_prepared", pair_prepared));

@@ -78,5 +78,6 @@ void launch_backward_delta(const AttentionParams& p, cudaStream_t stream) {
 
 template void launch_backward_delta<cutlass::bfloat16_t>(const AttentionParams&, cudaStream_t);
 template void launch_backward_delta<cutlass::half_t>(const AttentionParams&, cudaStream_t);
+template void launch_backward_delta<float>(const AttentionParams&, cudaStream_t);
 
 }  // namespace evoformer

@@ -35,7 +35,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
         for (int dt = 0; dt < kDTiles; ++dt) {
           const int d = dt * 8 + 2 * t;
           if (!decltype(check_d)::value || d < D)
-            *reinterpret_cast<uint32_t*>(orow + d) = pack2<Element>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+            store2<Element>(orow + d, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
         }
       };
       if (D == kDTiles * 8)
@@ -45,7 +45,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
       // (m, l) with l = log2(sum / rho): the backward's P = exp2((S - m) * scale_log2 - l) is then
       // exactly rho / sum at a key that ties the maximum (S - m = 0), the probability the forward
       // gave it. rho is that key's weight as P.V and the row sum saw it: exp2(delta) rounded to
-      // Element, delta = m * scale_log2 - M the rounding residual of M (softmax_step; this FFMA of
+      // Element (TF32 for float), delta = m * scale_log2 - M the rounding residual of M (softmax_step; this FFMA of
       // the same operands gives the same delta, the same ex2 and rounding the same rho). It matters
       // where |M| is huge (every key masked by a finite fill: |delta| up to 64 at -1e9): exp2(delta)
       // is no Element value there, and l = log2(sum) - delta (the unrounded weight) put P off by
@@ -57,7 +57,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
       const float m_log2 = log2_row_max(row_max_s[r], scale_log2);
       // (with kResidualPerScore the forward took delta out of every exponent: rho = 1)
       const float delta = kResidualPerScore<Element> ? 0.f : log2_row_max_residual(row_max_s[r], m_log2, scale_log2);
-      const float rho = unpack2<Element>(pack2<Element>(fast_exp2(delta), 0.f)).x;  // rounded as c_to_a_frag
+      const float rho = round_operand<Element>(fast_exp2(delta));  // rounded as c_to_a_frag
       if (t == 0)
         stats[row] = sum > 0.f ? make_float2(row_max_s[r], __log2f(__fdiv_rn(sum, rho))) : make_float2(0.f, kInf);
     }
@@ -78,8 +78,7 @@ __device__ __forceinline__ void store_scaled_rows(const float (&acc)[kDTiles][4]
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int d = dt * 8 + 2 * t;
         if (d < D)
-          *reinterpret_cast<uint32_t*>(out + i * row_stride + d) =
-              pack2<Element>(acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
+          store2<Element>(out + i * row_stride + d, acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
       }
     }
   }

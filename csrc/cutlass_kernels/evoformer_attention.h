@@ -13,7 +13,7 @@
 //
 // Kernel families (the one choice is made in Python, evoformer_blocks/ops/cutlass.py): sm80, the
 // portable kernels (mma.sync, ldmatrix, cp.async; forward_sm80.cuh, backward_sm80.cuh) for every
-// device of compute capability >= 8.0; sm90, the Hopper kernels (wgmma, TMA; forward_sm90.cuh,
+// device of compute capability >= 8.0, the only family with float32 (TF32) kernels; sm90, the Hopper kernels (wgmma, TMA; forward_sm90.cuh,
 // backward_sm90.cuh), code only in builds for sm_90a (EVOFORMER_SM90A) and run on 9.0 devices.
 #pragma once
 
@@ -89,7 +89,8 @@ struct AttentionParams {
 };
 
 // One instantiation per (direction, family, element type, head-dim bucket, pair kind) (generate.py);
-// the element type is cutlass::half_t or cutlass::bfloat16_t. Each launcher checks its launches.
+// the element type is cutlass::half_t or cutlass::bfloat16_t, or float in the sm80 family only
+// (TF32 tensor cores, buckets up to limits::kTf32MaxHeadDim, pair kinds limits::kTf32PairKinds). Each launcher checks its launches.
 // The sm90 launchers hold code only in builds for sm_90a; the bindings call them only on a 9.0 device.
 
 // The forward: out and stats.

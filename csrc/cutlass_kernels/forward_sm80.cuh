@@ -8,12 +8,18 @@
 // the next key block are copied (cp.async) while the current one is used. The query blocks of one
 // (b, n, h) run side by side and share K and V through L2; the pair-bias tile of a query block is
 // shared by the rows n, n_query_blocks CTAs apart.
+//
+// Element float runs the products on the TF32 tensor cores (mma_sm80.cuh: every 16-wide k-step is
+// two m16n8k8 MMAs, operands rounded to TF32) with its own tiling (ForwardTilingTf32); softmax,
+// biases, statistics and output stay float32.
 #pragma once
 
 #include "epilogue.cuh"
 #include "mma_sm80.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
+
+#include <type_traits>
 
 // Tiling of the D = 32 and D = 64 buckets: warps per CTA, 16-row tiles per warp, keys per step and
 // the minimum resident CTAs per SM compiled for (which caps registers per thread). Build-time knobs
@@ -68,13 +74,28 @@ struct ForwardTiling<64, kPair> {
                        kBlockN = EVOFORMER_FWD_D64_BLOCK_N, kMinBlocks = EVOFORMER_FWD_D64_MIN_BLOCKS;
 };
 
+// Tiling of float32 inputs (TF32 tensor cores, D <= 64): shared-memory tiles twice the 16-bit
+// ones, so 32 keys per step and fewer resident CTAs (D = 32: 78 KB with a pair tile, 37 KB
+// without; D = 64: 111 KB / 71 KB per CTA), which also leaves room for A fragments twice as wide.
+template <int kHeadDim, int kPair>
+struct ForwardTilingTf32 {  // D = 32
+  static constexpr int kWarps = 4, kMTiles = 2, kBlockN = 32, kMinBlocks = kPair == kNoPair ? 3 : 2;
+};
+template <int kPair>
+struct ForwardTilingTf32<64, kPair> {
+  static constexpr int kWarps = 8, kMTiles = 1, kBlockN = 32, kMinBlocks = kPair == kNoPair ? 2 : 1;
+};
+
 template <typename Element_, int kHeadDim_, int kPair_>
 struct ForwardConfig {
   using Element = Element_;
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;  // bucket; D is zero-padded up to it in shared memory
   static constexpr int kPair = kPair_;
-  using Tiling = ForwardTiling<kHeadDim, kPair>;
+  static_assert(!std::is_same_v<Element, float> || kHeadDim <= limits::kTf32MaxHeadDim,
+                "float32 (TF32) kernels exist up to limits::kTf32MaxHeadDim");
+  using Tiling = std::conditional_t<std::is_same_v<Element, float>, ForwardTilingTf32<kHeadDim, kPair>,
+                                    ForwardTiling<kHeadDim, kPair>>;
   static constexpr int kWarps = Tiling::kWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMinBlocksPerSM = Tiling::kMinBlocks;
@@ -85,7 +106,7 @@ struct ForwardConfig {
   static constexpr int kDTiles = kHeadDim / 8;            // n8 tiles of O per 16 rows
   static constexpr int kKSteps = kHeadDim / 16;           // k16 steps of q.k^T
   static constexpr bool kQInRegs = kHeadDim <= 64;        // else Q fragments are re-read from smem
-  static constexpr int kPitch = kHeadDim + 8;             // +16 B per row: conflict-free ldmatrix
+  static constexpr int kPitch = kHeadDim + kChunkElems<Element>;  // +16 B per row: conflict-free ldmatrix
   static constexpr int kPairPitch = kBlockN + 8;          // +16/32 B per row: conflict-free reads
   static constexpr int kQBytes = kBlockM * kPitch * sizeof(Element);
   static constexpr int kKVBytes = kBlockN * kPitch * sizeof(Element);  // K or V, one stage
@@ -166,7 +187,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
     for (int e = 0; e < 4; ++e) row_sum_acc[mt][e] = 0.f;
   }
-  uint32_t qf[kMTiles][Cfg::kKSteps][4];  // Q as A operand, loaded once (when Cfg::kQInRegs)
+  uint32_t qf[kMTiles][Cfg::kKSteps][kARegs<Element>];  // Q as A operand, loaded once (when Cfg::kQInRegs)
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
   for (int jb = 0; jb < n_blocks; ++jb) {

@@ -2,8 +2,9 @@
 
 - instantiations/: one translation unit per kernel instantiation, direction (forward, backward) x
   family (sm80: the portable kernels; sm90: the Hopper kernels, code only for sm_90a) x element type x
-  head-dim bucket x pair kind, named e.g. forward_sm80_bf16_d32_pair.cu. One file each, so ninja
-  compiles them in parallel and an edit to one family's direction rebuilds only that one.
+  head-dim bucket x pair kind, named e.g. forward_sm80_bf16_d32_pair.cu; float32 (the table's "tf32"
+  entry) only for its families, buckets up to its max_head_dim and its pair kinds. One file each, so
+  ninja compiles them in parallel and an edit to one family's direction rebuilds only that one.
 - kernel_limits.h: the table's limits and lists as C++ constants (the checks in bindings.cpp and the
   kernels use them).
 
@@ -81,6 +82,11 @@ constexpr int kSm90ComputeCapability = {sm90_cc};
 // Pair kinds with an instantiation.
 constexpr PairKind kPairKinds[] = {{{pair_kinds}}};
 
+// float32 q, k, v (TF32 tensor cores): the sm80 family only, head-dim buckets up to kTf32MaxHeadDim,
+// and these pair kinds (a float32 pair bias is q's dtype there: kPairInput).
+constexpr int kTf32MaxHeadDim = {tf32_max};
+constexpr PairKind kTf32PairKinds[] = {{{tf32_pair_kinds}}};
+
 }}  // namespace limits
 }}  // namespace evoformer
 
@@ -97,6 +103,11 @@ def load_table() -> dict:
         raise ValueError("kernel_table.json: head_dim.buckets must be increasing and end at head_dim.max")
     if any(b % 16 for b in buckets) or head_dim["max"] % head_dim["multiple"]:
         raise ValueError("kernel_table.json: buckets must be multiples of 16 and max a multiple of `multiple`")
+    tf32 = table["tf32"]
+    if tf32["families"] != ["sm80"] or tf32["max_head_dim"] not in buckets:
+        raise ValueError("kernel_table.json: tf32 runs on the sm80 family only (bindings.cpp), up to a bucket")
+    if not set(tf32["pair_kinds"]) <= {p["name"] for p in table["pair_kinds"]}:
+        raise ValueError("kernel_table.json: tf32.pair_kinds must name pair kinds")
     return table
 
 
@@ -104,12 +115,25 @@ def family_names(table: dict) -> list[str]:
     return [family["name"] for family in table["families"]]
 
 
+def _combinations(table: dict):
+    """(direction, family, dtype, head-dim bucket, pair kind) of every instantiation."""
+    buckets = table["head_dim"]["buckets"]
+    yield from itertools.product(
+        table["directions"], family_names(table), table["dtypes"], buckets, table["pair_kinds"]
+    )
+    tf32 = table["tf32"]
+    yield from itertools.product(
+        table["directions"],
+        tf32["families"],
+        [tf32["dtype"]],
+        [b for b in buckets if b <= tf32["max_head_dim"]],
+        [p for p in table["pair_kinds"] if p["name"] in tf32["pair_kinds"]],
+    )
+
+
 def instantiations(table: dict) -> dict[str, str]:
     out = {}
-    buckets = table["head_dim"]["buckets"]
-    for direction, family, dtype, head_dim, pair in itertools.product(
-        table["directions"], family_names(table), table["dtypes"], buckets, table["pair_kinds"]
-    ):
+    for direction, family, dtype, head_dim, pair in _combinations(table):
         name = f"{direction}_{family}_{dtype['name']}_d{head_dim}_{pair['name']}.cu"
         fields = dict(family=family, element=dtype["cutlass"], head_dim=head_dim, pair=pair["enum"])
         out[name] = TRANSLATION_UNIT.format(direction=direction, extra=EXTRA[direction].format(**fields), **fields)
@@ -139,6 +163,8 @@ def limits_header(table: dict) -> str:
         min_cc=capability(table["min_compute_capability"]),
         sm90_cc=capability(sm90["compute_capability"]),
         pair_kinds=", ".join(p["enum"] for p in table["pair_kinds"]),
+        tf32_max=table["tf32"]["max_head_dim"],
+        tf32_pair_kinds=", ".join(p["enum"] for p in table["pair_kinds"] if p["name"] in table["tf32"]["pair_kinds"]),
         elements=" ".join(f"X({d['aten']}, {d['cutlass']})" for d in table["dtypes"]),
     )
 

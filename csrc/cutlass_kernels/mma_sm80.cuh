@@ -1,14 +1,28 @@
-// The sm80 tensor-core building blocks (mma.sync m16n8k16, ldmatrix, cp.async through CuTe's SM80
-// atoms), wrapped for the fragment layouts used here, with the conversions and fast math around them.
+// The sm80 tensor-core building blocks (mma.sync, ldmatrix, cp.async through CuTe's SM80 atoms),
+// wrapped for the fragment layouts used here, with the conversions and fast math around them.
 // The sm80 kernels are built from them; the Hopper kernels use the conversions, the cp.async copies
 // and the accumulator-to-A-fragment repacking.
 //
-// Fragment layouts of mma.sync m16n8k16 (g = lane / 4, t = lane % 4):
+// The helpers speak of k-steps of 16 for every Element. For 16-bit Elements a k-step is one
+// mma.sync m16n8k16 (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major)  a0: (g, 2t..2t+1)  a1: (g+8, 2t..)  a2: (g, 2t+8..)  a3: (g+8, 2t+8..)
 //   B (16x8, k x n)       b0: (k 2t..2t+1, n g)               b1: (k 2t+8.., n g)
 //   C (16x8, fp32)        c0,c1: (g, 2t..2t+1)                c2,c3: (g+8, 2t..2t+1)
 // Two C tiles side by side (16 columns) therefore hold exactly an A fragment's 16x16 values, which
 // is how probabilities move from one product to the next without leaving registers.
+//
+// For float (TF32 tensor cores) a k-step is two mma.sync m16n8k8 (k 0-7, then k 8-15), one 32-bit
+// value per register, operands rounded to TF32 (cvt.rna: round to nearest) before the product:
+//   A (16x8)  a0: (g, t)  a1: (g+8, t)  a2: (g, t+4)  a3: (g+8, t+4)      (registers 0-3, 4-7)
+//   B (8x8)   b0: (k t, n g)  b1: (k t+4, n g)                            (registers 0-1, 2-3)
+//   C         as above.
+// ldmatrix (b16) of 8 rows x 16 bytes gives lane (g, t) the 32-bit word t of row g: for float rows
+// that is the A pattern (four matrices: rows 0-7 / 8-15 x floats 0-3 / 4-7) and, for a tile stored
+// n-major (rows n, floats k), the B pattern, so row-major A and n-major B load as for 16-bit types.
+// An A operand taken from C tiles uses the keys of each k8 step in the order 0, 2, 4, 6, 1, 3, 5, 7:
+// A = (c0, c2, c1, c3) of one C tile, and the k-major B that multiplies it follows the same order,
+// b0 = B[k 2t][n g], b1 = B[k 2t+1][n g] (two 32-bit shared-memory loads: there is no transposing
+// ldmatrix for 32-bit data; with rows D + 4 floats apart they are bank-conflict free).
 #pragma once
 
 #include <cstdint>
@@ -37,16 +51,49 @@ struct MmaAtom<cutlass::half_t> {
   using Op = cute::SM80_16x8x16_F32F16F16F32_TN;
 };
 
-// acc += a * b on one 16x8x16 tile, fp32 accumulation.
+// Registers of one k-step's A operand (16 rows x 16 k) and of one n8 tile's B operand (16 k x 8 n).
 template <typename Element>
-__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  MmaAtom<Element>::Op::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b0, b1, acc[0], acc[1],
-                            acc[2], acc[3]);
+constexpr int kARegs = 2 * int(sizeof(Element));
+template <typename Element>
+constexpr int kBRegs = int(sizeof(Element));
+// Elements per 16-byte row chunk (one row of an ldmatrix matrix).
+template <typename Element>
+constexpr int kChunkElems = 16 / int(sizeof(Element));
+
+// x rounded to TF32 (10-bit mantissa, round to nearest, ties away from zero), as a 32-bit register.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
 }
 
-// Two floats -> two Elements in one register (first in the low half).
+// One mma.sync m16n8k8 with TF32 operands, fp32 accumulation: acc += a * b.
+__device__ __forceinline__ void mma_tf32_k8(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// acc += a * b on one 16x8 tile over one k-step of 16, fp32 accumulation.
+template <typename Element>
+__device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[kARegs<Element>],
+                                    const uint32_t (&b)[kBRegs<Element>]) {
+  if constexpr (std::is_same_v<Element, float>) {
+    mma_tf32_k8(acc, a[0], a[1], a[2], a[3], b[0], b[1]);
+    mma_tf32_k8(acc, a[4], a[5], a[6], a[7], b[2], b[3]);
+  } else {
+    MmaAtom<Element>::Op::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[0], b[1], acc[0], acc[1],
+                              acc[2], acc[3]);
+  }
+}
+
+// Two floats -> two Elements in one register (first in the low half); 16-bit Elements only.
 template <typename Element>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  static_assert(sizeof(Element) == 2, "pack2 packs 16-bit Elements");
   if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
     __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&r);
@@ -56,13 +103,42 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Two Elements in one register -> two floats.
+// Two Elements in one register -> two floats; 16-bit Elements only.
 template <typename Element>
 __device__ __forceinline__ float2 unpack2(uint32_t x) {
+  static_assert(sizeof(Element) == 2, "unpack2 unpacks 16-bit Elements");
   if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
     return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
   } else {
     return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  }
+}
+
+// x as the tensor cores see it when it is an A operand of Element type (rounded to Element, or to
+// TF32 for float).
+template <typename Element>
+__device__ __forceinline__ float round_operand(float x) {
+  if constexpr (std::is_same_v<Element, float>)
+    return __uint_as_float(to_tf32(x));
+  else
+    return unpack2<Element>(pack2<Element>(x, 0.f)).x;
+}
+
+// Stores lo, hi to dst[0], dst[1] as Elements (dst 2 * sizeof(Element)-byte aligned).
+template <typename Element>
+__device__ __forceinline__ void store2(Element* dst, float lo, float hi) {
+  if constexpr (std::is_same_v<Element, float>)
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  else
+    *reinterpret_cast<uint32_t*>(dst) = pack2<Element>(lo, hi);
+}
+
+// Rounds freshly loaded float operand registers to TF32 (nothing for 16-bit Elements).
+template <typename Element, int kRegs>
+__device__ __forceinline__ void round_operands(uint32_t (&r)[kRegs]) {
+  if constexpr (std::is_same_v<Element, float>) {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) r[i] = to_tf32(__uint_as_float(r[i]));
   }
 }
 
@@ -146,57 +222,94 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
 
 // Loads A fragments of a [16 * kMTiles, 16 * kKTiles] row-major tile in shared memory whose first
 // row is `row0` (pitch kPitch elements): frag[m][k] is the A operand of rows m*16.., cols k*16...
+// (float: two ldmatrix.x4 per k-step, at columns 0 and 8 of it, rounded to TF32).
 template <int kMTiles, int kKTiles, int kPitch, typename Element>
-__device__ __forceinline__ void load_a_frags(uint32_t (&frag)[kMTiles][kKTiles][4], const Element* smem, int row0,
-                                             int lane) {
+__device__ __forceinline__ void load_a_frags(uint32_t (&frag)[kMTiles][kKTiles][kARegs<Element>], const Element* smem,
+                                             int row0, int lane) {
+  constexpr int kPerStep = kARegs<Element> / 4;  // ldmatrix.x4 per k-step
   const int mat = lane / 8;
   const int row = row0 + (mat % 2) * 8 + lane % 8;
-  const int col = (mat / 2) * 8;
+  const int col = (mat / 2) * kChunkElems<Element>;
 #pragma unroll
   for (int m = 0; m < kMTiles; ++m)
 #pragma unroll
-    for (int k = 0; k < kKTiles; ++k)
-      ldsm_x4(smem + (row + m * 16) * kPitch + col + k * 16, frag[m][k][0], frag[m][k][1], frag[m][k][2],
-              frag[m][k][3]);
+    for (int k = 0; k < kKTiles; ++k) {
+#pragma unroll
+      for (int h = 0; h < kPerStep; ++h)
+        ldsm_x4(smem + (row + m * 16) * kPitch + col + k * 16 + h * 8, frag[m][k][4 * h], frag[m][k][4 * h + 1],
+                frag[m][k][4 * h + 2], frag[m][k][4 * h + 3]);
+      round_operands<Element>(frag[m][k]);
+    }
 }
 
 // B fragments from a tile stored with the n index along rows and k along columns ("n-major", e.g.
 // K[key][d] for S = Q.K^T): for 16 consecutive n starting at n0 and 16 k starting at k0, returns
-// {b0, b1} of the n8 tile at n0 and of the n8 tile at n0 + 8.
+// the B operands of the n8 tile at n0 (b[0]) and of the n8 tile at n0 + 8 (b[1]).
 template <int kPitch, typename Element>
-__device__ __forceinline__ void load_b_frags_nmajor(uint32_t (&b)[2][2], const Element* smem, int n0, int k0,
-                                                    int lane) {
+__device__ __forceinline__ void load_b_frags_nmajor(uint32_t (&b)[2][kBRegs<Element>], const Element* smem, int n0,
+                                                    int k0, int lane) {
   const int mat = lane / 8;
-  const int row = n0 + (mat / 2) * 8 + lane % 8;
-  const int col = k0 + (mat % 2) * 8;
-  ldsm_x4(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+  if constexpr (std::is_same_v<Element, float>) {
+    // per n8 tile, matrices at floats k0 + 0, 4, 8, 12: b0, b1 of k8 step 0, then of step 1
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      ldsm_x4(smem + (n0 + nt * 8 + lane % 8) * kPitch + k0 + mat * 4, b[nt][0], b[nt][1], b[nt][2], b[nt][3]);
+      round_operands<Element>(b[nt]);
+    }
+  } else {
+    const int row = n0 + (mat / 2) * 8 + lane % 8;
+    const int col = k0 + (mat % 2) * 8;
+    ldsm_x4(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+  }
 }
 
 // B fragments from a tile stored with the k index along rows and n along columns ("k-major", e.g.
-// V[key][d] for O = P.V): for 16 k starting at k0 and 16 n starting at n0, returns {b0, b1} of the
-// n8 tile at n0 and of the n8 tile at n0 + 8.
+// V[key][d] for O = P.V): for 16 k starting at k0 and 16 n starting at n0, returns the B operands
+// of the n8 tile at n0 (b[0]) and of the n8 tile at n0 + 8 (b[1]). For float the keys of each k8
+// step are in the order of c_to_a_frag's A: registers (k 2t, k 2t+1) of step 0, then of step 1.
 template <int kPitch, typename Element>
-__device__ __forceinline__ void load_b_frags_kmajor(uint32_t (&b)[2][2], const Element* smem, int k0, int n0,
-                                                    int lane) {
-  const int mat = lane / 8;
-  const int row = k0 + (mat % 2) * 8 + lane % 8;
-  const int col = n0 + (mat / 2) * 8;
-  ldsm_x4_trans(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+__device__ __forceinline__ void load_b_frags_kmajor(uint32_t (&b)[2][kBRegs<Element>], const Element* smem, int k0,
+                                                    int n0, int lane) {
+  if constexpr (std::is_same_v<Element, float>) {
+    const int g = lane / 4, t = lane % 4;
+    const float* base = smem + (k0 + 2 * t) * kPitch + n0 + g;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)  // keys k0 + 2t, 2t + 1, 8 + 2t, 9 + 2t
+        b[nt][i] = to_tf32(base[((i / 2) * 8 + i % 2) * kPitch + nt * 8]);
+  } else {
+    const int mat = lane / 8;
+    const int row = k0 + (mat % 2) * 8 + lane % 8;
+    const int col = n0 + (mat / 2) * 8;
+    ldsm_x4_trans(smem + row * kPitch + col, b[0][0], b[0][1], b[1][0], b[1][1]);
+  }
 }
 
 // A fragment for k-chunk `kc` (16 columns) built from fp32 C tiles 2kc and 2kc+1 of one m16 row
-// tile.
+// tile (float: (c0, c2, c1, c3) of each tile rounded to TF32, keys in the order 0, 2, 4, 6, 1, 3,
+// 5, 7 of each k8 step; see the top of this file).
 template <typename Element, int kNTiles>
-__device__ __forceinline__ void c_to_a_frag(uint32_t (&a)[4], const float (&c)[kNTiles][4], int kc) {
-  a[0] = pack2<Element>(c[2 * kc][0], c[2 * kc][1]);
-  a[1] = pack2<Element>(c[2 * kc][2], c[2 * kc][3]);
-  a[2] = pack2<Element>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
-  a[3] = pack2<Element>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+__device__ __forceinline__ void c_to_a_frag(uint32_t (&a)[kARegs<Element>], const float (&c)[kNTiles][4], int kc) {
+  if constexpr (std::is_same_v<Element, float>) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float(&ct)[4] = c[2 * kc + h];
+      a[4 * h] = to_tf32(ct[0]), a[4 * h + 1] = to_tf32(ct[2]);
+      a[4 * h + 2] = to_tf32(ct[1]), a[4 * h + 3] = to_tf32(ct[3]);
+    }
+  } else {
+    a[0] = pack2<Element>(c[2 * kc][0], c[2 * kc][1]);
+    a[1] = pack2<Element>(c[2 * kc][2], c[2 * kc][3]);
+    a[2] = pack2<Element>(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+    a[3] = pack2<Element>(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+  }
 }
 
-// One m16n8k16 A operand held in registers.
+// One k-step's A operand held in registers.
+template <typename Element>
 struct AFrag {
-  uint32_t r[4];
+  uint32_t r[kARegs<Element>];
 };
 
 // acc[nt] += A . B for one warp's 16 rows: k runs over kKSteps * 16, A's fragment for k-step kk
@@ -207,19 +320,19 @@ __device__ __forceinline__ void mma_a_by_nmajor(float (&acc)[kNTiles][4], AFragF
                                                 int lane) {
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
-    const AFrag a = a_frag(kk);
+    const AFrag<Element> a = a_frag(kk);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; nt += 2) {
-      uint32_t bf[2][2];
+      uint32_t bf[2][kBRegs<Element>];
       load_b_frags_nmajor<kPitch>(bf, smem, nt * 8, kk * 16, lane);
-      mma<Element>(acc[nt], a.r, bf[0][0], bf[0][1]);
-      mma<Element>(acc[nt + 1], a.r, bf[1][0], bf[1][1]);
+      mma<Element>(acc[nt], a.r, bf[0]);
+      mma<Element>(acc[nt + 1], a.r, bf[1]);
     }
   }
 }
 
 // acc[dt] += C . B for one warp's 16 rows: C is an fp32 accumulator tile [16, kCTiles * 8] (e.g.
-// probabilities or dS, rounded to Element as the A operand) and B a k-major shared-memory tile
+// probabilities or dS, rounded to Element (float: TF32) as the A operand) and B a k-major shared-memory tile
 // (smem[k][n], pitch kPitch) whose n covers kDTiles * 8 columns. E.g. O += P.V or dQ += dS.K.
 // With kRowSums, also row_sums += C . ones (16 x 8): every column of that tile is the row sum of the
 // rounded C (rows g and g + 8 in elements 0-1 and 2-3), one tensor-core op per 16 columns instead
@@ -229,18 +342,25 @@ __device__ __forceinline__ void mma_c_by_kmajor(float (&acc)[kDTiles][4], const 
                                                 const Element* smem, int lane, float (*row_sums)[4] = nullptr) {
 #pragma unroll
   for (int kc = 0; kc < kCTiles / 2; ++kc) {
-    uint32_t a[4];
+    uint32_t a[kARegs<Element>];
     c_to_a_frag<Element>(a, c, kc);
     if constexpr (kRowSums) {
-      const uint32_t ones = pack2<Element>(1.f, 1.f);
-      mma<Element>(*row_sums, a, ones, ones);
+      uint32_t ones[kBRegs<Element>];
+#pragma unroll
+      for (int i = 0; i < kBRegs<Element>; ++i) {
+        if constexpr (std::is_same_v<Element, float>)
+          ones[i] = __float_as_uint(1.f);
+        else
+          ones[i] = pack2<Element>(1.f, 1.f);
+      }
+      mma<Element>(*row_sums, a, ones);
     }
 #pragma unroll
     for (int dt = 0; dt < kDTiles; dt += 2) {
-      uint32_t bf[2][2];
+      uint32_t bf[2][kBRegs<Element>];
       load_b_frags_kmajor<kPitch>(bf, smem, kc * 16, dt * 8, lane);
-      mma<Element>(acc[dt], a, bf[0][0], bf[0][1]);
-      mma<Element>(acc[dt + 1], a, bf[1][0], bf[1][1]);
+      mma<Element>(acc[dt], a, bf[0]);
+      mma<Element>(acc[dt + 1], a, bf[1]);
     }
   }
 }
@@ -248,17 +368,17 @@ __device__ __forceinline__ void mma_c_by_kmajor(float (&acc)[kDTiles][4], const 
 // The A fragment of k-step kk of a warp's 16 rows: from registers when `frags` holds them, else
 // read from the row-major shared-memory tile smem[row][k] (pitch kPitch) starting at row0.
 template <int kKSteps, int kPitch, bool kInRegs, typename Element>
-__device__ __forceinline__ AFrag a_frag_of(const uint32_t (&frags)[kKSteps][4], const Element* smem, int row0, int kk,
-                                           int lane) {
-  AFrag f;
+__device__ __forceinline__ AFrag<Element> a_frag_of(const uint32_t (&frags)[kKSteps][kARegs<Element>],
+                                                    const Element* smem, int row0, int kk, int lane) {
+  AFrag<Element> f;
   if constexpr (kInRegs) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) f.r[i] = frags[kk][i];
+    for (int i = 0; i < kARegs<Element>; ++i) f.r[i] = frags[kk][i];
   } else {
-    uint32_t tmp[1][1][4];
+    uint32_t tmp[1][1][kARegs<Element>];
     load_a_frags<1, 1, kPitch>(tmp, smem + kk * 16, row0, lane);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) f.r[i] = tmp[0][0][i];
+    for (int i = 0; i < kARegs<Element>; ++i) f.r[i] = tmp[0][0][i];
   }
   return f;
 }

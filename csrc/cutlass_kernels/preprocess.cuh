@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "evoformer_attention.h"
 #include "mma_sm80.cuh"
@@ -28,8 +29,10 @@ __global__ void prepare_mask_kernel(const T* mask,  // [Bm, Nm, 1, 1, Lk], strid
   }
 }
 
-// delta [B, N, H, Lq] = rowsum(dout * out) in fp32, one thread per (b, n, i, h) row (h fastest) with
-// a grid stride; rows are read 16 bytes at a time (D is a multiple of 8).
+// delta [B, N, H, Lq] = rowsum(dout * out) in fp32 (float: dout rounded to TF32, as the backward's
+// products take it), one thread per (b, n, i, h) row (h fastest) with
+// a grid stride; rows are read 16 bytes at a time (D is a multiple of 8). Element: a 16-bit type or
+// float.
 template <typename Element>
 __global__ void backward_delta_kernel(const AttentionParams p) {
   static_assert(limits::kHeadDimMultiple % 8 == 0, "rows of whole 16-byte chunks");
@@ -42,14 +45,20 @@ __global__ void backward_delta_kernel(const AttentionParams p) {
     const Element* o = static_cast<const Element*>(p.out) + p.o_strides.at(b, n, i, h);    // [D]
     const Element* d = static_cast<const Element*>(p.dout) + p.do_strides.at(b, n, i, h);  // [D]
     float acc = 0.f;
-    for (int c = 0; c < p.D; c += 8) {
+    for (int c = 0; c < p.D; c += kChunkElems<Element>) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
       const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const float2 a = unpack2<Element>(ow[w]), e = unpack2<Element>(dw[w]);
-        acc = fmaf(a.x, e.x, fmaf(a.y, e.y, acc));
+        if constexpr (std::is_same_v<Element, float>) {
+          // dO as the products see it (TF32): dP - delta then cancels where it should (at one key
+          // dP = delta up to fp32 sums, so dS = 0 there as in exact arithmetic)
+          acc = fmaf(__uint_as_float(ow[w]), __uint_as_float(to_tf32(__uint_as_float(dw[w]))), acc);
+        } else {
+          const float2 a = unpack2<Element>(ow[w]), e = unpack2<Element>(dw[w]);
+          acc = fmaf(a.x, e.x, fmaf(a.y, e.y, acc));
+        }
       }
     }
     p.delta[((b * p.N + n) * p.H + h) * p.Lq + i] = acc;

@@ -11,7 +11,9 @@ paths share one save and one gradient function.
 Kernel families: ``"sm80"``, the portable kernels (any GPU of compute capability >= 8.0), and
 ``"sm90"``, the Hopper kernels (a 9.0 GPU and a build holding sm_90a code). :func:`kernel_family` is
 the one place that chooses; a forward passes its choice to the kernels and saves it for its backward,
-so one call's forward and backward always run the same family.
+so one call's forward and backward always run the same family. float32 inputs run on the TF32
+tensor cores, in the sm80 family only (on Hopper too), for head dims up to the table's
+``tf32.max_head_dim``.
 
 The biases, from the op to the kernels (prepared once per forward, reused by the backward):
 
@@ -56,6 +58,10 @@ def _load_table() -> Optional[dict]:
 
 TABLE = _load_table()
 ROW_ALIGN_BYTES: Optional[int] = TABLE["row_align_bytes"]["value"] if TABLE else None  # None: nothing runs
+# float32 on the TF32 tensor cores: its dtype and largest head dim (None: no kernel sources)
+TF32_DTYPE: Optional[torch.dtype] = getattr(torch, TABLE["tf32"]["dtype"]["torch"]) if TABLE else None
+TF32_MAX_HEAD_DIM: Optional[int] = TABLE["tf32"]["max_head_dim"] if TABLE else None
+TF32_FAMILY = "sm80"  # the one family with TF32 kernels (kernel_table.json: tf32.families)
 
 
 _kernels = _fused.kernels
@@ -274,7 +280,7 @@ class _CutlassAttentionFunction(torch.autograd.Function):
 
 def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     """The fused attention output, differentiable in q, k, v and both biases."""
-    family = _family(q.device.index)
+    family = TF32_FAMILY if q.dtype == TF32_DTYPE else _family(q.device.index)
     if torch.compiler.is_compiling():
         return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family)[0]
     return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)
@@ -304,13 +310,16 @@ def _family(index: int) -> str:
     return "sm80"
 
 
-def kernel_family(device: Optional[torch.device] = None) -> str:
-    """The kernels the cutlass backend runs on ``device`` (default: the current CUDA device), forward
-    and backward alike: ``"sm90"`` (the Hopper kernels) where the device has compute capability 9.0,
-    the build holds sm_90a code and ``EVOFORMER_BLOCKS_KERNELS`` is unset or ``auto``, else ``"sm80"``
-    (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80`` forces them). Any other value of the
-    variable raises ValueError. The variable is read at every forward (a backward runs the family of
-    its forward). Builds the kernels on first use."""
+def kernel_family(device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None) -> str:
+    """The kernels the cutlass backend runs on ``device`` (default: the current CUDA device) for inputs
+    of ``dtype`` (default: 16-bit), forward and backward alike: ``"sm90"`` (the Hopper kernels) where
+    the device has compute capability 9.0, the build holds sm_90a code and ``EVOFORMER_BLOCKS_KERNELS``
+    is unset or ``auto``, else ``"sm80"`` (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80``
+    forces them); float32 (TF32 tensor cores) always ``"sm80"``. Any other value of the variable
+    raises ValueError. The variable is read at every forward (a backward runs the family of its
+    forward). Builds the kernels on first use."""
+    if dtype is not None and dtype == TF32_DTYPE:
+        return TF32_FAMILY
     index = torch.device(device if device is not None else "cuda").index
     return _family(torch.cuda.current_device() if index is None else index)
 
@@ -320,7 +329,7 @@ def _capabilities(table: Optional[dict]) -> Capabilities:
         return Capabilities(dtypes=(), device_types=("cuda",))
     head_dim = table["head_dim"]
     return Capabilities(
-        dtypes=tuple(getattr(torch, dtype["torch"]) for dtype in table["dtypes"]),
+        dtypes=tuple(getattr(torch, dtype["torch"]) for dtype in table["dtypes"] + [table["tf32"]["dtype"]]),
         device_types=("cuda",),
         head_dim_multiple=head_dim["multiple"],
         max_head_dim=head_dim["max"],
@@ -347,6 +356,10 @@ class CutlassBackend(Backend):
             )
         if inputs.heads > grid["max_heads"]:
             reasons.append(f"H = {inputs.heads} exceeds {grid['max_heads']}")
+        if inputs.dtype == TF32_DTYPE and inputs.head_dim > TF32_MAX_HEAD_DIM:
+            reasons.append(
+                f"`q` is float32 with head dim D={inputs.head_dim}: the float32 (TF32) kernels take D <= {TF32_MAX_HEAD_DIM}"
+            )
         # Only inputs the kernels could run are worth a (first-use) build of the extension.
         return reasons or _fused.build_reasons()
 
