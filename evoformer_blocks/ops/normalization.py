@@ -206,17 +206,27 @@ class _FusedLayerNormFunction(torch.autograd.Function):
         return _gradients(ctx, dy, _fused.kernels().layer_norm_bwd)
 
 
-class CutlassLayerNorm(Backend):
+class _CutlassRowNorm(Backend):
+    """What the cutlass layer norms (alone and behind a residual add) share: the row kernels'
+    capabilities and fit rule for x's rows, and the affine parameters as the kernels read them."""
+
     name = "cutlass"
-    op = OP
     capabilities = ROW_KERNEL_CAPABILITIES
 
-    def extra_reasons(self, inputs: LayerNormInputs) -> list[str]:
+    def extra_reasons(self, inputs) -> list[str]:
         return row_reasons(inputs.x.shape[-1], inputs.x.element_size(), "C") + _fused.build_reasons()
+
+    @staticmethod
+    def kernel_parameters(inputs) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        return tuple(None if t is None else _fused.kernel_parameter(t) for t in (inputs.weight, inputs.bias))
+
+
+class CutlassLayerNorm(_CutlassRowNorm):
+    op = OP
 
     def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
         x, eps = inputs.x, inputs.eps
-        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (inputs.weight, inputs.bias))
+        weight, bias = self.kernel_parameters(inputs)
         if torch.compiler.is_compiling():
             return layer_norm_fwd(x, weight, bias, eps)[0]
         return _FusedLayerNormFunction.apply(x, weight, bias, eps)
@@ -373,16 +383,11 @@ class _FusedAddLayerNormFunction(torch.autograd.Function):
         return _add_gradients(ctx, ds, dy, _fused.kernels().add_layer_norm_bwd)
 
 
-class CutlassAddLayerNorm(Backend):
-    name = "cutlass"
+class CutlassAddLayerNorm(_CutlassRowNorm):
     op = ADD_OP
-    capabilities = ROW_KERNEL_CAPABILITIES
-
-    def extra_reasons(self, inputs: AddLayerNormInputs) -> list[str]:
-        return row_reasons(inputs.x.shape[-1], inputs.x.element_size(), "C") + _fused.build_reasons()
 
     def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
-        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (inputs.weight, inputs.bias))
+        weight, bias = self.kernel_parameters(inputs)
         if torch.compiler.is_compiling():
             s, y, _, _ = add_layer_norm_fwd(inputs.x, inputs.residual, weight, bias, inputs.eps)
             return s, y
