@@ -314,6 +314,12 @@ at::Tensor triangle_product(const at::Tensor& a, const at::Tensor& b, bool outgo
   return outgoing ? at::bmm(a, b.transpose(1, 2)) : at::bmm(a.transpose(1, 2), b);
 }
 
+// Whether the fused input kernel takes z: half or bfloat16, c_z <= kTriangleInputMaxK (c_z and c are
+// multiples of 8 already), z rows 16-byte aligned after as_rows.
+bool triangle_input_fits(const at::Tensor& z, const TriangleShape& s) {
+  return (z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16) && s.cz <= kTriangleInputMaxK;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
@@ -326,29 +332,46 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   TORCH_CHECK(s.cz % vec == 0 && s.c % vec == 0, op, ": c_z and c must be multiples of ", vec);
   const at::Tensor mask_flat = flat_mask(mask, z, s.M);
 
-  // x_hat = normalised z rows [M, c_z] (the affine parameters are folded into the weights)
-  auto [x_hat, mean_in, rstd_in] = norm_rows(z, kNoParam, kNoParam, eps);
-  // projections and gates of both edges, channel-major: [4 c, M] = w_ab [4 c, c_z] . x_hat^T
-  at::Tensor ab = at::mm(w_ab, x_hat.t());
+  at::Tensor mean_in, rstd_in, g;
   at::Tensor a = output({s.c, s.M}, z.options()), b = output({s.c, s.M}, z.options());
+  const auto f32 = z.options().dtype(at::kFloat);
   const at::Tensor bias = b_ab.to(at::kFloat).contiguous();
-  const GatePackParams gp{ab.data_ptr(), bias.data_ptr<float>(), mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
-                          a.data_ptr(), b.data_ptr(), s.M, s.M, s.M, int(s.c), vector_ok(ab, s.M)};
-  by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack<decltype(e)>(gp, stream); });
-  ab.reset();
+  if (triangle_input_fits(z, s)) {
+    // one kernel: layer norm, both edges' projections and gates, g's projection (triangle_input.cuh)
+    const at::Tensor rows = as_rows(z, s.cz);  // [M, c_z]
+    mean_in = output({s.M}, f32), rstd_in = output({s.M}, f32);
+    g = output({s.M, s.cz}, z.options());
+    const TriangleInputParams tp{rows.data_ptr(), w_ab.data_ptr(), bias.data_ptr<float>(), w_g.data_ptr(),
+                                 b_g.data_ptr(), mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
+                                 a.data_ptr(), b.data_ptr(), g.data_ptr(), mean_in.data_ptr<float>(),
+                                 rstd_in.data_ptr<float>(), s.M, s.M > 1 ? rows.stride(0) : s.cz, int(s.cz), int(s.c),
+                                 int(s.cz), float(eps), s.M % 8 == 0 && aligned16(a) && aligned16(b)};
+    if (z.scalar_type() == at::kHalf) launch_triangle_input<cutlass::half_t>(tp, stream);
+    else launch_triangle_input<cutlass::bfloat16_t>(tp, stream);
+  } else {
+    // x_hat = normalised z rows [M, c_z] (the affine parameters are folded into the weights)
+    at::Tensor x_hat;
+    std::tie(x_hat, mean_in, rstd_in) = norm_rows(z, kNoParam, kNoParam, eps);
+    // projections and gates of both edges, channel-major: [4 c, M] = w_ab [4 c, c_z] . x_hat^T
+    at::Tensor ab = at::mm(w_ab, x_hat.t());
+    const GatePackParams gp{ab.data_ptr(), bias.data_ptr<float>(),
+                            mask_flat.defined() ? mask_flat.data_ptr() : nullptr, a.data_ptr(), b.data_ptr(), s.M,
+                            s.M, s.M, int(s.c), vector_ok(ab, s.M)};
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack<decltype(e)>(gp, stream); });
+    ab.reset();
+    g = at::addmm(b_g, x_hat, w_g.t());  // [M, c_z]
+  }
 
   // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
   const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
   at::Tensor n_hat = output({s.M, s.c}, z.options());
-  const auto f32 = z.options().dtype(at::kFloat);
   at::Tensor mean_out = output({s.M}, f32), rstd_out = output({s.M}, f32);
   const ChannelNormParams cp{p.data_ptr(), n_hat.data_ptr(), mean_out.data_ptr<float>(), rstd_out.data_ptr<float>(),
                              s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
 
-  // y = n_hat . w_z^T + b_z, g = x_hat . w_g^T + b_g, out = sigmoid(g) * y   [M, c_z]
+  // y = n_hat . w_z^T + b_z, out = sigmoid(g) * y   [M, c_z]
   at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
-  at::Tensor g = at::addmm(b_g, x_hat, w_g.t());
   at::Tensor out = output({s.M, s.cz}, z.options());
   const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
                              int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};

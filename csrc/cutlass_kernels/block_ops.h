@@ -125,6 +125,27 @@ struct GatePackBackwardParams {
   int64_t total_stride = 0;
 };
 
+// The triangle multiplication's input half in one kernel (triangle_input.cuh): layer norm of z, both
+// edges' projections and gates, the output gate's projection. Folded weights (no affine left).
+struct TriangleInputParams {
+  const void* z;       // [M, K] row-major, rows z_stride apart (16-byte aligned)
+  const void* w_ab;    // [4 C, K]: rows a_proj, a_gate, b_proj, b_gate, of z's type
+  const float* b_ab;   // [4 C]
+  const void* w_g;     // [G, K], z's type
+  const void* b_g;     // [G], z's type
+  const void* mask;    // [M], z's type, or nullptr
+  void* a;             // [C, M] channel-major
+  void* b;             // [C, M]
+  void* g;             // [M, G] row-major
+  float* mean;         // [M]
+  float* rstd;         // [M]
+  int64_t M, z_stride;
+  int K, C, G;         // K, G multiples of 8; K <= kTriangleInputMaxK
+  float eps;
+  bool vector_ok;      // a and b rows can be stored 16 bytes at a time (M % 8 == 0, aligned bases)
+};
+constexpr int kTriangleInputMaxK = 256;
+
 // Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
 // order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
 // m2 * s2 + m1 * s1 + m0 * s0 elements. A matrix with rows `stride` apart is strided(stride).
@@ -240,6 +261,10 @@ template <typename T>
 void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream);
 template <typename T>
 void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream);
+
+// Half and bfloat16 only (T = cutlass::half_t, cutlass::bfloat16_t); K <= kTriangleInputMaxK.
+template <typename T>
+void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream);
 
 // Dynamic shared memory of the channel-norm kernels for C channels of T.
 template <typename T>

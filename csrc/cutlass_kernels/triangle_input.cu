@@ -1,0 +1,37 @@
+// Launcher of the triangle multiplication's fused input kernel (triangle_input.cuh), half and
+// bfloat16, one instantiation per c_z bucket (64, 128, 256).
+#include "evoformer_attention.h"  // check_launch
+#include "triangle_input.cuh"
+
+namespace evoformer {
+namespace block {
+
+namespace {
+template <typename T, int kKSteps>
+void launch_bucket(const TriangleInputParams& p, cudaStream_t stream) {
+  auto* kernel = triangle_input_kernel<T, kKSteps>;
+  constexpr int smem = triangle_input_smem_bytes<T, kKSteps>();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    check_launch("evoformer triangle input");
+  kernel<<<unsigned((p.M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem, stream>>>(p);
+  check_launch("evoformer triangle input");
+}
+}  // namespace
+
+template <typename T>
+void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream) {
+  static_assert(kTriangleInputMaxK == 256, "one bucket per c_z range");
+  if (p.M == 0) return;
+  if (p.K <= 64)
+    launch_bucket<T, 4>(p, stream);
+  else if (p.K <= 128)
+    launch_bucket<T, 8>(p, stream);
+  else
+    launch_bucket<T, 16>(p, stream);
+}
+
+template void launch_triangle_input<cutlass::half_t>(const TriangleInputParams&, cudaStream_t);
+template void launch_triangle_input<cutlass::bfloat16_t>(const TriangleInputParams&, cudaStream_t);
+
+}  // namespace block
+}  // namespace evoformer
