@@ -273,6 +273,8 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_bwd(const at::Tensor& dsum, co
 
 // ---- triangle multiplicative update ------------------------------------------------------------
 
+at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype);  // (below)
+
 struct TriangleShape {
   int64_t B, N, M, cz, c;
 };
@@ -341,11 +343,12 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
     const at::Tensor rows = as_rows(z, s.cz);  // [M, c_z]
     mean_in = output({s.M}, f32), rstd_in = output({s.M}, f32);
     g = output({s.M, s.cz}, z.options());
-    const TriangleInputParams tp{rows.data_ptr(), w_ab.data_ptr(), bias.data_ptr<float>(), w_g.data_ptr(),
+    TriangleInputParams tp{rows.data_ptr(), w_ab.data_ptr(), bias.data_ptr<float>(), w_g.data_ptr(),
                                  b_g.data_ptr(), mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
                                  a.data_ptr(), b.data_ptr(), g.data_ptr(), mean_in.data_ptr<float>(),
                                  rstd_in.data_ptr<float>(), s.M, s.M > 1 ? rows.stride(0) : s.cz, int(s.cz), int(s.c),
                                  int(s.cz), float(eps), s.M % 8 == 0 && aligned16(a) && aligned16(b)};
+    tp.c_rows = int(s.c);
     if (z.scalar_type() == at::kHalf) launch_triangle_input<cutlass::half_t>(tp, stream);
     else launch_triangle_input<cutlass::bfloat16_t>(tp, stream);
   } else {
@@ -450,24 +453,40 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     at::Tensor da = outgoing ? at::bmm(dpk, bk) : at::bmm(bk, dpk.transpose(1, 2));
     at::Tensor db = outgoing ? at::bmm(dpk.transpose(1, 2), ak) : at::bmm(ak, dpk);
     at::Tensor wk = w4.narrow(1, c0, k).reshape({4 * k, s.cz});          // rows (ap, ag, bp, bg) of the group
-    at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
-    at::Tensor abk = at::mm(wk, x_hat.t());                              // [4 k, M]
     at::Tensor dab = output({4 * k, s.M}, z.options());
-    const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
-    const int chunks = int(std::max<int64_t>(
-        1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * current_sm_count() / (2 * k) + 1)));
-    // [4 k, chunks] partial sums, then 2 k tickets: a row's last CTA adds its partials into db_ab
-    at::Tensor bias_part = output({4 * k * chunks + 2 * k}, f32);
-    float* const partials = bias_part.data_ptr<float>();
-    GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
-                              mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
-                              dab.data_ptr(), partials, s.M, s.M, s.M, s.M, int(k),
-                              vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
-    bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
-    bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
-    bp.total_stride = s.c;
-    C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
-    by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
+    if (triangle_input_fits(z, s)) {
+      // the projections and gates recomputed from x_hat, their gradients and bias sums in one kernel
+      const int64_t ctas = (s.M + kTriangleGateBackwardRows - 1) / kTriangleGateBackwardRows;
+      at::Tensor bias_part = output({ctas, 4 * k}, f32);
+      const TriangleGateBackwardParams tp{x_hat.data_ptr(), w4.narrow(1, c0, k).data_ptr(),
+                                          bias.data_ptr<float>() + c0, mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
+                                          da.data_ptr(), db.data_ptr(), dab.data_ptr(), bias_part.data_ptr<float>(),
+                                          s.M, s.M > 1 ? x_hat.stride(0) : s.cz, int(s.cz), int(k), int(s.c),
+                                          s.M % 8 == 0 && aligned16(da) && aligned16(db) && aligned16(dab)};
+      if (z.scalar_type() == at::kHalf) launch_triangle_gate_backward<cutlass::half_t>(tp, stream);
+      else launch_triangle_gate_backward<cutlass::bfloat16_t>(tp, stream);
+      // [4 k] in a fixed order (the column-sum kernel, or torch's sum where a row is too wide for it)
+      const at::Tensor sums = row_fits(4 * k, 4) ? column_sum(bias_part, at::kFloat) : bias_part.sum(0);
+      db_ab.narrow(1, c0, k).copy_(sums.view({4, k}));
+    } else {
+      at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
+      at::Tensor abk = at::mm(wk, x_hat.t());                              // [4 k, M]
+      const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
+      const int chunks = int(std::max<int64_t>(
+          1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * current_sm_count() / (2 * k) + 1)));
+      // [4 k, chunks] partial sums, then 2 k tickets: a row's last CTA adds its partials into db_ab
+      at::Tensor bias_part = output({4 * k * chunks + 2 * k}, f32);
+      float* const partials = bias_part.data_ptr<float>();
+      GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
+                                mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
+                                dab.data_ptr(), partials, s.M, s.M, s.M, s.M, int(k),
+                                vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
+      bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
+      bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
+      bp.total_stride = s.c;
+      C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
+      by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
+    }
     if (k == s.c) {
       at::Tensor dw_ab_rows = dw_ab.view({4 * s.c, s.cz});  // one group: straight into dw_ab
       at::mm_out(dw_ab_rows, dab, x_hat);

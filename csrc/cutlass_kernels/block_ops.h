@@ -143,8 +143,28 @@ struct TriangleInputParams {
   int K, C, G;         // K, G multiples of 8; K <= kTriangleInputMaxK
   float eps;
   bool vector_ok;      // a and b rows can be stored 16 bytes at a time (M % 8 == 0, aligned bases)
+  int c_rows = 0;      // channels between w_ab's / b_ab's four row blocks (C)
 };
 constexpr int kTriangleInputMaxK = 256;
+
+// Its backward for the edges (a group of C channels of c_rows): the projections and gates recomputed
+// from x_hat, then d(ab) from da, db as gate_pack_backward computes it, and per-CTA partial row sums
+// of d(ab) (the biases' gradients).
+struct TriangleGateBackwardParams {
+  const void* x_hat;   // [M, K] row-major, rows x_stride apart (16-byte aligned)
+  const void* w_ab;    // [4, c_rows, K] folded; the group's first channel at the pointer
+  const float* b_ab;   // [4, c_rows], likewise
+  const void* mask;    // [M] or nullptr
+  const void* da;      // [C, M] channel-major, rows M apart
+  const void* db;      // [C, M]
+  void* dab;           // [4, C, M]: rows (a_proj, a_gate, b_proj, b_gate) x C channels
+  float* bias_part;    // [n_ctas, 4 C]: the CTA's sums of the dab rows (as rounded to T)
+  int64_t M, x_stride;
+  int K, C, c_rows;
+  bool vector_ok;      // M % 8 == 0 and 16-byte aligned da, db, dab
+  const void* w_g = nullptr;  // no g passes
+  int G = 0;
+};
 
 // Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
 // order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
@@ -265,6 +285,10 @@ void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream
 // Half and bfloat16 only (T = cutlass::half_t, cutlass::bfloat16_t); K <= kTriangleInputMaxK.
 template <typename T>
 void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream);
+// One CTA per 128 positions: bias_part has ceil(M / 128) rows.
+template <typename T>
+void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream);
+constexpr int kTriangleGateBackwardRows = 128;
 
 // Dynamic shared memory of the channel-norm kernels for C channels of T.
 template <typename T>

@@ -1,5 +1,5 @@
-// Launcher of the triangle multiplication's fused input kernel (triangle_input.cuh), half and
-// bfloat16, one instantiation per c_z bucket (64, 128, 256).
+// Launchers of the triangle multiplication's fused input kernel and its edges' backward
+// (triangle_input.cuh), half and bfloat16, one instantiation per c_z bucket (64, 128, 256).
 #include "evoformer_attention.h"  // check_launch
 #include "triangle_input.cuh"
 
@@ -16,7 +16,28 @@ void launch_bucket(const TriangleInputParams& p, cudaStream_t stream) {
   kernel<<<unsigned((p.M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem, stream>>>(p);
   check_launch("evoformer triangle input");
 }
+template <typename T, int kKSteps>
+void launch_backward_bucket(const TriangleGateBackwardParams& p, cudaStream_t stream) {
+  auto* kernel = triangle_gate_backward_kernel<T, kKSteps>;
+  constexpr int smem = TriangleGateBackwardTile<kKSteps>::template bytes<T>();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    check_launch("evoformer triangle gate backward");
+  kernel<<<unsigned((p.M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem, stream>>>(p);
+  check_launch("evoformer triangle gate backward");
+}
 }  // namespace
+
+template <typename T>
+void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream) {
+  static_assert(kTriangleGateBackwardRows == kTriInRows, "one bias_part row per CTA");
+  if (p.M == 0 || p.C == 0) return;
+  if (p.K <= 64)
+    launch_backward_bucket<T, 4>(p, stream);
+  else if (p.K <= 128)
+    launch_backward_bucket<T, 8>(p, stream);
+  else
+    launch_backward_bucket<T, 16>(p, stream);
+}
 
 template <typename T>
 void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream) {
@@ -32,6 +53,8 @@ void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream) {
 
 template void launch_triangle_input<cutlass::half_t>(const TriangleInputParams&, cudaStream_t);
 template void launch_triangle_input<cutlass::bfloat16_t>(const TriangleInputParams&, cudaStream_t);
+template void launch_triangle_gate_backward<cutlass::half_t>(const TriangleGateBackwardParams&, cudaStream_t);
+template void launch_triangle_gate_backward<cutlass::bfloat16_t>(const TriangleGateBackwardParams&, cudaStream_t);
 
 }  // namespace block
 }  // namespace evoformer

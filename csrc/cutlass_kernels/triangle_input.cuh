@@ -13,10 +13,12 @@
 //
 // CTA: 256 threads, kRows = 128 positions. The z tile is copied (cp.async) into shared memory and
 // normalised there (two lanes per row, two passes in float32, rounded to T as the tensor cores read
-// it). The output columns then run in passes of 128 through the same x_hat tile: an edge pass covers
-// 64 channels of one edge, its columns ordered (projection of channels 0-31, their gates, projection
-// of 32-63, their gates), so that each of the two column halves a warp can own pairs every
-// projection value with its gate value in the same thread; a g pass covers 128 columns of g. The
+// it). The output columns then run in passes of 128 through the same x_hat tile. The edges' channels
+// are cut into slots of 32 (slot = edge * blocks + block, blocks = ceil(C / 32)); edge pass q covers
+// slots 2q and 2q + 1, its columns ordered (projections of slot 2q, their gates, projections of slot
+// 2q + 1, their gates), so that in each of the two column halves a warp can own every projection
+// value pairs with its gate value in the same thread, and no pass is half empty when C is a
+// multiple of 32 but not of 64. A g pass covers 128 columns of g. The
 // weight rows of pass q + 1 are copied while pass q multiplies (two buffers). Warps: 4 row groups of
 // 32 x 2 column halves of 64, mma.sync m16n8k16 with fp32 accumulation. The epilogue stages the
 // pass's results in the pass's weight buffer (its products are done) and stores them as 16-byte
@@ -34,7 +36,7 @@ namespace block {
 constexpr int kTriInRows = 128;      // positions per CTA
 constexpr int kTriInPassCols = 128;  // output columns per pass
 constexpr int kTriInThreads = 256;
-constexpr int kTriInEdgeChannels = kTriInPassCols / 2;  // channels of one edge per pass
+constexpr int kTriInSlot = 32;         // channels of one edge per slot; a pass holds two slots
 constexpr int kTriInStagePitch = kTriInPassCols + 8;   // elements per staged row (bank-conflict free)
 
 // sigmoid(x) from one exp2 and one reciprocal (MUFU; the denominator is >= 1).
@@ -56,13 +58,20 @@ constexpr int triangle_input_smem_bytes() {
   return TriangleInputTile<kKSteps>::kSmemElems * int(sizeof(T));
 }
 
+// Edge slot `slot`: its edge (0: a, 1: b; 2: past the last slot) and first channel.
+struct EdgeSlot {
+  int edge, ch0;
+  __device__ __forceinline__ EdgeSlot(int slot, int blocks) : edge(slot / blocks), ch0((slot % blocks) * kTriInSlot) {}
+};
+
+__device__ __forceinline__ int edge_blocks(int C) { return (C + kTriInSlot - 1) / kTriInSlot; }
+
 // Starts the copy of pass q's weight tile [128 rows, kK] into `smem` (one cp.async group). A thread
 // copies the 16-byte chunk at column `col` of rows row0 + j * kRowStep of each 32-row group: group
-// 2h + s of an edge pass holds the projection (s = 0) or gate (s = 1) rows of channels
-// block * 64 + 32h.., a g pass rows n0.. of w_g. Rows past C (or G) are zeros.
-template <typename T, int kKSteps>
-__device__ __forceinline__ void triangle_input_load_weights(const TriangleInputParams& p, T* smem, int q,
-                                                            int edge_passes) {
+// 2h + s of an edge pass holds the projection (s = 0) or gate (s = 1) rows of slot 2q + h, a g pass
+// rows n0.. of w_g. Rows past C (or G) are zeros.
+template <typename T, int kKSteps, typename Params>
+__device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* smem, int q) {
   using Tile = TriangleInputTile<kKSteps>;
   constexpr int kChunksPerRow = Tile::kK / 8;
   constexpr int kRowStep = kTriInThreads / kChunksPerRow;
@@ -71,21 +80,24 @@ __device__ __forceinline__ void triangle_input_load_weights(const TriangleInputP
   const int row0 = int(threadIdx.x / unsigned(kChunksPerRow));
   const bool col_ok = col < p.K;
   T* const dst = smem + row0 * Tile::kPitch + col;
-  if (q < 2 * edge_passes) {
-    const int edge = q / edge_passes;
-    const int ch0 = (q - edge * edge_passes) * kTriInEdgeChannels + row0;
-    const T* const w = static_cast<const T*>(p.w_ab) + (int64_t(2 * edge) * p.C + ch0) * p.K + col;
+  const int blocks = edge_blocks(p.C);
+  if (q < blocks) {
+    const T* const w = static_cast<const T*>(p.w_ab) + col;
 #pragma unroll
-    for (int grp = 0; grp < 4; ++grp)
+    for (int h = 0; h < 2; ++h) {
+      const EdgeSlot slot(2 * q + h, blocks);
 #pragma unroll
-      for (int j = 0; j < 32 / kRowStep; ++j) {
-        const int ch = ch0 + (grp / 2) * 32 + j * kRowStep;  // the row's channel
-        const bool ok = col_ok && ch < p.C;
-        const T* src = w + (int64_t(grp % 2) * p.C + (grp / 2) * 32 + j * kRowStep) * p.K;
-        cp_async_16(dst + (grp * 32 + j * kRowStep) * Tile::kPitch, ok ? src : w, ok);
-      }
+      for (int s = 0; s < 2; ++s)
+#pragma unroll
+        for (int j = 0; j < 32 / kRowStep; ++j) {
+          const int ch = slot.ch0 + row0 + j * kRowStep;  // the row's channel
+          const bool ok = col_ok && slot.edge < 2 && ch < p.C;
+          const T* src = w + (int64_t(2 * slot.edge + s) * p.c_rows + ch) * p.K;
+          cp_async_16(dst + ((2 * h + s) * 32 + j * kRowStep) * Tile::kPitch, ok ? src : w, ok);
+        }
+    }
   } else {
-    const int n0 = (q - 2 * edge_passes) * kTriInPassCols + row0;
+    const int n0 = (q - blocks) * kTriInPassCols + row0;
     const T* const w = static_cast<const T*>(p.w_g) + int64_t(n0) * p.K + col;
 #pragma unroll
     for (int r = 0; r < kTriInPassCols; r += kRowStep) {
@@ -94,6 +106,35 @@ __device__ __forceinline__ void triangle_input_load_weights(const TriangleInputP
     }
   }
   cp_async_commit();
+}
+
+// acc = x_hat[row_group * 32.., :] . (pass weights[col_half * 64.., :])^T for one warp: two m16 row
+// tiles x eight n8 column tiles, k over the whole (padded) c_z.
+template <typename T, int kKSteps>
+__device__ __forceinline__ void triangle_input_pass_products(float (&acc)[2][8][4], const T* xs, const T* wbuf,
+                                                             int row_group, int col_half, int lane) {
+  constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    uint32_t af[2][1][kARegs<T>];
+    load_a_frags<2, 1, kPitch>(af, xs + kk * 16, row_group * 32, lane);
+#pragma unroll
+    for (int n16 = 0; n16 < 4; ++n16) {
+      uint32_t bf[2][kBRegs<T>];
+      load_b_frags_nmajor<kPitch>(bf, wbuf, col_half * 64 + n16 * 16, kk * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma<T>(acc[mt][2 * n16], af[mt][0], bf[0]);
+        mma<T>(acc[mt][2 * n16 + 1], af[mt][0], bf[1]);
+      }
+    }
+  }
 }
 
 template <typename T, int kKSteps>
@@ -105,15 +146,15 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
   T* const ws = xs + kTriInRows * kPitch;           // two [kBuffer] weight / staging buffers
   const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
   const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
-  const int edge_passes = (p.C + kTriInEdgeChannels - 1) / kTriInEdgeChannels;
-  const int passes = 2 * edge_passes + (p.G + kTriInPassCols - 1) / kTriInPassCols;
+  const int blocks = edge_blocks(p.C);  // = edge passes
+  const int passes = blocks + (p.G + kTriInPassCols - 1) / kTriInPassCols;
 
   // z tile (group 0), the first two passes' weights (groups 1, 2)
   load_tile_async<T, kTriInRows, Tile::kK, kPitch, kTriInThreads>(xs, static_cast<const T*>(p.z) + m0 * p.z_stride,
                                                                   p.z_stride, valid_rows, p.K, threadIdx.x);
   cp_async_commit();
-  triangle_input_load_weights<T, kKSteps>(p, ws, 0, edge_passes);
-  if (passes > 1) triangle_input_load_weights<T, kKSteps>(p, ws + Tile::kBuffer, 1, edge_passes);
+  triangle_input_load_weights<T, kKSteps>(p, ws, 0);
+  if (passes > 1) triangle_input_load_weights<T, kKSteps>(p, ws + Tile::kBuffer, 1);
   else cp_async_commit();
   cp_async_wait<2>();
   __syncthreads();
@@ -177,66 +218,48 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
     __syncthreads();  // x_hat (q = 0) and pass q's weights are in shared memory
 
     float acc[2][8][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t af[2][1][kARegs<T>];
-      load_a_frags<2, 1, kPitch>(af, xs + kk * 16, row_group * 32, lane);
-#pragma unroll
-      for (int n16 = 0; n16 < 4; ++n16) {
-        uint32_t bf[2][kBRegs<T>];
-        load_b_frags_nmajor<kPitch>(bf, wbuf, col_half * 64 + n16 * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma<T>(acc[mt][2 * n16], af[mt][0], bf[0]);
-          mma<T>(acc[mt][2 * n16 + 1], af[mt][0], bf[1]);
-        }
-      }
-    }
+    triangle_input_pass_products<T, kKSteps>(acc, xs, wbuf, row_group, col_half, lane);
     __syncthreads();  // every warp is done with the weights: the buffer takes the staged results
 
-    if (q < 2 * edge_passes) {
-      // edge pass: column tiles 0-3 are projections, 4-7 the gates of the same channels
-      const int edge = q / edge_passes;
-      const int ch0 = (q % edge_passes) * kTriInEdgeChannels;
-      const float* const bias_proj = p.b_ab + 2 * edge * p.C;
-      const float* const bias_gate = bias_proj + p.C;
-      // staged [64 channels, 128 positions]: the thread's channel col_half * 32 + nt * 8 + 2t + e
-      T* const stage = wbuf + (col_half * 32 + 2 * t) * kTriInStagePitch + row_group * 32 + g;
+    if (q < blocks) {
+      // edge pass: the warp's column half is slot 2q + col_half; tiles 0-3 projections, 4-7 gates
+      const EdgeSlot slot(2 * q + col_half, blocks);
+      if (slot.edge < 2) {
+        const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows;
+        const float* const bias_gate = bias_proj + p.c_rows;
+        // staged [64 rows (the two slots' channels), 128 positions]
+        T* const stage = wbuf + (col_half * kTriInSlot + 2 * t) * kTriInStagePitch + row_group * 32 + g;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int ch = ch0 + col_half * 32 + nt * 8 + 2 * t + e;
-          const float bp = ch < p.C ? bias_proj[ch] : 0.f;
-          const float bg = ch < p.C ? bias_gate[ch] : 0.f;
-          T* const s = stage + (nt * 8 + e) * kTriInStagePitch;
+          for (int e = 0; e < 2; ++e) {
+            const int ch = slot.ch0 + nt * 8 + 2 * t + e;
+            const float bp = ch < p.C ? bias_proj[ch] : 0.f;
+            const float bg = ch < p.C ? bias_gate[ch] : 0.f;
+            T* const s = stage + (nt * 8 + e) * kTriInStagePitch;
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int i = 2 * hh + e;
-              s[mt * 16 + 8 * hh] =
-                  T(fast_sigmoid(acc[mt][nt + 4][i] + bg) * (acc[mt][nt][i] + bp) * mask[mt][hh]);
-            }
-        }
+              for (int hh = 0; hh < 2; ++hh) {
+                const int i = 2 * hh + e;
+                s[mt * 16 + 8 * hh] =
+                    T(fast_sigmoid(acc[mt][nt + 4][i] + bg) * (acc[mt][nt][i] + bp) * mask[mt][hh]);
+              }
+          }
+      }
       __syncthreads();
-      // [64 channels, 128 positions] -> rows of a or b: the thread stores 8 positions from `col` of
-      // channels lc0, lc0 + 16, ...
-      T* const out = static_cast<T*>(edge == 0 ? p.a : p.b);
+      // staged rows -> channel rows of a or b: the thread stores 8 positions from `col` of rows
+      // lr0, lr0 + 16, ...
       constexpr int kSpans = kTriInRows / 8;
-      const int col = int(threadIdx.x % unsigned(kSpans)) * 8, lc0 = int(threadIdx.x / unsigned(kSpans));
+      const int col = int(threadIdx.x % unsigned(kSpans)) * 8, lr0 = int(threadIdx.x / unsigned(kSpans));
       if (col < valid_rows) {
 #pragma unroll
-        for (int lc = lc0; lc < kTriInEdgeChannels; lc += kTriInThreads / kSpans) {
-          if (ch0 + lc >= p.C) break;
-          const T* src = wbuf + lc * kTriInStagePitch + col;
-          T* dst = out + int64_t(ch0 + lc) * p.M + m0 + col;
+        for (int lr = lr0; lr < 2 * kTriInSlot; lr += kTriInThreads / kSpans) {
+          const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
+          const int ch = slot.ch0 + lr % kTriInSlot;
+          if (slot.edge >= 2 || ch >= p.C) continue;
+          const T* src = wbuf + lr * kTriInStagePitch + col;
+          T* dst = static_cast<T*>(slot.edge == 0 ? p.a : p.b) + int64_t(ch) * p.M + m0 + col;
           if (p.vector_ok) {  // M % 8 == 0: a whole span
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
           } else {
@@ -246,7 +269,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
       }
     } else {
       // g pass: columns n0.. of g, plus their bias
-      const int n0 = (q - 2 * edge_passes) * kTriInPassCols;
+      const int n0 = (q - blocks) * kTriInPassCols;
       const T* b_g = static_cast<const T*>(p.b_g);
       T* const stage = wbuf + (row_group * 32 + g) * kTriInStagePitch + col_half * 64 + 2 * t;
 #pragma unroll
@@ -276,8 +299,170 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
       }
     }
     __syncthreads();  // the staged results are stored: the buffer takes pass q + 2's weights
-    if (q + 2 < passes) triangle_input_load_weights<T, kKSteps>(p, wbuf, q + 2, edge_passes);
+    if (q + 2 < passes) triangle_input_load_weights<T, kKSteps>(p, wbuf, q + 2);
     else cp_async_commit();
+  }
+}
+
+// ---- backward of the edges ------------------------------------------------------------------------
+// Per pass (two slots, as in the forward): the projections and gates are recomputed from the x_hat
+// tile (x_hat is an input here: the backward keeps it for the weight gradients), and with
+// d = mask * da (or db), s = sigmoid(gate + b_g), proj = ... + b_p:
+//   d_proj = d * s,   d_gate = d * proj * s * (1 - s)
+// written channel-major as rows of dab, and the CTA's sum of each row (of the values rounded to T,
+// as the GEMMs that follow read them) into bias_part: the lanes of a channel add their four rows,
+// shuffles add the eight lane rows, and the four row groups are added in order through shared
+// memory (no atomics: bitwise reproducible). Shared memory: the x_hat tile, one weight tile (the
+// next pass's weights are copied while this pass's epilogue runs) and one [128, 128] tile whose
+// first 64 rows receive the pass's da / db rows and are overwritten by d_proj (each value by the
+// thread that read it), the next 64 by d_gate: about 104 KB at c_z 128, two CTAs per SM.
+template <int kKSteps>
+struct TriangleGateBackwardTile {
+  static constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
+  static constexpr int kStageElems = kTriInPassCols * kTriInStagePitch;
+  template <typename T>
+  static constexpr int bytes() {
+    return (2 * kTriInRows * kPitch + kStageElems) * int(sizeof(T)) + 4 * kTriInPassCols * int(sizeof(float));
+  }
+};
+
+// Copies pass q's da / db rows (channels of slots 2q, 2q + 1; positions m0.. of the CTA) into the
+// first 64 rows of `ds`, zeros past C and M: cp.async where rows are 16-byte aligned (one group),
+// else plain loads.
+template <typename T>
+__device__ __forceinline__ void triangle_gate_backward_load_d(const TriangleGateBackwardParams& p, T* ds, int q,
+                                                              int64_t m0, int valid_rows) {
+  constexpr int kSpans = kTriInRows / 8;
+  const int col = int(threadIdx.x % unsigned(kSpans)) * 8, lr0 = int(threadIdx.x / unsigned(kSpans));
+  const int blocks = edge_blocks(p.C);
+#pragma unroll
+  for (int lr = lr0; lr < 2 * kTriInSlot; lr += kTriInThreads / kSpans) {
+    const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
+    const int ch = slot.ch0 + lr % kTriInSlot;
+    const bool ok = slot.edge < 2 && ch < p.C && col < valid_rows;
+    T* dst = ds + lr * kTriInStagePitch + col;
+    const T* src = static_cast<const T*>(slot.edge == 0 ? p.da : p.db) + int64_t(ok ? ch : 0) * p.M + m0 + col;
+    if (p.vector_ok) {
+      cp_async_16(dst, ok ? src : static_cast<const T*>(p.da), ok);
+    } else {
+      for (int e = 0; e < 8; ++e) dst[e] = ok && col + e < valid_rows ? src[e] : T(0.f);
+    }
+  }
+  cp_async_commit();
+}
+
+template <typename T, int kKSteps>
+__global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kernel(TriangleGateBackwardParams p) {
+  using Tile = TriangleInputTile<kKSteps>;
+  constexpr int kPitch = Tile::kPitch;
+  extern __shared__ __align__(16) unsigned char tri_bwd_smem[];
+  T* const xs = reinterpret_cast<T*>(tri_bwd_smem);  // [kRows, kPitch]: x_hat
+  T* const wb = xs + kTriInRows * kPitch;           // [128, kPitch]: the pass's weights
+  T* const ds = wb + kTriInPassCols * kPitch;        // [128, kTriInStagePitch]: d, then d_proj / d_gate
+  float* const red = reinterpret_cast<float*>(ds + TriangleGateBackwardTile<kKSteps>::kStageElems);  // [4][128]
+  const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
+  const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
+  const int blocks = edge_blocks(p.C);  // = passes
+
+  load_tile_async<T, kTriInRows, Tile::kK, kPitch, kTriInThreads>(
+      xs, static_cast<const T*>(p.x_hat) + m0 * p.x_stride, p.x_stride, valid_rows, p.K, threadIdx.x);
+  cp_async_commit();
+  triangle_input_load_weights<T, kKSteps>(p, wb, 0);
+  triangle_gate_backward_load_d<T>(p, ds, 0, m0, valid_rows);
+
+  const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
+  const int g = lane / 4, t = lane % 4;
+  const int row_group = warp % 4, col_half = warp / 4;
+  float mask[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+      mask[mt][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
+    }
+
+  constexpr int kSpans = kTriInRows / 8;  // 16-byte spans of a staged row
+  const int span_col = int(threadIdx.x % unsigned(kSpans)) * 8, span_row0 = int(threadIdx.x / unsigned(kSpans));
+  for (int q = 0; q < blocks; ++q) {
+    cp_async_wait<0>();
+    __syncthreads();  // x_hat, the pass's weights and its d rows are in shared memory
+
+    float acc[2][8][4];
+    triangle_input_pass_products<T, kKSteps>(acc, xs, wb, row_group, col_half, lane);
+    __syncthreads();  // every warp is done with the weights
+    if (q + 1 < blocks) triangle_input_load_weights<T, kKSteps>(p, wb, q + 1);
+
+    const EdgeSlot slot(2 * q + col_half, blocks);
+    if (slot.edge < 2) {
+      const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows;
+      const float* const bias_gate = bias_proj + p.c_rows;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int lr = col_half * kTriInSlot + nt * 8 + 2 * t + e;  // staged row
+          const int ch = slot.ch0 + nt * 8 + 2 * t + e;
+          const float bp = ch < p.C ? bias_proj[ch] : 0.f;
+          const float bg = ch < p.C ? bias_gate[ch] : 0.f;
+          float sum_proj = 0.f, sum_gate = 0.f;
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int i = 2 * hh + e;
+              const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+              T* const cell = ds + lr * kTriInStagePitch + r;
+              const float d = float(*cell) * mask[mt][hh];
+              const float sg = fast_sigmoid(acc[mt][nt + 4][i] + bg);
+              const T d_proj = T(d * sg);
+              const T d_gate = T(d * (acc[mt][nt][i] + bp) * sg * (1.f - sg));
+              sum_proj += float(d_proj), sum_gate += float(d_gate);
+              *cell = d_proj;
+              cell[2 * kTriInSlot * kTriInStagePitch] = d_gate;
+            }
+#pragma unroll
+          for (int offset = 4; offset < 32; offset *= 2) {  // the eight lanes g of the channel
+            sum_proj += __shfl_xor_sync(0xffffffffu, sum_proj, offset);
+            sum_gate += __shfl_xor_sync(0xffffffffu, sum_gate, offset);
+          }
+          if (g == 0) {
+            red[row_group * kTriInPassCols + lr] = sum_proj;
+            red[row_group * kTriInPassCols + 2 * kTriInSlot + lr] = sum_gate;
+          }
+        }
+    }
+    __syncthreads();
+    // staged row rr: kind rr / 64 (projection, gate) of staged channel lr = rr % 64
+    if (threadIdx.x < kTriInPassCols) {
+      const int kind = int(threadIdx.x) / (2 * kTriInSlot), lr = int(threadIdx.x) % (2 * kTriInSlot);
+      const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
+      const int ch = s.ch0 + lr % kTriInSlot;
+      if (s.edge < 2 && ch < p.C) {
+        float total = 0.f;
+#pragma unroll
+        for (int rg = 0; rg < 4; ++rg) total += red[rg * kTriInPassCols + threadIdx.x];
+        p.bias_part[int64_t(blockIdx.x) * 4 * p.C + (2 * s.edge + kind) * p.C + ch] = total;
+      }
+    }
+    if (span_col < valid_rows) {
+#pragma unroll
+      for (int rr = span_row0; rr < kTriInPassCols; rr += kTriInThreads / kSpans) {
+        const int kind = rr / (2 * kTriInSlot), lr = rr % (2 * kTriInSlot);
+        const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
+        const int ch = s.ch0 + lr % kTriInSlot;
+        if (s.edge >= 2 || ch >= p.C) continue;
+        const T* src = ds + rr * kTriInStagePitch + span_col;
+        T* dst = static_cast<T*>(p.dab) + (int64_t(2 * s.edge + kind) * p.C + ch) * p.M + m0 + span_col;
+        if (p.vector_ok) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int e = 0; e < 8 && span_col + e < valid_rows; ++e) dst[e] = src[e];
+        }
+      }
+    }
+    __syncthreads();  // the staged results are stored: the tile takes the next pass's d rows
+    if (q + 1 < blocks) triangle_gate_backward_load_d<T>(p, ds, q + 1, m0, valid_rows);
   }
 }
 
