@@ -102,35 +102,47 @@ def test_module_compiles_fullgraph_on_cutlass():
 def test_blocks_cutlass_match_eager(block_cls):
     # a whole block (fused residual add + layer norm, attention, triangle multiplication, gates and
     # projections) in bfloat16 on cutlass and on eager against float32 eager: outputs and the
-    # gradients of m, z and every parameter within 2x eager bfloat16's error
+    # gradients of m, z and every parameter within 2x eager bfloat16's error, errors averaged over
+    # four draws of inputs and weights. One draw is not enough: some gradients are sums that cancel
+    # (the pair-bias projections' weights: their cotangent sums to zero over the keys), so eager
+    # bfloat16 is already 3 % off there and a single draw's ratio swings with the rounding of
+    # everything upstream (0.5-1.2 of the bar over eight seeds, for either triangle multiplication).
     sizes = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
                  no_heads_msa=4, no_heads_pair=2)
-    template = randomize(block_cls(**sizes)).eval()
-    gen = torch.Generator().manual_seed(4)
-    m, z = torch.randn(6, 21, 32, generator=gen), torch.randn(21, 21, 16, generator=gen)
-    msa_mask, pair_mask = (torch.rand(6, 21, generator=gen) > 0.1).float(), (torch.rand(21, 21, generator=gen) > 0.1).float()
+    errors = {}  # name -> [(fused error, eager error)] over the draws
+    for seed in range(4, 8):
+        template = randomize(block_cls(**sizes)).eval()
+        gen = torch.Generator().manual_seed(seed)
+        m, z = torch.randn(6, 21, 32, generator=gen), torch.randn(21, 21, 16, generator=gen)
+        msa_mask = (torch.rand(6, 21, generator=gen) > 0.1).float()
+        pair_mask = (torch.rand(21, 21, generator=gen) > 0.1).float()
 
-    def grads(backend, dtype):
-        block = block_cls(**sizes, backend=backend).eval()
-        block.load_state_dict(template.state_dict())
-        block = block.to("cuda", dtype)
-        inputs = [t.to("cuda", dtype).requires_grad_(True) for t in (m, z)]
-        out_m, out_z = block(*inputs, msa_mask.to("cuda", dtype), pair_mask.to("cuda", dtype))
-        loss = out_m.float().square().mean() + out_z.float().square().mean()
-        return [out_m.float(), out_z.float(), *(g.float() for g in torch.autograd.grad(loss, [*inputs, *block.parameters()]))]
+        def grads(backend, dtype):
+            block = block_cls(**sizes, backend=backend).eval()
+            block.load_state_dict(template.state_dict())
+            block = block.to("cuda", dtype)
+            inputs = [t.to("cuda", dtype).requires_grad_(True) for t in (m, z)]
+            out_m, out_z = block(*inputs, msa_mask.to("cuda", dtype), pair_mask.to("cuda", dtype))
+            loss = out_m.float().square().mean() + out_z.float().square().mean()
+            return [out_m.float(), out_z.float(),
+                    *(g.float() for g in torch.autograd.grad(loss, [*inputs, *block.parameters()]))]
 
-    ref, eager, fused = grads("eager", torch.float32), grads("eager", torch.bfloat16), grads("cutlass", torch.bfloat16)
-    names = ["out_m", "out_z", "dm", "dz", *(name for name, _ in template.named_parameters())]
-    # The row attention's pair-bias layer norm feeds only the pair bias, whose gradient sums to zero
-    # over the keys (a softmax's), so its bias's gradient is zero in exact arithmetic: no relative
-    # error exists. It must stay at rounding level, measured against its weight's gradient.
-    zero = names.index("msa_att_row.layer_norm_z.bias")
-    scale = ref[names.index("msa_att_row.layer_norm_z.weight")].norm()
-    assert ref[zero].norm() <= 1e-5 * scale
-    assert torch.isfinite(fused[zero]).all() and fused[zero].norm() <= 2e-2 * scale, fused[zero].norm() / scale
-    for name, f, e, r in [entry for i, entry in enumerate(zip(names, fused, eager, ref)) if i != zero]:
-        assert torch.isfinite(f).all(), name
-        e_fused, e_eager = rel(f, r), rel(e, r)
+        ref, eager, fused = grads("eager", torch.float32), grads("eager", torch.bfloat16), grads("cutlass", torch.bfloat16)
+        names = ["out_m", "out_z", "dm", "dz", *(name for name, _ in template.named_parameters())]
+        # The row attention's pair-bias layer norm feeds only the pair bias, whose gradient sums to
+        # zero over the keys (a softmax's), so its bias's gradient is zero in exact arithmetic: no
+        # relative error exists. It must stay at rounding level, measured against its weight's gradient.
+        zero = names.index("msa_att_row.layer_norm_z.bias")
+        scale = ref[names.index("msa_att_row.layer_norm_z.weight")].norm()
+        assert ref[zero].norm() <= 1e-5 * scale
+        assert torch.isfinite(fused[zero]).all() and fused[zero].norm() <= 2e-2 * scale, fused[zero].norm() / scale
+        for i, (name, f, e, r) in enumerate(zip(names, fused, eager, ref)):
+            if i != zero:
+                assert torch.isfinite(f).all(), f"{name} (seed {seed})"
+                errors.setdefault(name, []).append((rel(f, r), rel(e, r)))
+    for name, pairs in errors.items():
+        e_fused = sum(f for f, _ in pairs) / len(pairs)
+        e_eager = sum(e for _, e in pairs) / len(pairs)
         assert e_fused <= RATIO * e_eager + 2e-3, f"{block_cls.__name__} {name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
 
 

@@ -368,17 +368,26 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
   const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
   at::Tensor n_hat = output({s.M, s.c}, z.options());
-  at::Tensor mean_out = output({s.M}, f32), rstd_out = output({s.M}, f32);
-  const ChannelNormParams cp{p.data_ptr(), n_hat.data_ptr(), mean_out.data_ptr<float>(), rstd_out.data_ptr<float>(),
-                             s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
-  by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
-
-  // y = n_hat . w_z^T + b_z, out = sigmoid(g) * y   [M, c_z]
-  at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
-  at::Tensor out = output({s.M, s.cz}, z.options());
-  const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
-                             int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
-  by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
+  at::Tensor rstd_out = output({s.M}, f32);
+  at::Tensor y = output({s.M, s.cz}, z.options()), out = output({s.M, s.cz}, z.options());
+  if (triangle_input_fits(z, s) && s.c <= kTriangleOutputMaxC && s.cz <= kTriangleOutputMaxG) {
+    // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y
+    const TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
+                                         y.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), s.M, int(s.c),
+                                         int(s.cz), float(eps), vector_ok(p, s.M)};
+    if (z.scalar_type() == at::kHalf) launch_triangle_output<cutlass::half_t>(op_params, stream);
+    else launch_triangle_output<cutlass::bfloat16_t>(op_params, stream);
+  } else {
+    at::Tensor mean_out = output({s.M}, f32);
+    const ChannelNormParams cp{p.data_ptr(), n_hat.data_ptr(), mean_out.data_ptr<float>(),
+                               rstd_out.data_ptr<float>(), s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
+    // y = n_hat . w_z^T + b_z, out = sigmoid(g) * y   [M, c_z]
+    at::addmm_out(y, b_z, n_hat, w_z.t());
+    const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
+                               int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
+  }
   return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g, y};
 }
 

@@ -166,6 +166,25 @@ struct TriangleGateBackwardParams {
   int G = 0;
 };
 
+// The triangle multiplication's output half in one kernel (triangle_output.cuh): the channel layer
+// norm of p, the output projection (w_z folded) and the gate, out = sigmoid(g) * (n_hat w_z^T + b_z).
+struct TriangleOutputParams {
+  const void* p;     // [C, M] channel-major, rows M apart
+  const void* g;     // [M, G] row-major
+  const void* w_z;   // [G, C] folded
+  const void* b_z;   // [G]
+  void* out;         // [M, G]
+  void* y;           // [M, G]: n_hat w_z^T + b_z, kept for the backward
+  void* n_hat;       // [M, C]
+  float* rstd;       // [M]
+  int64_t M;
+  int C, G;          // multiples of 8, C <= kTriangleOutputMaxC, G <= kTriangleOutputMaxG
+  float eps;
+  bool vector_ok;    // p's rows can be read 16 bytes at a time (M % 8 == 0, aligned base)
+};
+constexpr int kTriangleOutputMaxC = 128;
+constexpr int kTriangleOutputMaxG = 128;
+
 // Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
 // order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
 // m2 * s2 + m1 * s1 + m0 * s0 elements. A matrix with rows `stride` apart is strided(stride).
@@ -289,6 +308,8 @@ void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream);
 template <typename T>
 void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream);
 constexpr int kTriangleGateBackwardRows = 128;
+template <typename T>
+void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream);
 
 // Dynamic shared memory of the channel-norm kernels for C channels of T.
 template <typename T>
