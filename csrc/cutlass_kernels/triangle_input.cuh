@@ -18,9 +18,9 @@
 // slots 2q and 2q + 1, its columns ordered (projections of slot 2q, their gates, projections of slot
 // 2q + 1, their gates), so that in each of the two column halves a warp can own every projection
 // value pairs with its gate value in the same thread, and no pass is half empty when C is a
-// multiple of 32 but not of 64. A g pass covers 128 columns of g. The
-// weight rows of pass q + 1 are copied while pass q multiplies (two buffers). Warps: 4 row groups of
-// 32 x 2 column halves of 64, mma.sync m16n8k16 with fp32 accumulation. The epilogue stages the
+// multiple of 32 but not of 64. A g pass covers 128 columns of g. The weight rows of pass q + 1 are
+// copied while pass q multiplies (two buffers). Warps: 4 row groups of 32 x 2 column halves of 64,
+// mma.sync m16n8k16 with fp32 accumulation. The epilogue stages the
 // pass's results in the pass's weight buffer (its products are done) and stores them as 16-byte
 // rows: channel rows of a / b, position rows of g.
 #pragma once
