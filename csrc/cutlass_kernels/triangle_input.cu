@@ -1,6 +1,5 @@
 // Launchers of the triangle multiplication's fused input kernel and its edges' backward
 // (triangle_input.cuh), half and bfloat16, one instantiation per c_z bucket (64, 128, 256).
-#include "evoformer_attention.h"  // check_launch
 #include "triangle_input.cuh"
 
 namespace evoformer {
@@ -9,21 +8,14 @@ namespace block {
 namespace {
 template <typename T, int kKSteps>
 void launch_bucket(const TriangleInputParams& p, cudaStream_t stream) {
-  auto* kernel = triangle_input_kernel<T, kKSteps>;
-  constexpr int smem = triangle_input_smem_bytes<T, kKSteps>();
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    check_launch("evoformer triangle input");
-  kernel<<<unsigned((p.M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem, stream>>>(p);
-  check_launch("evoformer triangle input");
+  launch_on_position_tiles(triangle_input_kernel<T, kKSteps>, p, p.M, triangle_input_smem_bytes<T, kKSteps>(), stream,
+                           "evoformer triangle input");
 }
 template <typename T, int kKSteps>
 void launch_backward_bucket(const TriangleGateBackwardParams& p, cudaStream_t stream) {
-  auto* kernel = triangle_gate_backward_kernel<T, kKSteps>;
-  constexpr int smem = TriangleGateBackwardTile<kKSteps>::template bytes<T>();
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    check_launch("evoformer triangle gate backward");
-  kernel<<<unsigned((p.M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem, stream>>>(p);
-  check_launch("evoformer triangle gate backward");
+  launch_on_position_tiles(triangle_gate_backward_kernel<T, kKSteps>, p, p.M,
+                           TriangleGateBackwardTile<kKSteps>::template bytes<T>(), stream,
+                           "evoformer triangle gate backward");
 }
 }  // namespace
 

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "evoformer_attention.h"  // check_launch
 #include "gating.cuh"
 #include "mma_sm80.cuh"
 
@@ -108,11 +109,12 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
   cp_async_commit();
 }
 
-// acc = x_hat[row_group * 32.., :] . (pass weights[col_half * 64.., :])^T for one warp: two m16 row
-// tiles x eight n8 column tiles, k over the whole (padded) c_z.
-template <typename T, int kKSteps>
-__device__ __forceinline__ void triangle_input_pass_products(float (&acc)[2][8][4], const T* xs, const T* wbuf,
-                                                             int row_group, int col_half, int lane) {
+// acc = A . (pass weights[col_half * 64.., :])^T for one warp: two m16 row tiles x eight n8 column
+// tiles, k over kKSteps * 16; a_frags(kk, af) loads the A operands of k-step kk for both row tiles
+// (the weight tile is n-major, pitch kK + 8).
+template <typename T, int kKSteps, typename AFrags>
+__device__ __forceinline__ void triangle_pass_products(float (&acc)[2][8][4], AFrags&& a_frags, const T* wbuf,
+                                                       int col_half, int lane) {
   constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -122,19 +124,62 @@ __device__ __forceinline__ void triangle_input_pass_products(float (&acc)[2][8][
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
-    uint32_t af[2][1][kARegs<T>];
-    load_a_frags<2, 1, kPitch>(af, xs + kk * 16, row_group * 32, lane);
+    uint32_t af[2][kARegs<T>];
+    a_frags(kk, af);
 #pragma unroll
     for (int n16 = 0; n16 < 4; ++n16) {
       uint32_t bf[2][kBRegs<T>];
       load_b_frags_nmajor<kPitch>(bf, wbuf, col_half * 64 + n16 * 16, kk * 16, lane);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        mma<T>(acc[mt][2 * n16], af[mt][0], bf[0]);
-        mma<T>(acc[mt][2 * n16 + 1], af[mt][0], bf[1]);
+        mma<T>(acc[mt][2 * n16], af[mt], bf[0]);
+        mma<T>(acc[mt][2 * n16 + 1], af[mt], bf[1]);
       }
     }
   }
+}
+
+// The same with A = the row-major x_hat tile's rows row_group * 32.. (pitch kK + 8).
+template <typename T, int kKSteps>
+__device__ __forceinline__ void triangle_input_pass_products(float (&acc)[2][8][4], const T* xs, const T* wbuf,
+                                                             int row_group, int col_half, int lane) {
+  constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
+  triangle_pass_products<T, kKSteps>(
+      acc,
+      [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
+        uint32_t frags[2][1][kARegs<T>];
+        load_a_frags<2, 1, kPitch>(frags, xs + kk * 16, row_group * 32, lane);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int i = 0; i < kARegs<T>; ++i) af[mt][i] = frags[mt][0][i];
+      },
+      wbuf, col_half, lane);
+}
+
+// The mask of the thread's four rows (m tile mt, half hh: row row_group * 32 + mt * 16 + g + 8 hh of
+// the CTA's positions from m0); 1 without a mask or past the last row.
+template <typename T>
+__device__ __forceinline__ void triangle_row_masks(float (&mask)[2][2], const void* mask_ptr, int64_t m0,
+                                                   int valid_rows, int row_group, int g) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+      mask[mt][hh] = mask_ptr != nullptr && r < valid_rows ? float(static_cast<const T*>(mask_ptr)[m0 + r]) : 1.f;
+    }
+}
+
+// Launches `kernel` on one CTA of kTriInThreads threads per kTriInRows positions of the M positions,
+// after raising its dynamic shared-memory limit to smem_bytes; both steps are checked.
+template <typename Params>
+inline void launch_on_position_tiles(void (*kernel)(Params), const Params& p, int64_t M, int smem_bytes,
+                                     cudaStream_t stream, const char* name) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    check_launch(name);
+  kernel<<<unsigned((M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem_bytes, stream>>>(p);
+  check_launch(name);
 }
 
 template <typename T, int kKSteps>
@@ -202,15 +247,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
   const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
   const int g = lane / 4, t = lane % 4;
   const int row_group = warp % 4, col_half = warp / 4;  // rows row_group * 32.., columns col_half * 64..
-  // the thread's four rows: (m tile mt, half i / 2) -> row_group * 32 + mt * 16 + g + 8 * (i / 2)
-  float mask[2][2];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-      mask[mt][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
-    }
+  float mask[2][2];  // of the thread's four rows
+  triangle_row_masks<T>(mask, p.mask, m0, valid_rows, row_group, g);
 
   for (int q = 0; q < passes; ++q) {
     T* const wbuf = ws + (q % 2) * Tile::kBuffer;
@@ -374,13 +412,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kerne
   const int g = lane / 4, t = lane % 4;
   const int row_group = warp % 4, col_half = warp / 4;
   float mask[2][2];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-      mask[mt][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
-    }
+  triangle_row_masks<T>(mask, p.mask, m0, valid_rows, row_group, g);
 
   constexpr int kSpans = kTriInRows / 8;  // 16-byte spans of a staged row
   const int span_col = int(threadIdx.x % unsigned(kSpans)) * 8, span_row0 = int(threadIdx.x / unsigned(kSpans));

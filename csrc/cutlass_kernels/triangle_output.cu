@@ -1,6 +1,5 @@
 // Launcher of the triangle multiplication's fused output kernel (triangle_output.cuh), half and
 // bfloat16, one instantiation per bucket of the hidden width C (64, 128).
-#include "evoformer_attention.h"  // check_launch
 #include "triangle_output.cuh"
 
 namespace evoformer {
@@ -9,12 +8,8 @@ namespace block {
 namespace {
 template <typename T, int kKSteps>
 void launch_bucket(const TriangleOutputParams& p, cudaStream_t stream) {
-  auto* kernel = triangle_output_kernel<T, kKSteps>;
-  constexpr int smem = TriangleOutputTile<kKSteps>::template bytes<T>();
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    check_launch("evoformer triangle output");
-  kernel<<<unsigned((p.M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem, stream>>>(p);
-  check_launch("evoformer triangle output");
+  launch_on_position_tiles(triangle_output_kernel<T, kKSteps>, p, p.M, TriangleOutputTile<kKSteps>::template bytes<T>(),
+                           stream, "evoformer triangle output");
 }
 }  // namespace
 

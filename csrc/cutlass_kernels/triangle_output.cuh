@@ -28,8 +28,9 @@ namespace block {
 
 template <int kKSteps>
 struct TriangleOutputTile {
-  static constexpr int kK = 16 * kKSteps;  // C rounded up; channels past C are zeros
-  static constexpr int kPitch = kK + 8;    // weight rows
+  // C rounded up (channels past C are zeros); weight rows as the input kernel's (triangle_pass_products)
+  static constexpr int kK = TriangleInputTile<kKSteps>::kK;
+  static constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
   static constexpr int kWBuffer = kTriInPassCols * (kPitch > kTriInStagePitch ? kPitch : kTriInStagePitch);
   static constexpr int kPElems = kK * kTriInStagePitch;          // [kK channels, 128 positions]
   static constexpr int kGElems = kTriInRows * kTriInStagePitch;  // [128 positions, G <= 128]
@@ -127,33 +128,16 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   const int g = lane / 4, t = lane % 4;
   const int row_group = warp % 4, col_half = warp / 4;
   float acc[2][8][4];
+  const int mat = lane / 8;
+  triangle_pass_products<T, kKSteps>(
+      acc,
+      [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-  {
-    const int mat = lane / 8;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t af[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        ldsm_x4_trans(ps + (kk * 16 + (mat / 2) * 8 + lane % 8) * kSP + row_group * 32 + mt * 16 + (mat % 2) * 8,
-                      af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
-#pragma unroll
-      for (int n16 = 0; n16 < 4; ++n16) {
-        uint32_t bf[2][kBRegs<T>];
-        load_b_frags_nmajor<Tile::kPitch>(bf, wb, col_half * 64 + n16 * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma<T>(acc[mt][2 * n16], af[mt], bf[0]);
-          mma<T>(acc[mt][2 * n16 + 1], af[mt], bf[1]);
-        }
-      }
-    }
-  }
+        for (int mt = 0; mt < 2; ++mt)
+          ldsm_x4_trans(ps + (kk * 16 + (mat / 2) * 8 + lane % 8) * kSP + row_group * 32 + mt * 16 + (mat % 2) * 8,
+                        af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+      },
+      wb, col_half, lane);
   __syncthreads();  // every warp is done with w_z: the buffer takes y
 
   // y (rounded to T, as it is kept) into wb, out = sigmoid(g) * y over g
