@@ -7,8 +7,8 @@ Implementations (float32 q, k, v and biases; 10 % of keys masked as 1e9 * (mask 
     eager       the eager backend in float32 (TF32 matmuls off, PyTorch's default)
 Accuracy: the relative error ||x - ref|| / ||ref|| of the output and of each gradient (dO all ones)
 against the eager backend in float64, on the first eight rows N of the shape (the float64 reference
-of a whole shape would not fit). Shapes with D > 64 have no float32 kernels (the cutlass column says
-so).
+of a whole shape would not fit). Shapes: the attention suite, plus its last shape at D = 128 (the
+largest head-dim bucket).
 
     python benchmarks/bench_float32.py [--shapes all|0,1] [--impls cutlass,eager_tf32,eager] [--json out.json]
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import SUITE, grad_leaves, make_inputs  # noqa: E402
+from bench_attention import SUITE, Shape, grad_leaves, make_inputs  # noqa: E402
 from harness import CommandLine, Impl, fmt, markdown_table, measure, run_info_line, speedup, write_json  # noqa: E402
 
 from evoformer_blocks import ops  # noqa: E402
@@ -30,6 +30,7 @@ TF32 = {"cutlass": False, "eager_tf32": True, "eager": False}  # allow_tf32 whil
 IMPLS = {name: Impl(name, lambda q, k, v, m, p, backend=("eager" if name != "cutlass" else "cutlass"):
                     ops.evoformer_attention(q, k, v, m, p, backend=backend)) for name in TF32}
 ERROR_ROWS = 8
+SHAPES = SUITE + [Shape("MSA row N128 L384 H8 D128", 128, 384, 8, 128, True)]
 
 
 def errors(impl: str, inputs) -> list[float]:
@@ -48,12 +49,12 @@ def errors(impl: str, inputs) -> list[float]:
 
 
 def main() -> None:
-    cli = CommandLine(__doc__, shapes=[s.name for s in SUITE], impls=list(IMPLS))
+    cli = CommandLine(__doc__, shapes=[s.name for s in SHAPES], impls=list(IMPLS))
     args = cli.parse()
     print(run_info_line(), flush=True)
     results, table = [], []
     for index in args.shapes:
-        shape = SUITE[index]
+        shape = SHAPES[index]
         inputs = make_inputs(shape, torch.float32)
         row = {"shape": shape.name, "impls": {}}
         for name in args.impls:

@@ -7,9 +7,14 @@ from evoformer_blocks import ops
 
 def main() -> None:
     torch.manual_seed(0)
-    for head_dim, length, pair_dtype in [(32, 37, torch.bfloat16), (64, 70, torch.float32), (128, 19, None), (8, 1, None)]:
-        q, k, v = (torch.randn(1, 3, length, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, length, device="cuda") > 0.2).float() - 1)).bfloat16().requires_grad_()
+    bf16, f32 = torch.bfloat16, torch.float32
+    cases = [  # (head dim, L, q's dtype, pair bias dtype); float32 runs the TF32 kernels
+        (32, 37, bf16, bf16), (64, 70, bf16, f32), (128, 19, bf16, None), (8, 1, bf16, None),
+        (40, 19, f32, None), (128, 70, f32, f32),
+    ]
+    for head_dim, length, dtype, pair_dtype in cases:
+        q, k, v = (torch.randn(1, 3, length, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, length, device="cuda") > 0.2).float() - 1)).to(dtype).requires_grad_()
         pair_bias = None
         if pair_dtype is not None:
             pair_bias = torch.randn(1, 1, 2, length, length, device="cuda", dtype=pair_dtype, requires_grad=True)

@@ -95,17 +95,22 @@ def test_capabilities_come_from_the_kernel_table():
     assert len(reasons) == 2 and "grid size" in reasons[0] and f"exceeds {grid['max_heads']}" in reasons[1]
 
 
-@pytest.mark.parametrize("head_dim", [72, 128])
-def test_float32_beyond_the_tf32_head_dims_is_refused_with_a_reason(head_dim):
-    q = torch.empty(1, 2, 10, 2, head_dim, device="meta", dtype=torch.float32)
+@pytest.mark.parametrize("head_dim", [8, 72, 128])
+def test_float32_takes_every_head_dim_of_the_16_bit_kernels(head_dim):
+    assert cutlass.TF32_MAX_HEAD_DIM == ops.get_backend("cutlass").capabilities.max_head_dim
+    rows = 2 ** 31 // 64  # the grid rule makes the list non-empty without building the extension
+    q = torch.empty(1, rows, 65, 1, head_dim, device="meta", dtype=torch.float32)
+    assert not any("TF32" in r for r in ops.get_backend("cutlass").extra_reasons(ops.validate(q, q, q)))
+
+
+def test_float32_beyond_a_smaller_tf32_limit_is_refused_with_a_reason(monkeypatch):
+    # kernel_table.json may give float32 fewer head-dim buckets than the 16-bit kernels: the
+    # backend then names the rule (and `auto` runs such inputs on eager)
+    monkeypatch.setattr(cutlass, "TF32_MAX_HEAD_DIM", 64)
+    q = torch.empty(1, 2, 10, 2, 72, device="meta", dtype=torch.float32)
     reasons = ops.get_backend("cutlass").extra_reasons(ops.validate(q, q, q))
-    assert reasons and reasons[0] == (
-        f"`q` is float32 with head dim D={head_dim}: the float32 (TF32) kernels take D <= {cutlass.TF32_MAX_HEAD_DIM}"
-    )
-    # 16-bit inputs of that head dim have kernels: no such reason (the grid rule makes the list
-    # non-empty without building the extension)
-    rows = 2 ** 31 // 64
-    q16 = torch.empty(1, rows, 65, 1, head_dim, device="meta", dtype=torch.bfloat16)
+    assert reasons and reasons[0] == "`q` is float32 with head dim D=72: the float32 (TF32) kernels take D <= 64"
+    q16 = q.to(torch.bfloat16)
     assert not any("TF32" in r for r in ops.get_backend("cutlass").extra_reasons(ops.validate(q16, q16, q16)))
 
 
@@ -346,7 +351,7 @@ def eager_with_tf32_matmuls(*args, **kwargs):
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [8, 24, 40, 64])
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 64, 72, 128])
 @pytest.mark.parametrize("variant", ["none", "mask", "pair", "both"])
 @pytest.mark.parametrize("length", [1, 7, 17, 1000])
 def test_float32_matches_reference(head_dim, variant, length):
@@ -387,20 +392,6 @@ def test_auto_runs_float32_fused():
 
 
 @gpu
-@pytest.mark.parametrize("head_dim", [72, 128])
-def test_float32_beyond_the_tf32_head_dims_falls_back(head_dim):
-    from evoformer_blocks.ops._dispatch import ATTENTION_OP, select
-
-    q = torch.randn(1, 2, 10, 2, head_dim, device="cuda")
-    with pytest.raises(ValueError, match=r"float32 \(TF32\) kernels take D <= 64"):
-        ops.evoformer_attention(q, q, q, backend="cutlass")
-    assert select(ATTENTION_OP, ops.validate(q, q, q), None).name == "eager"
-    torch.testing.assert_close(
-        ops.evoformer_attention(q, q, q, backend="auto"), ops.evoformer_attention(q, q, q, backend="eager"), rtol=0, atol=0
-    )
-
-
-@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("len_q,len_k", [(33, 100), (130, 7)])
 def test_query_and_key_lengths_differ(len_q, len_k, dtype):
@@ -419,8 +410,9 @@ def test_broadcast_biases(dtype):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("mask_value", [-1e9, float("-inf")])
-def test_fully_masked_rows(mask_value, dtype):
-    q, k, v, mask_bias, pair_bias = make_inputs(1, 4, 50, 50, 2, 32, dtype, "both")
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_fully_masked_rows(mask_value, dtype, head_dim):
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 4, 50, 50, 2, head_dim, dtype, "both")
     mask_bias[:, 1] = mask_value  # every key of row n = 1 masked
     mask_bias[:, 2, ..., 10:] = mask_value  # most keys of row n = 2 masked
     check_against_reference(q, k, v, mask_bias, pair_bias)
@@ -478,15 +470,16 @@ def test_rows_masked_by_a_finite_fill_match_eager(dtype, fill, mask_dtype, lengt
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_non_contiguous_inputs(dtype):
+@pytest.mark.parametrize("head_dim", [40, 128])
+def test_non_contiguous_inputs(dtype, head_dim):
     # q, k, v as views of one packed projection [B, N, L, 3, H, D], plus a transposed layout.
-    packed = torch.randn(1, 3, 45, 3, 2, 40, device="cuda", dtype=dtype)
+    packed = torch.randn(1, 3, 45, 3, 2, head_dim, device="cuda", dtype=dtype)
     q, k, v = packed.unbind(dim=3)
     assert not q.is_contiguous()
     mask_bias = (1e9 * ((torch.rand(1, 3, 1, 1, 45, device="cuda") > 0.2).float() - 1)).to(dtype)
     pair_bias = torch.randn(1, 1, 45, 45, 2, device="cuda").to(dtype).permute(0, 1, 4, 2, 3)  # keys not contiguous
     check_against_reference(q, k, v, mask_bias, pair_bias)
-    q_t = torch.randn(1, 3, 2, 45, 40, device="cuda", dtype=dtype).transpose(2, 3)  # [B, N, L, H, D] view
+    q_t = torch.randn(1, 3, 2, 45, head_dim, device="cuda", dtype=dtype).transpose(2, 3)  # [B, N, L, H, D] view
     mask_strided = (1e9 * ((torch.rand(1, 3, 1, 1, 90, device="cuda") > 0.2).float() - 1))[..., ::2]  # key stride 2
     check_against_reference(q_t, k, v, mask_strided, pair_bias)
 

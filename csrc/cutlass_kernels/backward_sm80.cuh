@@ -40,7 +40,7 @@ struct BackwardConfig {
   using PairT = typename PairType<kPair_, Element_>::type;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kPair = kPair_;
-  // float32 inputs (TF32 tensor cores): tiles of twice the bytes, D <= 64
+  // float32 inputs (TF32 tensor cores): tiles of twice the bytes
   static constexpr bool kTf32 = std::is_same_v<Element, float>;
   static_assert(!kTf32 || kHeadDim <= limits::kTf32MaxHeadDim,
                 "float32 (TF32) kernels exist up to limits::kTf32MaxHeadDim");
@@ -78,14 +78,20 @@ struct BackwardConfig {
 
   // Pair-bias kernel: a [kBlockQ2, kBlockKB] tile, 16 queries per warp; per row n a stage holds Q,
   // dO [kBlockQ2][kPitch], K, V [kBlockKB][kPitch], mask [kBlockKB], stats [kBlockQ2] (float2) and
-  // delta [kBlockQ2]; the pair tile [kBlockQ2][kPairPitchB] is loaded once.
+  // delta [kBlockQ2]; the pair tile [kBlockQ2][kPairPitchB] is loaded once. Two stages (the next
+  // row's copies overlap this row's math) where they fit shared memory; float32 at D = 128 (a stage
+  // of 135 KB) has one, loaded after the row's math.
   static constexpr int kBlockKB = limits::kPairGradTileKeys;
   static constexpr int kNTilesB = kBlockKB / 8;
   static constexpr int kPairPitchB = kBlockKB + 8;
   static constexpr int kBiasStageBytes = 2 * kBlockQ2 * kTileBytes16 + 2 * kBlockKB * kTileBytes16 + kBlockKB * 4 +
                                          kBlockQ2 * 8 + kBlockQ2 * 4;
   static constexpr int kBiasPairBytes = kPair ? kBlockQ2 * kPairPitchB * int(sizeof(PairT)) : 0;
-  static constexpr int kBiasSmemBytes = kBiasPairBytes + 2 * kBiasStageBytes;
+  static constexpr int kBiasStages = kBiasPairBytes + 2 * kBiasStageBytes <= kSm80MaxSmemPerCta ? 2 : 1;
+  static constexpr int kBiasSmemBytes = kBiasPairBytes + kBiasStages * kBiasStageBytes;
+  static_assert(kBiasSmemBytes <= kSm80MaxSmemPerCta && kDkdvSmemBytes <= kSm80MaxSmemPerCta &&
+                    kDqSmemBytes <= kSm80MaxSmemPerCta,
+                "a backward kernel's shared memory exceeds an A100's limit per CTA");
   static_assert(kBlockQ2 == limits::kPairGradTileQueries,
                 "the pair-bias kernel's tile is the one its launch and the host size the grid from");
 };
@@ -462,10 +468,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   const uint32_t unused_frags[1][Cfg::kKSteps][kARegs<Element>] = {};  // Q and dO fragments are read from shared memory
 
   for (int n = n_begin; n < n_end; ++n) {
-    const int s = (n - n_begin) & 1;
-    if (n + 1 < n_end) load_stage(s ^ 1, n + 1);
-    cp_async_commit();
-    cp_async_wait<1>();
+    const int s = Cfg::kBiasStages == 2 ? (n - n_begin) & 1 : 0;
+    if constexpr (Cfg::kBiasStages == 2) {
+      if (n + 1 < n_end) load_stage(s ^ 1, n + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
     float2 stats_row[2];
     float delta_row[2];
@@ -508,7 +518,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
           for (int e = 0; e < 4; ++e) acc[part * kSub + nt][e] += ds[nt][e];
       }
     }
-    __syncthreads();  // the next iteration's copies overwrite this stage
+    __syncthreads();  // the next copies overwrite this stage
+    if constexpr (Cfg::kBiasStages == 1) {
+      if (n + 1 < n_end) load_stage(0, n + 1);
+      cp_async_commit();
+    }
   }
 
   // This CTA's tile of the chunk's partial: [Lq, Lk] fp32 of (chunk, b, h), written once.

@@ -74,9 +74,10 @@ struct ForwardTiling<64, kPair> {
                        kBlockN = EVOFORMER_FWD_D64_BLOCK_N, kMinBlocks = EVOFORMER_FWD_D64_MIN_BLOCKS;
 };
 
-// Tiling of float32 inputs (TF32 tensor cores, D <= 64): shared-memory tiles twice the 16-bit
-// ones, so 32 keys per step and fewer resident CTAs (D = 32: 78 KB with a pair tile, 37 KB
-// without; D = 64: 111 KB / 71 KB per CTA), which also leaves room for A fragments twice as wide.
+// Tiling of float32 inputs (TF32 tensor cores): shared-memory tiles twice the 16-bit ones, so 32
+// keys per step and fewer resident CTAs (D = 32: 78 KB with a pair tile, 37 KB without; D = 64:
+// 111 KB / 71 KB; D = 128: 122 KB / 112 KB per CTA), which also leaves room for A fragments twice
+// as wide. At D = 128 the Q fragments are re-read from shared memory, as for 16-bit inputs.
 template <int kHeadDim, int kPair>
 struct ForwardTilingTf32 {  // D = 32
   static constexpr int kWarps = 4, kMTiles = 2, kBlockN = 32, kMinBlocks = kPair == kNoPair ? 3 : 2;
@@ -84,6 +85,10 @@ struct ForwardTilingTf32 {  // D = 32
 template <int kPair>
 struct ForwardTilingTf32<64, kPair> {
   static constexpr int kWarps = 8, kMTiles = 1, kBlockN = 32, kMinBlocks = kPair == kNoPair ? 2 : 1;
+};
+template <int kPair>
+struct ForwardTilingTf32<128, kPair> {
+  static constexpr int kWarps = 4, kMTiles = 1, kBlockN = 32, kMinBlocks = 1;
 };
 
 template <typename Element_, int kHeadDim_, int kPair_>
@@ -113,6 +118,7 @@ struct ForwardConfig {
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;  // one stage
   static constexpr int kMaskBytes = kBlockN * sizeof(float);                               // one stage
   static constexpr int kSmemBytes = kQBytes + 2 * (2 * kKVBytes + kPairBytes + kMaskBytes);
+  static_assert(kSmemBytes <= kSm80MaxSmemPerCta, "the forward's shared memory exceeds an A100's limit per CTA");
 };
 
 template <typename Cfg>

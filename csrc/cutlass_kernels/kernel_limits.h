@@ -45,7 +45,7 @@ constexpr PairKind kPairKinds[] = {kNoPair, kPairInput, kPairFloat};
 
 // float32 q, k, v (TF32 tensor cores): the sm80 family only, head-dim buckets up to kTf32MaxHeadDim,
 // and these pair kinds (a float32 pair bias is q's dtype there: kPairInput).
-constexpr int kTf32MaxHeadDim = 64;
+constexpr int kTf32MaxHeadDim = 128;
 constexpr PairKind kTf32PairKinds[] = {kNoPair, kPairInput};
 
 }  // namespace limits

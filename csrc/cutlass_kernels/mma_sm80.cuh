@@ -38,6 +38,10 @@
 
 namespace evoformer {
 
+// The most shared memory one CTA of the portable kernels may take: an A100's opt-in limit (163 KB;
+// an H100 allows 227 KB), so that every sm80 configuration launches on compute capability 8.0.
+constexpr int kSm80MaxSmemPerCta = 163 * 1024;
+
 constexpr float kInf = __builtin_huge_valf();
 
 template <typename Element>
