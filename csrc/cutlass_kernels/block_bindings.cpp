@@ -14,8 +14,8 @@
 //   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype)
 //       -> (dsum + the layer norm's input gradient: the gradient of x and of residual, [2, C] as above)
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing)
-//       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g, y [M, c_z],
-//           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c])
+//       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
+//           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z])
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
@@ -290,12 +290,15 @@ TriangleShape triangle_shape(const at::Tensor& z, const at::Tensor& w_ab, const 
 }
 
 // Channels per step of the backward's edge loop: all of them while a [4 * group, M] temporary stays
-// within 64 MiB (one step: fewest launches at small N), else a quarter of them (a multiple of 8, as
-// bounded as before at large N).
+// within 64 MiB (one step: fewest launches at small N), else half of them (a multiple of 8). A step
+// holds da, db [group, M] and d(ab) [4 group, M]; at c = 128 half takes 3 M * 128 * 2 bytes more than
+// a quarter did, which the y no longer kept between forward and backward ([M, c_z]) pays for at
+// c_z = 128 to within M * 128 bytes. Fewer steps mean fewer read-add-writes of dx_hat (one per step)
+// and larger batches for the products' gradients.
 int64_t channel_group(const TriangleShape& s, int64_t element_size) {
-  const int64_t quarter = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 4 / 8 * 8));
+  const int64_t half = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 2 / 8 * 8));
   const int64_t budget = (int64_t(64) << 20) / std::max<int64_t>(1, 4 * s.M * element_size);
-  return std::max(quarter, std::min(s.c, budget / 8 * 8));
+  return std::max(half, std::min(s.c, budget / 8 * 8));
 }
 
 bool vector_ok(const at::Tensor& t, int64_t row_stride) {
@@ -322,7 +325,7 @@ bool triangle_input_fits(const at::Tensor& z, const TriangleShape& s) {
   return (z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16) && s.cz <= kTriangleInputMaxK;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
                             const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing) {
@@ -369,11 +372,12 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
   at::Tensor n_hat = output({s.M, s.c}, z.options());
   at::Tensor rstd_out = output({s.M}, f32);
-  at::Tensor y = output({s.M, s.cz}, z.options()), out = output({s.M, s.cz}, z.options());
+  at::Tensor out = output({s.M, s.cz}, z.options());
   if (triangle_input_fits(z, s) && s.c <= kTriangleOutputMaxC && s.cz <= kTriangleOutputMaxG) {
-    // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y
+    // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y (y is
+    // not kept: the backward recomputes it from n_hat)
     const TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
-                                         y.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), s.M, int(s.c),
+                                         n_hat.data_ptr(), rstd_out.data_ptr<float>(), s.M, int(s.c),
                                          int(s.cz), float(eps), vector_ok(p, s.M)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output<cutlass::half_t>(op_params, stream);
     else launch_triangle_output<cutlass::bfloat16_t>(op_params, stream);
@@ -383,20 +387,20 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
                                rstd_out.data_ptr<float>(), s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
     // y = n_hat . w_z^T + b_z, out = sigmoid(g) * y   [M, c_z]
-    at::addmm_out(y, b_z, n_hat, w_z.t());
+    const at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
     const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
                                int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
   }
-  return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g, y};
+  return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const std::optional<at::Tensor>& mask,
                             const at::Tensor& w_ab, const at::Tensor& b_ab, const at::Tensor& w_g,
-                            const at::Tensor& w_z, const at::Tensor& mean_in, const at::Tensor& rstd_in,
-                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& n_hat,
-                            const at::Tensor& rstd_out, const at::Tensor& g, const at::Tensor& y, double eps,
+                            const at::Tensor& w_z, const at::Tensor& b_z, const at::Tensor& mean_in,
+                            const at::Tensor& rstd_in, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& n_hat, const at::Tensor& rstd_out, const at::Tensor& g, double eps,
                             bool outgoing) {
   const char* op = "triangle multiplication backward";
   const TriangleShape s = triangle_shape(z, w_ab, op);
@@ -404,7 +408,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
               ": `dout` must match z, got ", dout_in.sizes());
   TORCH_CHECK(a.sizes() == at::IntArrayRef({s.c, s.M}) && b.sizes() == a.sizes() &&
                   n_hat.sizes() == at::IntArrayRef({s.M, s.c}) && g.sizes() == at::IntArrayRef({s.M, s.cz}) &&
-                  y.sizes() == g.sizes() && rstd_out.numel() == s.M && rstd_in.numel() == s.M &&
+                  b_z.numel() == s.cz && rstd_out.numel() == s.M && rstd_in.numel() == s.M &&
                   mean_in.numel() == s.M,
               op, ": saved tensors do not match z");
   const c10::cuda::CUDAGuard guard(z.device());
@@ -413,7 +417,9 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor mask_flat = flat_mask(mask, z, s.M);
   const auto f32 = z.options().dtype(at::kFloat);
 
-  // out = sigmoid(g) * y: dg, dy [M, c_z] and their column sums (the biases' gradients)
+  // out = sigmoid(g) * y with y = n_hat . w_z^T + b_z recomputed (not kept by the forward): dg, dy
+  // [M, c_z] and their column sums (the biases' gradients)
+  at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
   at::Tensor dg = output({s.M, s.cz}, z.options()), dy = output({s.M, s.cz}, z.options());
   const int gate_threads = row_threads_for(s.cz, z.element_size());
   const int gate_ctas = row_norm_ctas(s.M, gate_threads);
@@ -427,6 +433,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                                dg_part, dy_part, s.M, s.cz, s.cz, s.cz, RowMap::strided(s.cz), int(s.cz), gate_threads};
   sp.totals = sums.totals;
   by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
+  y.reset();
 
   // y = n_hat . w_z^T + b_z
   at::Tensor dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
@@ -574,15 +581,15 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   check_weights(weights, z, op);
   const c10::cuda::CUDAGuard guard(z.device());
   const FoldedWeights f = fold(weights, z);
-  auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y] =
+  auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
       triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing);
-  return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, f.w_ab, f.b_ab, f.w_g, f.w_z};
+  return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, f.w_ab, f.b_ab, f.w_g, f.w_z, f.b_z};
 }
 
 // Gradients of every parameter from those of the folded projections (launch_unfold_affine_grads):
 // dW = dW' diag(w) + db' b^T, dw = colsum(dW' * W), db = W^T db', dc = db'; each in its weight's dtype.
-// `saved` is the forward's outputs after `out`: mean_in, rstd_in, a, b, n_hat, rstd_out, g, y and the
-// folded w_ab, b_ab, w_g, w_z.
+// `saved` is the forward's outputs after `out`: mean_in, rstd_in, a, b, n_hat, rstd_out, g and the
+// folded w_ab, b_ab, w_g, w_z, b_z.
 std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, const at::Tensor& z,
                                                     const std::optional<at::Tensor>& mask, at::TensorList weights,
                                                     at::TensorList saved, double eps, bool outgoing) {
@@ -592,15 +599,16 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
   check_weights(weights, z, op);
   TORCH_CHECK(saved.size() == 12, op, ": `saved` must hold the forward's 12 saved tensors, got ", saved.size());
   const at::Tensor &mean_in = saved[0], &rstd_in = saved[1], &a = saved[2], &b = saved[3], &n_hat = saved[4],
-                   &rstd_out = saved[5], &g = saved[6], &y = saved[7], &w_ab = saved[8], &b_ab = saved[9],
-                   &w_g = saved[10], &w_z = saved[11];
+                   &rstd_out = saved[5], &g = saved[6], &w_ab = saved[7], &b_ab = saved[8], &w_g = saved[9],
+                   &w_z = saved[10], &b_z = saved[11];
   TORCH_CHECK(w_ab.sizes() == weights[kProjW].sizes() && b_ab.numel() == w_ab.size(0) && b_ab.scalar_type() == at::kFloat &&
                   w_g.sizes() == weights[kGateW].sizes() && w_z.sizes() == weights[kOutW].sizes() &&
-                  w_g.scalar_type() == z.scalar_type() && w_z.scalar_type() == z.scalar_type(),
+                  w_g.scalar_type() == z.scalar_type() && w_z.scalar_type() == z.scalar_type() &&
+                  b_z.numel() == w_z.size(0) && b_z.scalar_type() == z.scalar_type(),
               op, ": the folded weights in `saved` do not match `weights`");
   const c10::cuda::CUDAGuard guard(z.device());
   auto [dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z] = triangle_backward_folded(
-      dout, z, mask, w_ab, b_ab, w_g, w_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, y, eps, outgoing);
+      dout, z, mask, w_ab, b_ab, w_g, w_z, b_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, eps, outgoing);
   std::vector<at::Tensor> grads(kWeights);
   for (int i = 0; i < kWeights; ++i) grads[i] = output(weights[i].sizes(), weights[i].options());
   const at::Tensor* folded[3][2] = {{&dw_ab, &db_ab}, {&dw_g, &db_g}, {&dw_z, &db_z}};

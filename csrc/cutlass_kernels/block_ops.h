@@ -173,8 +173,7 @@ struct TriangleOutputParams {
   const void* g;     // [M, G] row-major
   const void* w_z;   // [G, C] folded
   const void* b_z;   // [G]
-  void* out;         // [M, G]
-  void* y;           // [M, G]: n_hat w_z^T + b_z, kept for the backward
+  void* out;         // [M, G]: sigmoid(g) * (n_hat w_z^T + b_z)
   void* n_hat;       // [M, C]
   float* rstd;       // [M]
   int64_t M;

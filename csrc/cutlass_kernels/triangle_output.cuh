@@ -5,18 +5,17 @@
 //   y[m, n] = n_hat[m, :] . w_z[n, :] + b_z[n]
 //   out[m, n] = sigmoid(g[m, n]) * y[m, n]
 //
-// out, y and n_hat (the last two kept for the backward) are written row-major, rstd per position.
-// In HBM this reads p and g once and writes out, y and n_hat once; it replaces the channel layer
-// norm, the y GEMM and the gate kernel (which read n_hat, y and g back).
+// out and n_hat (kept for the backward, which recomputes y from it) are written row-major, rstd per
+// position. In HBM this reads p and g once and writes out and n_hat once; it replaces the channel
+// layer norm, the y GEMM and the gate kernel (which read n_hat, y and g back).
 //
 // CTA: 256 threads, 128 positions. The p tile [C, 128] (channel-major, as the triangle products
 // leave it), w_z [G, C] and the g tile [128, G] are copied into shared memory (cp.async). The
 // statistics take two threads per position (channel halves, warp-uniform: conflict-free column
 // reads); the tile is normalised in place and stays channel-major, so it is the GEMM's A operand
 // read with transposing ldmatrix (positions m, channels k). Warps as in triangle_input.cuh: 4 row
-// groups of 32 positions x 2 column halves of 64. The epilogue writes y into the weight buffer (its
-// products are done) and out over g (each value by the thread that read g), and both go out as
-// 16-byte rows.
+// groups of 32 positions x 2 column halves of 64. The epilogue writes out over g (each value by the
+// thread that read g), which goes out as 16-byte rows.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +30,7 @@ struct TriangleOutputTile {
   // C rounded up (channels past C are zeros); weight rows as the input kernel's (triangle_pass_products)
   static constexpr int kK = TriangleInputTile<kKSteps>::kK;
   static constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
-  static constexpr int kWBuffer = kTriInPassCols * (kPitch > kTriInStagePitch ? kPitch : kTriInStagePitch);
+  static constexpr int kWBuffer = kTriInPassCols * kPitch;
   static constexpr int kPElems = kK * kTriInStagePitch;          // [kK channels, 128 positions]
   static constexpr int kGElems = kTriInRows * kTriInStagePitch;  // [128 positions, G <= 128]
   template <typename T>
@@ -46,7 +45,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   constexpr int kSP = kTriInStagePitch;
   extern __shared__ __align__(16) unsigned char tri_out_smem[];
   T* const ps = reinterpret_cast<T*>(tri_out_smem);  // [kK, kSP]: p, then n_hat (channel-major)
-  T* const wb = ps + Tile::kPElems;                   // [128, kPitch]: w_z, then y [128, kSP]
+  T* const wb = ps + Tile::kPElems;                   // [128, kPitch]: w_z
   T* const gs = wb + Tile::kWBuffer;                  // [128, kSP]: g, then out
   float* const red = reinterpret_cast<float*>(gs + Tile::kGElems);  // [2][128] sums, [2][128] squares
   const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
@@ -138,9 +137,9 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
                         af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
       },
       wb, col_half, lane);
-  __syncthreads();  // every warp is done with w_z: the buffer takes y
 
-  // y (rounded to T, as it is kept) into wb, out = sigmoid(g) * y over g
+  // out = sigmoid(g) * y over the g tile (each value rewritten by the thread that reads it), y rounded
+  // to T as the backward recomputes it
   const T* const b_z = static_cast<const T*>(p.b_z);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
@@ -153,13 +152,12 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
       for (int hh = 0; hh < 2; ++hh) {
         const int r = row_group * 32 + mt * 16 + g + 8 * hh;
         const float y0 = round_to<T>(acc[mt][nt][2 * hh] + b0), y1 = round_to<T>(acc[mt][nt][2 * hh + 1] + b1);
-        store2<T>(wb + r * kSP + n, y0, y1);
         T* const gp = gs + r * kSP + n;
         store2<T>(gp, fast_sigmoid(float(gp[0])) * y0, fast_sigmoid(float(gp[1])) * y1);
       }
   }
   __syncthreads();
-  // y and out rows [position, G] (G a multiple of 8: whole 16-byte spans)
+  // out rows [position, G] (G a multiple of 8: whole 16-byte spans)
   {
     constexpr int kSpans = kTriInPassCols / 8;
     const int col = int(threadIdx.x % unsigned(kSpans)) * 8, r0 = int(threadIdx.x / unsigned(kSpans));
@@ -168,7 +166,6 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
       for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
         if (r >= valid_rows) break;
         const int64_t at = (m0 + r) * p.G + col;
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + at) = *reinterpret_cast<const uint4*>(wb + r * kSP + col);
         *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + at) = *reinterpret_cast<const uint4*>(gs + r * kSP + col);
       }
     }

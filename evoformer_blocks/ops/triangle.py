@@ -202,7 +202,8 @@ def triangle_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order (contiguous,
     float16, bfloat16 or float32) -> (out, *saved): the output, then what the backward reuses
-    (mean_in, rstd_in, a, b, n_hat, rstd_out, g, y and the folded weights w_ab, b_ab, w_g, w_z)."""
+    (mean_in, rstd_in, a, b, n_hat, rstd_out, g and the folded weights w_ab, b_ab, w_g, w_z, b_z: y is
+    recomputed from n_hat)."""
     return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, weights, eps, outgoing))
 
 
@@ -212,8 +213,8 @@ def _(z, mask, weights, eps, outgoing):
     m, c = batch * n * n, weights[2].shape[0] // 4
     stat = z.new_empty(m, dtype=torch.float32)
     return (z.new_empty(z.shape), stat, stat.new_empty(m), z.new_empty(c, m), z.new_empty(c, m), z.new_empty(m, c),
-            stat.new_empty(m), z.new_empty(m, c_z), z.new_empty(m, c_z),
-            z.new_empty(4 * c, c_z), stat.new_empty(4 * c), z.new_empty(c_z, c_z), z.new_empty(c_z, c))
+            stat.new_empty(m), z.new_empty(m, c_z),
+            z.new_empty(4 * c, c_z), stat.new_empty(4 * c), z.new_empty(c_z, c_z), z.new_empty(c_z, c), z.new_empty(c_z))
 
 
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_bwd", mutates_args=(), device_types="cuda")
