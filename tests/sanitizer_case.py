@@ -1,7 +1,9 @@
-"""A small forward + backward of every bias variant, run under compute-sanitizer by test_cutlass.py."""
+"""Small forwards + backwards of every attention bias variant and of the fused triangle multiplication,
+run under compute-sanitizer by test_cutlass.py."""
 
 import torch
 
+import evoformer_blocks as eb
 from evoformer_blocks import ops
 
 
@@ -20,6 +22,15 @@ def main() -> None:
             pair_bias = torch.randn(1, 1, 2, length, length, device="cuda", dtype=pair_dtype, requires_grad=True)
         out = ops.evoformer_attention(q, k, v, mask_bias, pair_bias, backend="cutlass")
         out.float().square().sum().backward()
+    # the triangle multiplication's fused kernels both ways: M a multiple of 8 and not, both widths' buckets
+    for n, c_z, c in [(12, 64, 32), (7, 48, 40), (9, 128, 128)]:
+        module = eb.TriangleMultiplicationIncoming(c_z, c).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn_like(p) * 0.2)
+        z = torch.randn(1, n, n, c_z, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        mask = (torch.rand(1, n, n, device="cuda") > 0.2).to(torch.bfloat16)
+        module(z, mask).float().square().sum().backward()
     torch.cuda.synchronize()
     print("sanitizer case done")
 

@@ -325,6 +325,11 @@ bool triangle_input_fits(const at::Tensor& z, const TriangleShape& s) {
   return (z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16) && s.cz <= kTriangleInputMaxK;
 }
 
+// Whether the output half runs as one kernel each way (triangle_output.cuh).
+bool triangle_output_fits(const at::Tensor& z, const TriangleShape& s) {
+  return triangle_input_fits(z, s) && s.c <= kTriangleOutputMaxC && s.cz <= kTriangleOutputMaxG;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
@@ -373,7 +378,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   at::Tensor n_hat = output({s.M, s.c}, z.options());
   at::Tensor rstd_out = output({s.M}, f32);
   at::Tensor out = output({s.M, s.cz}, z.options());
-  if (triangle_input_fits(z, s) && s.c <= kTriangleOutputMaxC && s.cz <= kTriangleOutputMaxG) {
+  if (triangle_output_fits(z, s)) {
     // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y (y is
     // not kept: the backward recomputes it from n_hat)
     const TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
@@ -417,34 +422,47 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor mask_flat = flat_mask(mask, z, s.M);
   const auto f32 = z.options().dtype(at::kFloat);
 
-  // out = sigmoid(g) * y with y = n_hat . w_z^T + b_z recomputed (not kept by the forward): dg, dy
-  // [M, c_z] and their column sums (the biases' gradients)
-  at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
+  // The output half: out = sigmoid(g) * y, y = n_hat . w_z^T + b_z (recomputed: the forward does not
+  // keep it), n_hat = the channel layer norm of p. dg, dy [M, c_z], their column sums (the biases'
+  // gradients, added in a fixed order by the kernels' last CTAs), dw_z, and dp [c, M] channel-major.
   at::Tensor dg = output({s.M, s.cz}, z.options()), dy = output({s.M, s.cz}, z.options());
-  const int gate_threads = row_threads_for(s.cz, z.element_size());
-  const int gate_ctas = row_norm_ctas(s.M, gate_threads);
-  // db_z, db_g [c_z]: the gate kernel's last CTA adds its partials in a fixed order
+  at::Tensor dp = output({s.c, s.M}, z.options());
   at::Tensor db_z = output({s.cz}, f32), db_g = output({s.cz}, f32);
   if (s.M == 0) db_z.zero_(), db_g.zero_();
-  PartialSums sums(gate_ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
-  float* const dy_part = sums.data();  // [gate_ctas, c_z] each
-  float* const dg_part = dy_part + int64_t(gate_ctas) * s.cz;
-  SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
-                               dg_part, dy_part, s.M, s.cz, s.cz, s.cz, RowMap::strided(s.cz), int(s.cz), gate_threads};
-  sp.totals = sums.totals;
-  by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
-  y.reset();
-
-  // y = n_hat . w_z^T + b_z
-  at::Tensor dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
-  at::Tensor dn = at::mm(dy, w_z);          // [M, c]
-  dy.reset();
-  // n_hat = channel layer norm of p: dp [c, M] channel-major
-  at::Tensor dp = output({s.c, s.M}, z.options());
-  const ChannelNormBackwardParams cp{dn.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), dp.data_ptr(), s.M,
-                                     s.c, s.c, s.M, int(s.c), vector_ok(dp, s.M)};
-  by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels_backward<decltype(e)>(cp, stream); });
-  dn.reset();
+  at::Tensor dw_z;
+  if (triangle_output_fits(z, s)) {
+    // one kernel: y, the gate's backward, dn_hat = dy . w_z and the channel layer norm's backward
+    const int64_t ctas = (s.M + kTriangleOutputBackwardRows - 1) / kTriangleOutputBackwardRows;
+    PartialSums sums(ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
+    const at::Tensor w_zt = w_z.t().contiguous();  // [c, c_z]
+    TriangleOutputBackwardParams ob{n_hat.data_ptr(), w_z.data_ptr(), w_zt.data_ptr(), b_z.data_ptr(),
+                                    g.data_ptr(), dout.data_ptr(), rstd_out.data_ptr<float>(), dg.data_ptr(),
+                                    dy.data_ptr(), dp.data_ptr(), sums.data(), sums.data() + ctas * s.cz,
+                                    sums.totals, s.M, int(s.c), int(s.cz), s.M % 8 == 0 && aligned16(dp)};
+    if (z.scalar_type() == at::kHalf) launch_triangle_output_backward<cutlass::half_t>(ob, stream);
+    else launch_triangle_output_backward<cutlass::bfloat16_t>(ob, stream);
+    dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
+    dy.reset();
+  } else {
+    at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
+    const int gate_threads = row_threads_for(s.cz, z.element_size());
+    const int gate_ctas = row_norm_ctas(s.M, gate_threads);
+    PartialSums sums(gate_ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
+    float* const dy_part = sums.data();  // [gate_ctas, c_z] each
+    float* const dg_part = dy_part + int64_t(gate_ctas) * s.cz;
+    SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
+                                 dg_part, dy_part, s.M, s.cz, s.cz, s.cz, RowMap::strided(s.cz), int(s.cz),
+                                 gate_threads};
+    sp.totals = sums.totals;
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
+    y.reset();
+    dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
+    at::Tensor dn = at::mm(dy, w_z);  // [M, c]
+    dy.reset();
+    const ChannelNormBackwardParams cp{dn.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), dp.data_ptr(),
+                                       s.M, s.c, s.c, s.M, int(s.c), vector_ok(dp, s.M)};
+    by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels_backward<decltype(e)>(cp, stream); });
+  }
 
   // x_hat again (its statistics are recomputed too: the same kernel as the forward)
   at::Tensor x_hat = std::get<0>(norm_rows(z, kNoParam, kNoParam, eps));  // [M, c_z]

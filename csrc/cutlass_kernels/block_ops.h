@@ -184,6 +184,28 @@ struct TriangleOutputParams {
 constexpr int kTriangleOutputMaxC = 128;
 constexpr int kTriangleOutputMaxG = 128;
 
+// The output half's backward in one kernel (triangle_output.cuh), under the same limits: with y =
+// n_hat w_z^T + b_z recomputed, dy = dout sigmoid(g), dg = dout y sigmoid'(g), and the channel
+// layer norm's backward of dn_hat = dy w_z into dp. One CTA per 128 positions.
+struct TriangleOutputBackwardParams {
+  const void* n_hat;  // [M, C] row-major (saved by the forward)
+  const void* w_z;    // [G, C] folded
+  const void* w_zt;   // [C, G]: w_z transposed (the second product's B operand, n-major)
+  const void* b_z;    // [G]
+  const void* g;      // [M, G]
+  const void* dout;   // [M, G]
+  const float* rstd;  // [M]: the channel layer norm's
+  void* dg;           // [M, G]
+  void* dy;           // [M, G]
+  void* dp;           // [C, M] channel-major
+  float* dy_part;     // [ceil(M / 128), G]: per-CTA column sums of dy (as stored), then of dg
+  float* dg_part;
+  ColumnTotals totals;  // out[0] the sum of dy_part (db_z), out[1] of dg_part (db_g)
+  int64_t M;
+  int C, G;
+  bool vector_ok;  // dp's rows can be written 16 bytes at a time (M % 8 == 0, aligned base)
+};
+
 // Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
 // order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
 // m2 * s2 + m1 * s1 + m0 * s0 elements. A matrix with rows `stride` apart is strided(stride).
@@ -309,6 +331,9 @@ void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStre
 constexpr int kTriangleGateBackwardRows = 128;
 template <typename T>
 void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream);
+template <typename T>
+void launch_triangle_output_backward(const TriangleOutputBackwardParams& p, cudaStream_t stream);
+constexpr int kTriangleOutputBackwardRows = 128;
 
 // Dynamic shared memory of the channel-norm kernels for C channels of T.
 template <typename T>

@@ -139,6 +139,25 @@ __device__ __forceinline__ void triangle_pass_products(float (&acc)[2][8][4], AF
   }
 }
 
+// acc[mt][nt][2 hh + e] += bias[n + e] for the warp's columns n = n0 + col_half * 64 + nt * 8 + 2 t
+// (nothing past G, which is even), rounded to T when kRound (the value a T tensor keeps).
+template <typename T, bool kRound>
+__device__ __forceinline__ void add_column_bias(float (&acc)[2][8][4], const T* bias, int n0, int G, int col_half,
+                                                int t) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int n = n0 + col_half * 64 + nt * 8 + 2 * t;
+    const float b[2] = {n < G ? float(bias[n]) : 0.f, n < G ? float(bias[n + 1]) : 0.f};
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float v = acc[mt][nt][i] + b[i % 2];
+        acc[mt][nt][i] = kRound ? round_to<T>(v) : v;
+      }
+  }
+}
+
 // The same with A = the row-major x_hat tile's rows row_group * 32.. (pitch kK + 8).
 template <typename T, int kKSteps>
 __device__ __forceinline__ void triangle_input_pass_products(float (&acc)[2][8][4], const T* xs, const T* wbuf,
@@ -308,21 +327,16 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
     } else {
       // g pass: columns n0.. of g, plus their bias
       const int n0 = (q - blocks) * kTriInPassCols;
-      const T* b_g = static_cast<const T*>(p.b_g);
+      add_column_bias<T, false>(acc, static_cast<const T*>(p.b_g), n0, p.G, col_half, t);
       T* const stage = wbuf + (row_group * 32 + g) * kTriInStagePitch + col_half * 64 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int n = n0 + col_half * 64 + nt * 8 + 2 * t;
-        const float b0 = n < p.G ? float(b_g[n]) : 0.f;  // G is even: n + 1 < G too
-        const float b1 = n < p.G ? float(b_g[n + 1]) : 0.f;
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            store2<T>(stage + (mt * 16 + 8 * hh) * kTriInStagePitch + nt * 8, acc[mt][nt][2 * hh] + b0,
-                      acc[mt][nt][2 * hh + 1] + b1);
-          }
-      }
+          for (int hh = 0; hh < 2; ++hh)
+            store2<T>(stage + (mt * 16 + 8 * hh) * kTriInStagePitch + nt * 8, acc[mt][nt][2 * hh],
+                      acc[mt][nt][2 * hh + 1]);
       __syncthreads();
       // [128 positions, 128 columns] -> rows of g (G is a multiple of 8: whole 16-byte spans)
       constexpr int kSpans = kTriInPassCols / 8;

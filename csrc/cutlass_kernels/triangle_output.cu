@@ -1,5 +1,5 @@
-// Launcher of the triangle multiplication's fused output kernel (triangle_output.cuh), half and
-// bfloat16, one instantiation per bucket of the hidden width C (64, 128).
+// Launchers of the triangle multiplication's fused output kernel and of its backward
+// (triangle_output.cuh), half and bfloat16, one instantiation per bucket of the widths (64, 128).
 #include "triangle_output.cuh"
 
 namespace evoformer {
@@ -23,8 +23,23 @@ void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream) 
     launch_bucket<T, 8>(p, stream);
 }
 
+template <typename T>
+void launch_triangle_output_backward(const TriangleOutputBackwardParams& p, cudaStream_t stream) {
+  static_assert(kTriangleOutputBackwardRows == kTriInRows, "the host sizes the partial sums by CTA");
+  if (p.M == 0) return;
+  constexpr int smem = triangle_output_backward_smem_bytes<T>();
+  const char* name = "evoformer triangle output backward";
+  if (p.C <= 64 && p.G <= 64)
+    launch_on_position_tiles(triangle_output_backward_kernel<T, 4>, p, p.M, smem, stream, name);
+  else
+    launch_on_position_tiles(triangle_output_backward_kernel<T, 8>, p, p.M, smem, stream, name);
+}
+
 template void launch_triangle_output<cutlass::half_t>(const TriangleOutputParams&, cudaStream_t);
 template void launch_triangle_output<cutlass::bfloat16_t>(const TriangleOutputParams&, cudaStream_t);
+template void launch_triangle_output_backward<cutlass::half_t>(const TriangleOutputBackwardParams&, cudaStream_t);
+template void launch_triangle_output_backward<cutlass::bfloat16_t>(const TriangleOutputBackwardParams&,
+                                                                   cudaStream_t);
 
 }  // namespace block
 }  // namespace evoformer

@@ -140,20 +140,18 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 
   // out = sigmoid(g) * y over the g tile (each value rewritten by the thread that reads it), y rounded
   // to T as the backward recomputes it
-  const T* const b_z = static_cast<const T*>(p.b_z);
+  add_column_bias<T, true>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int n = col_half * 64 + nt * 8 + 2 * t;
-    const float b0 = n < p.G ? float(b_z[n]) : 0.f;  // G is even: n + 1 < G too
-    const float b1 = n < p.G ? float(b_z[n + 1]) : 0.f;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-        const float y0 = round_to<T>(acc[mt][nt][2 * hh] + b0), y1 = round_to<T>(acc[mt][nt][2 * hh + 1] + b1);
         T* const gp = gs + r * kSP + n;
-        store2<T>(gp, fast_sigmoid(float(gp[0])) * y0, fast_sigmoid(float(gp[1])) * y1);
+        store2<T>(gp, fast_sigmoid(float(gp[0])) * acc[mt][nt][2 * hh],
+                  fast_sigmoid(float(gp[1])) * acc[mt][nt][2 * hh + 1]);
       }
   }
   __syncthreads();
@@ -171,6 +169,210 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
     }
   }
 }
+
+// The output half's backward in one kernel. With y = n_hat . w_z^T + b_z recomputed on the tensor
+// cores (rounded to T, as the forward's out used it) and s = sigmoid(g):
+//
+//   dy = dout * s    dg = dout * y * s * (1 - s)                       [M, G], written row-major
+//   dn_hat = dy . w_z                                                   [M, C], in registers only
+//   dp[c, m] = rstd[m] * (dn_hat - mean_c(dn_hat) - n_hat * mean_c(dn_hat * n_hat))   channel-major
+//
+// plus per-CTA column sums of dy and dg as stored (the biases' gradients, added in CTA order by the
+// last CTAs). In HBM this reads n_hat, g and dout once and writes dg, dy and dp once; it replaces
+// y's GEMM, the gate backward kernel, dn_hat's GEMM and the channel layer norm's backward (which
+// wrote y, dn_hat and read them back). The weights' gradients (dy^T n_hat, dg^T x_hat) and dx_hat's
+// first term (dg w_g) stay cuBLAS GEMMs on the host.
+//
+// CTA: 256 threads, 128 positions, three [128, kTriInStagePitch] buffers (two CTAs per SM):
+//   A: n_hat (first product's A operand) -> g, rewritten in place as dg -> n_hat again (reloaded
+//      from L2 while the second product runs)
+//   W: w_z (first product's B, n-major) -> w_z^T (second product's B) -> dp staged channel-major
+//   D: dout, rewritten in place as dy (second product's A operand)
+// The products use triangle_pass_products' warp layout (4 row groups of 32 x 2 column halves of
+// 64); every elementwise value is rewritten by the thread that read it, so the only barriers are
+// those between the buffers' roles.
+template <typename T, int kKSteps>
+__global__ void __launch_bounds__(kTriInThreads, 2)
+    triangle_output_backward_kernel(TriangleOutputBackwardParams p) {
+  using Tile = TriangleInputTile<kKSteps>;
+  constexpr int kP = Tile::kPitch, kSP = kTriInStagePitch, kBuf = kTriInRows * kSP;
+  static_assert(kP <= kSP, "an operand tile fits a buffer's rows");
+  extern __shared__ __align__(16) unsigned char tri_out_bwd_smem[];
+  T* const as = reinterpret_cast<T*>(tri_out_bwd_smem);  // [128, kP]: n_hat, g -> dg, n_hat
+  T* const ws = as + kBuf;                                 // [128, kP]: w_z, w_z^T; [C, kSP]: dp
+  T* const ds = ws + kBuf;                                 // [128, kP]: dout -> dy
+  float* const red = reinterpret_cast<float*>(ds + kBuf);  // [2 sums][2 column halves][128 positions]
+  const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
+  const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
+  const T* const n_hat = static_cast<const T*>(p.n_hat) + m0 * p.C;
+  const int tid = threadIdx.x;
+
+  // n_hat and w_z (group 0), dout (group 1); rows and columns past the valid ones are zeros
+  load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(as, n_hat, p.C, valid_rows, p.C, tid);
+  load_tile_async<T, kTriInPassCols, Tile::kK, kP, kTriInThreads>(ws, static_cast<const T*>(p.w_z), p.C, p.G, p.C,
+                                                                  tid);
+  cp_async_commit();
+  load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(ds, static_cast<const T*>(p.dout) + m0 * p.G, p.G,
+                                                              valid_rows, p.G, tid);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row_group = warp % 4, col_half = warp / 4;
+  float acc[2][8][4];
+  triangle_input_pass_products<T, kKSteps>(acc, as, ws, row_group, col_half, lane);  // n_hat . w_z^T
+  __syncthreads();  // every warp is done with n_hat and w_z
+
+  // g over n_hat, w_z^T over w_z (group 2), while y is finished in registers
+  load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(as, static_cast<const T*>(p.g) + m0 * p.G, p.G,
+                                                              valid_rows, p.G, tid);
+  load_tile_async<T, kTriInPassCols, Tile::kK, kP, kTriInThreads>(ws, static_cast<const T*>(p.w_zt), p.G, p.C, p.G,
+                                                                  tid);
+  cp_async_commit();
+  add_column_bias<T, true>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);  // y
+  cp_async_wait<0>();
+  __syncthreads();  // g, dout and w_z^T are in
+
+  // dy over dout, dg over g (rows past the valid ones: dout = g = 0, so dy = dg = 0)
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int n = col_half * 64 + nt * 8 + 2 * t;
+    if (n >= p.G) continue;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+        T* const gp = as + r * kP + n;
+        T* const dp_ = ds + r * kP + n;
+        float dy[2], dg[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float sg = fast_sigmoid(float(gp[e])), d = float(dp_[e]);
+          dy[e] = d * sg;
+          dg[e] = d * acc[mt][nt][2 * hh + e] * sg * (1.f - sg);
+        }
+        store2<T>(dp_, dy[0], dy[1]);
+        store2<T>(gp, dg[0], dg[1]);
+      }
+  }
+  __syncthreads();
+
+  // this CTA's column sums of dy (threads 0-127) and dg (128-255) as stored, in row order
+  {
+    const int col = tid % kTriInRows, which = tid / kTriInRows;
+    if (col < p.G) {
+      const T* const src = (which == 0 ? ds : as) + col;
+      float part[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int r = 0; r < valid_rows; ++r) part[r % 4] += float(src[r * kP]);
+      (which == 0 ? p.dy_part : p.dg_part)[int64_t(blockIdx.x) * p.G + col] = (part[0] + part[1]) + (part[2] + part[3]);
+    }
+  }
+  // dy and dg rows [position, G] (G a multiple of 8: whole 16-byte spans)
+  {
+    const int spans = p.G / 8;
+    for (int i = tid; i < valid_rows * spans; i += kTriInThreads) {
+      const int r = i / spans, c = (i - r * spans) * 8;
+      const int64_t at = (m0 + r) * p.G + c;
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dy) + at) = *reinterpret_cast<const uint4*>(ds + r * kP + c);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dg) + at) = *reinterpret_cast<const uint4*>(as + r * kP + c);
+    }
+  }
+  __syncthreads();  // dg is out: its buffer takes n_hat again
+
+  load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(as, n_hat, p.C, valid_rows, p.C, tid);
+  cp_async_commit();
+  triangle_input_pass_products<T, kKSteps>(acc, ds, ws, row_group, col_half, lane);  // dn_hat = dy . w_z
+  cp_async_wait<0>();
+  __syncthreads();  // n_hat is in; every warp is done with w_z^T (the buffer takes dp)
+
+  // per position: sums over the channels of dn_hat and dn_hat * n_hat (the thread's channels, then
+  // the quad, then the two column halves in order)
+  float sums[3][2][2];  // [mean of dn_hat, of dn_hat * n_hat, rstd][mt][hh], the means times rstd
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+      float s_d = 0.f, s_dx = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int n = col_half * 64 + nt * 8 + 2 * t;
+        if (n >= p.C) continue;  // C is even: n + 1 < C too
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float d = acc[mt][nt][2 * hh + e];
+          s_d += d;
+          s_dx = fmaf(d, float(as[r * kP + n + e]), s_dx);
+        }
+      }
+#pragma unroll
+      for (int off = 1; off < 4; off *= 2) {
+        s_d += __shfl_xor_sync(0xffffffffu, s_d, off);
+        s_dx += __shfl_xor_sync(0xffffffffu, s_dx, off);
+      }
+      if (t == 0) red[(0 * 2 + col_half) * kTriInRows + r] = s_d, red[(1 * 2 + col_half) * kTriInRows + r] = s_dx;
+    }
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+      const float rstd = r < valid_rows ? p.rstd[m0 + r] : 0.f;
+      // scaled by rstd: dp = rstd * dn_hat - sums[0] - n_hat * sums[1]
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+        sums[k][mt][hh] = rstd * (red[(2 * k) * kTriInRows + r] + red[(2 * k + 1) * kTriInRows + r]) / float(p.C);
+      sums[2][mt][hh] = rstd;
+    }
+  // dp staged channel-major [C, kSP] in the weight buffer
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int n = col_half * 64 + nt * 8 + 2 * t;
+    if (n >= p.C) continue;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = float(as[r * kP + n + e]);
+          ws[(n + e) * kSP + r] =
+              T(fmaf(sums[2][mt][hh], acc[mt][nt][2 * hh + e], -fmaf(x, sums[1][mt][hh], sums[0][mt][hh])));
+        }
+      }
+  }
+  __syncthreads();
+  // dp channel rows: 8 positions per 16-byte store
+  {
+    constexpr int kSpans = kTriInRows / 8;
+    const int col = (tid % kSpans) * 8, c0 = tid / kSpans;
+    if (col < valid_rows) {
+      for (int c = c0; c < p.C; c += kTriInThreads / kSpans) {
+        const T* const src = ws + c * kSP + col;
+        T* const dst = static_cast<T*>(p.dp) + int64_t(c) * p.M + m0 + col;
+        if (p.vector_ok) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int e = 0; e < 8 && col + e < valid_rows; ++e) dst[e] = src[e];
+        }
+      }
+    }
+  }
+  float* const part[2] = {p.dy_part, p.dg_part};
+  if (p.totals.tickets != nullptr) add_partials_in_last_cta<2>(p.totals, part, p.G, p.G);
+}
+
+// Dynamic shared memory of triangle_output_backward_kernel: three buffers and the row sums.
+template <typename T>
+constexpr int triangle_output_backward_smem_bytes() {
+  return 3 * kTriInRows * kTriInStagePitch * int(sizeof(T)) + 4 * kTriInRows * int(sizeof(float));
+}
+
 
 }  // namespace block
 }  // namespace evoformer
