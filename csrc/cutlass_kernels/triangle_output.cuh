@@ -105,11 +105,14 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   }
   __syncthreads();
 
-  // n_hat rows [position, C]: 8 channels per 16-byte store
+  // n_hat rows [position, C]: 8 channels per 16-byte store; a warp's lanes take consecutive
+  // positions, so its reads of the channel-major tile fall on distinct banks (lanes on one position
+  // and channels 8 apart, 8 * kSP elements apart, would all hit one bank)
   {
     const int spans = p.C / 8;
-    for (int s = threadIdx.x; s < valid_rows * spans; s += kTriInThreads) {
-      const int pos = s / spans, c = (s - pos * spans) * 8;
+    for (int s = threadIdx.x; s < kTriInRows * spans; s += kTriInThreads) {
+      const int pos = s % kTriInRows, c = (s / kTriInRows) * 8;
+      if (pos >= valid_rows) continue;
       uint32_t w[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
