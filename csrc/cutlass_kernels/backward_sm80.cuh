@@ -14,8 +14,8 @@
 //    writes its tile of the chunk's partial once. The partials ([n_chunks, B, H, Lq, Lk] fp32) are
 //    summed by the host in a fixed order.
 // Element float runs the products on the TF32 tensor cores (mma_sm80.cuh), with 32-query steps in
-// the dK/dV kernel at D >= 64, 32-key steps in dQ and one pair-bias stage at D = 128 to bound shared
-// memory; gradients are float32.
+// the dK/dV kernel at D >= 64, 32-key steps in dQ and one pair-bias stage at D = 128 (bounding shared
+// memory and registers); gradients are float32.
 #pragma once
 
 #include "epilogue.cuh"
