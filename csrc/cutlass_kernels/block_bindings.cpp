@@ -438,7 +438,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     TriangleOutputBackwardParams ob{n_hat.data_ptr(), w_z.data_ptr(), w_zt.data_ptr(), b_z.data_ptr(),
                                     g.data_ptr(), dout.data_ptr(), rstd_out.data_ptr<float>(), dg.data_ptr(),
                                     dy.data_ptr(), dp.data_ptr(), sums.data(), sums.data() + ctas * s.cz,
-                                    sums.totals, s.M, int(s.c), int(s.cz), s.M % 8 == 0 && aligned16(dp)};
+                                    sums.totals, s.M, int(s.c), int(s.cz), vector_ok(dp, s.M)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output_backward<cutlass::half_t>(ob, stream);
     else launch_triangle_output_backward<cutlass::bfloat16_t>(ob, stream);
     dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
