@@ -1,21 +1,23 @@
 // Launchers of the triangle multiplication's fused input kernel and its edges' backward
 // (triangle_input.cuh), half and bfloat16, one instantiation per c_z bucket (64, 128, 256).
+#include <type_traits>
+
 #include "triangle_input.cuh"
 
 namespace evoformer {
 namespace block {
 
 namespace {
-template <typename T, int kKSteps>
-void launch_bucket(const TriangleInputParams& p, cudaStream_t stream) {
-  launch_on_position_tiles(triangle_input_kernel<T, kKSteps>, p, p.M, triangle_input_smem_bytes<T, kKSteps>(), stream,
-                           "evoformer triangle input");
-}
-template <typename T, int kKSteps>
-void launch_backward_bucket(const TriangleGateBackwardParams& p, cudaStream_t stream) {
-  launch_on_position_tiles(triangle_gate_backward_kernel<T, kKSteps>, p, p.M,
-                           TriangleGateBackwardTile<kKSteps>::template bytes<T>(), stream,
-                           "evoformer triangle gate backward");
+// f(std::integral_constant<int, kKSteps>) for the bucket of K = c_z: 64, 128 or 256 (k-steps of 16).
+template <typename F>
+void by_k_bucket(int K, F&& f) {
+  static_assert(kTriangleInputMaxK == 256, "one bucket per c_z range");
+  if (K <= 64)
+    f(std::integral_constant<int, 4>{});
+  else if (K <= 128)
+    f(std::integral_constant<int, 8>{});
+  else
+    f(std::integral_constant<int, 16>{});
 }
 }  // namespace
 
@@ -23,24 +25,22 @@ template <typename T>
 void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream) {
   static_assert(kTriangleGateBackwardRows == kTriInRows, "one bias_part row per CTA");
   if (p.M == 0 || p.C == 0) return;
-  if (p.K <= 64)
-    launch_backward_bucket<T, 4>(p, stream);
-  else if (p.K <= 128)
-    launch_backward_bucket<T, 8>(p, stream);
-  else
-    launch_backward_bucket<T, 16>(p, stream);
+  by_k_bucket(p.K, [&](auto steps) {
+    constexpr int kKSteps = decltype(steps)::value;
+    launch_on_position_tiles(triangle_gate_backward_kernel<T, kKSteps>, p, p.M,
+                             TriangleGateBackwardTile<kKSteps>::template bytes<T>(), stream,
+                             "evoformer triangle gate backward");
+  });
 }
 
 template <typename T>
 void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream) {
-  static_assert(kTriangleInputMaxK == 256, "one bucket per c_z range");
   if (p.M == 0) return;
-  if (p.K <= 64)
-    launch_bucket<T, 4>(p, stream);
-  else if (p.K <= 128)
-    launch_bucket<T, 8>(p, stream);
-  else
-    launch_bucket<T, 16>(p, stream);
+  by_k_bucket(p.K, [&](auto steps) {
+    constexpr int kKSteps = decltype(steps)::value;
+    launch_on_position_tiles(triangle_input_kernel<T, kKSteps>, p, p.M, triangle_input_smem_bytes<T, kKSteps>(),
+                             stream, "evoformer triangle input");
+  });
 }
 
 template void launch_triangle_input<cutlass::half_t>(const TriangleInputParams&, cudaStream_t);
