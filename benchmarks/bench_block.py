@@ -249,13 +249,19 @@ def breakdown(block, m, z, msa_mask, pair_mask, args) -> list[dict]:
     return rows
 
 
+def triangle_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The triangle sweep's inputs at N_res n: z [n, n, 128] and a mask [n, n] with 5 % zeros (seeded by n)."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    z = torch.randn(n, n, 128, generator=gen, device="cuda").to(DTYPE)
+    mask = (torch.rand(n, n, generator=gen, device="cuda") > 0.05).to(DTYPE)
+    return z, mask
+
+
 def triangle_sweep(sizes: list[int], args) -> list[dict]:
     """Both triangle multiplications alone at c_z = c_hidden = 128 against cuEquivariance's."""
     rows, table = [], []
     for n in sizes:
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        z = torch.randn(n, n, 128, generator=gen, device="cuda").to(DTYPE)
-        mask = (torch.rand(n, n, generator=gen, device="cuda") > 0.05).to(DTYPE)
+        z, mask = triangle_inputs(n)
         for cls in (eb.TriangleMultiplicationOutgoing, eb.TriangleMultiplicationIncoming):
             module = randomized(cls(128, 128)).to("cuda", DTYPE)
             leaves = [z, *module.parameters()]

@@ -8,21 +8,18 @@ compute-sanitizer (benchmarks/profile.sh runs it under ncu).
     ncu --kernel-name regex:forward_sm90 --launch-skip 3 --launch-count 1 python benchmarks/one_step.py 0
 """
 
-import torch
-
 import harness
 from bench_attention import SUITE, attention_step, command_line
-from bench_block import randomized
+from bench_block import DTYPE, randomized, triangle_inputs
 
 import evoformer_blocks as eb
 
 
 def triangle_step(n_res: int, backward: bool):
-    """One call of TriangleMultiplicationOutgoing(128, 128) on z [n_res, n_res, 128] with 5 % of the
-    mask zero (the triangle sweep's inputs), forward or forward+backward."""
-    z = torch.randn(n_res, n_res, 128, device="cuda").to(torch.bfloat16)
-    mask = (torch.rand(n_res, n_res, device="cuda") > 0.05).to(torch.bfloat16)
-    module = randomized(eb.TriangleMultiplicationOutgoing(128, 128)).to("cuda", torch.bfloat16)
+    """One call of TriangleMultiplicationOutgoing(128, 128) on the triangle sweep's inputs
+    (bench_block.triangle_inputs), forward or forward+backward."""
+    z, mask = triangle_inputs(n_res)
+    module = randomized(eb.TriangleMultiplicationOutgoing(128, 128)).to("cuda", DTYPE)
     return harness.make_step(lambda: module(z, mask), [z, *module.parameters()], backward=backward)
 
 
