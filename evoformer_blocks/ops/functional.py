@@ -80,9 +80,9 @@ def evoformer_attention(
 
     Dtypes: q, k, v share one dtype (float16, bfloat16, float32 or float64; the fused backend takes
     float16, bfloat16 and float32, the last on the TF32 tensor cores); each bias is q's dtype or
-    float32. Softmax and bias additions run in float32 for half-precision inputs. A query whose keys are all ``-inf`` gets a zero output and
-    zero gradients; with a finite mask value such as ``-1e9`` it averages v uniformly, as the math
-    says. Gradients flow to q, k, v and to each bias that requires grad.
+    float32. Softmax and bias additions run in float32 for half-precision inputs. A query whose keys
+    are all ``-inf`` gets a zero output and zero gradients; with a finite mask value such as ``-1e9``
+    it averages v uniformly, as the math says. Gradients flow to q, k, v and to each bias that requires grad.
 
     Equivalent PyTorch code (what the eager backend computes, up to the -inf rule)::
 
