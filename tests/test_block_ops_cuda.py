@@ -15,6 +15,7 @@ os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
+from evoformer_blocks.ops import cutlass  # noqa: E402
 from gpu import requires_sm80  # noqa: E402
 from test_block_ops import triangle_weights  # noqa: E402
 
@@ -125,12 +126,42 @@ def _triangle(z, mask, w, direction, backend):
     return ops.triangle_multiplication(z, mask, direction=direction, **w, backend=backend)
 
 
+# On a Hopper GPU the triangle tests run twice: with the Hopper input kernel (auto) and with the
+# portable one (EVOFORMER_BLOCKS_KERNELS=sm80), which must keep passing there too.
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["auto", "sm80"] if HOPPER else ["auto"])
+def kernel_family(request, monkeypatch):
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", request.param)
+    return request.param
+
+
+def _kernel_names(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def test_triangle_runs_the_input_kernel_of_its_family(kernel_family):
+    z = torch.randn(20, 20, 64, device=DEV, dtype=torch.bfloat16)
+    w = {k: v.to(DEV) for k, v in triangle_weights(64, 32, torch.bfloat16).items()}
+    names = _kernel_names(lambda: _triangle(z, None, w, "outgoing", "cutlass"))
+    hopper = [name for name in names if "triangle_input_sm90_kernel" in name]
+    portable = [name for name in names if "triangle_input_kernel" in name]
+    if cutlass.kernel_family() == "sm90":
+        assert hopper and not portable, names
+    else:
+        assert portable and not hopper, names
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 @pytest.mark.parametrize("batch, n, c_z, c", [((), 1, 32, 16), ((), 7, 32, 16), ((2,), 37, 64, 32), ((), 100, 128, 128),
                                               ((), 257, 128, 64), ((), 19, 136, 72), ((), 9, 264, 24),
                                               ((2,), 23, 48, 40), ((), 300, 128, 128)])
-def test_triangle_matches_reference(dtype, direction, batch, n, c_z, c):
+def test_triangle_matches_reference(dtype, direction, batch, n, c_z, c, kernel_family):
     z = torch.randn(*batch, n, n, c_z, device=DEV).to(dtype).requires_grad_(True)
     mask = (torch.rand(*batch, n, n, device=DEV) > 0.2).to(dtype)
     if n > 4:
@@ -164,7 +195,7 @@ def test_triangle_long_crop():
         check(name, f, e, r, torch.bfloat16)
 
 
-def test_triangle_gradients_are_deterministic():
+def test_triangle_gradients_are_deterministic(kernel_family):
     z = torch.randn(2, 33, 33, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w = {k: v.to(DEV).detach().requires_grad_(True) for k, v in triangle_weights(64, 32, torch.bfloat16).items()}
     dout = torch.randn_like(z)
@@ -181,7 +212,11 @@ def test_triangle_custom_ops_pass_opcheck():
     mask = (torch.rand(1, 9, 9, device=DEV) > 0.2).to(torch.bfloat16)
     w = triangle_weights(32, 16, torch.bfloat16)
     weights = [w[name].to(DEV) for name in tri._WEIGHTS]
-    torch.library.opcheck(tri.triangle_fwd, (z, mask, weights, 1e-5, True), test_utils=("test_schema", "test_faketensor"))
+    for family in cutlass.available_kernel_families(torch.cuda.current_device()):
+        torch.library.opcheck(tri.triangle_fwd, (z, mask, weights, 1e-5, True, family),
+                              test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="family"):
+        tri.triangle_fwd(z, mask, weights, 1e-5, True, "sm70")
     x = torch.randn(5, 7, 64, device=DEV, dtype=torch.bfloat16)
     from evoformer_blocks.ops import normalization as ln
 

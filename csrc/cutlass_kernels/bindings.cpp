@@ -138,28 +138,11 @@ Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair)
   return Kernels{};
 }
 
-// Compute capability of `device` as major * 10 + minor, asked once per device.
-int compute_capability(int64_t device) {
-  constexpr int kCachedDevices = 64;
-  static int capability[kCachedDevices] = {};  // 0 until asked
-  TORCH_CHECK(device >= 0 && device < kCachedDevices, "evoformer attention: `device` index ", device,
-              " must be in [0, ", kCachedDevices, ")");
-  if (capability[device] == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, int(device)));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, int(device)));
-    capability[device] = major * 10 + minor;
-  }
-  return capability[device];
-}
-
 std::vector<std::string> available_kernel_families(int64_t device) {
   const int capability = compute_capability(device);
   std::vector<std::string> families;
   if (capability >= limits::kMinComputeCapability) families.push_back("sm80");
-#ifdef EVOFORMER_SM90A
-  if (capability == limits::kSm90ComputeCapability) families.push_back("sm90");
-#endif
+  if (hopper_kernels_available(device)) families.push_back("sm90");
   return families;
 }
 

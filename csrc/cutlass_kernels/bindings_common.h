@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "kernel_limits.h"
+
 namespace evoformer {
 
 // EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
@@ -31,6 +33,32 @@ inline int current_sm_count() {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return sms;
+}
+
+// Compute capability of `device` as major * 10 + minor, asked once per device.
+inline int compute_capability(int64_t device) {
+  constexpr int kCachedDevices = 64;
+  static int capability[kCachedDevices] = {};  // 0 until asked
+  TORCH_CHECK(device >= 0 && device < kCachedDevices, "evoformer_blocks: CUDA device index ", device,
+              " must be in [0, ", kCachedDevices, ")");
+  if (capability[device] == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, int(device)));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, int(device)));
+    capability[device] = major * 10 + minor;
+  }
+  return capability[device];
+}
+
+// Whether the Hopper (sm_90a) kernels can run on `device`: a build holding sm_90a code and a device
+// of compute capability 9.0 (the "sm90" kernel family; "sm80" runs on every device >= 8.0).
+inline bool hopper_kernels_available(int64_t device) {
+#ifdef EVOFORMER_SM90A
+  return compute_capability(device) == limits::kSm90ComputeCapability;
+#else
+  (void)device;
+  return false;
+#endif
 }
 
 }  // namespace evoformer

@@ -13,7 +13,7 @@
 //   add_layer_norm_fwd(x, residual, weight?, bias?, eps) -> (sum = x + residual, layer_norm(sum), mean, rstd)
 //   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype)
 //       -> (dsum + the layer norm's input gradient: the gradient of x and of residual, [2, C] as above)
-//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing)
+//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing, family)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
 //           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z])
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
@@ -22,7 +22,7 @@
 //   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
-// them. The layer norms' affine parameters are folded into the projections that follow them
+// them; family "sm90" runs the Hopper input kernel (triangle_input_sm90.cuh), "sm80" the portable one. The layer norms' affine parameters are folded into the projections that follow them
 // (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
 // forward's folded weights.
 #include <ATen/ATen.h>
@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -333,7 +334,7 @@ bool triangle_output_fits(const at::Tensor& z, const TriangleShape& s) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
-                            const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing) {
+                            const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing, bool hopper) {
   const char* op = "triangle multiplication";
   const TriangleShape s = triangle_shape(z, w_ab, op);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -357,6 +358,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
                                  rstd_in.data_ptr<float>(), s.M, s.M > 1 ? rows.stride(0) : s.cz, int(s.cz), int(s.c),
                                  int(s.cz), float(eps), s.M % 8 == 0 && aligned16(a) && aligned16(b)};
     tp.c_rows = int(s.c);
+    tp.hopper = hopper;
     if (z.scalar_type() == at::kHalf) launch_triangle_input<cutlass::half_t>(tp, stream);
     else launch_triangle_input<cutlass::bfloat16_t>(tp, stream);
   } else {
@@ -592,15 +594,19 @@ FoldedWeights fold(at::TensorList w, const at::Tensor& z) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
-                            at::TensorList weights, double eps, bool outgoing) {
+                            at::TensorList weights, double eps, bool outgoing, const std::string& family) {
   const char* op = "triangle multiplication";
   check_cuda(z, "z", op);
   TORCH_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
   check_weights(weights, z, op);
+  const bool hopper = family == "sm90";
+  TORCH_CHECK(family == "sm80" || (hopper && hopper_kernels_available(z.get_device())), op,
+              ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
+              family, "\"");
   const c10::cuda::CUDAGuard guard(z.device());
   const FoldedWeights f = fold(weights, z);
   auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
-      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing);
+      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper);
   return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, f.w_ab, f.b_ab, f.w_g, f.w_z, f.b_z};
 }
 
@@ -776,7 +782,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "ScalarType affine_dtype) "
       "-> (Tensor, Tensor)");
   m.def(
-      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing) "
+      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "

@@ -144,6 +144,7 @@ struct TriangleInputParams {
   float eps;
   bool vector_ok;      // a and b rows can be stored 16 bytes at a time (M % 8 == 0, aligned bases)
   int c_rows = 0;      // channels between w_ab's / b_ab's four row blocks (C)
+  bool hopper = false; // run the sm_90a (wgmma) kernel: only where block_hopper_kernels() says so
 };
 constexpr int kTriangleInputMaxK = 256;
 
@@ -325,6 +326,8 @@ void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream
 // Half and bfloat16 only (T = cutlass::half_t, cutlass::bfloat16_t); K <= kTriangleInputMaxK.
 template <typename T>
 void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream);
+template <typename T>
+void launch_triangle_input_sm90(const TriangleInputParams& p, cudaStream_t stream);  // (p.hopper)
 // One CTA per 128 positions: bias_part has ceil(M / 128) rows.
 template <typename T>
 void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream);

@@ -1,25 +1,9 @@
 // Launchers of the triangle multiplication's fused input kernel and its edges' backward
 // (triangle_input.cuh), half and bfloat16, one instantiation per c_z bucket (64, 128, 256).
-#include <type_traits>
-
 #include "triangle_input.cuh"
 
 namespace evoformer {
 namespace block {
-
-namespace {
-// f(std::integral_constant<int, kKSteps>) for the bucket of K = c_z: 64, 128 or 256 (k-steps of 16).
-template <typename F>
-void by_k_bucket(int K, F&& f) {
-  static_assert(kTriangleInputMaxK == 256, "one bucket per c_z range");
-  if (K <= 64)
-    f(std::integral_constant<int, 4>{});
-  else if (K <= 128)
-    f(std::integral_constant<int, 8>{});
-  else
-    f(std::integral_constant<int, 16>{});
-}
-}  // namespace
 
 template <typename T>
 void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream) {
@@ -36,6 +20,7 @@ void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStre
 template <typename T>
 void launch_triangle_input(const TriangleInputParams& p, cudaStream_t stream) {
   if (p.M == 0) return;
+  if (p.hopper) return launch_triangle_input_sm90<T>(p, stream);
   by_k_bucket(p.K, [&](auto steps) {
     constexpr int kKSteps = decltype(steps)::value;
     launch_on_position_tiles(triangle_input_kernel<T, kKSteps>, p, p.M, triangle_input_smem_bytes<T, kKSteps>(),

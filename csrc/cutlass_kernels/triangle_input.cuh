@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "evoformer_attention.h"  // check_launch
 #include "gating.cuh"
@@ -67,12 +68,13 @@ struct EdgeSlot {
 
 __device__ __forceinline__ int edge_blocks(int C) { return (C + kTriInSlot - 1) / kTriInSlot; }
 
-// Starts the copy of pass q's weight tile [128 rows, kK] into `smem` (one cp.async group). A thread
-// copies the 16-byte chunk at column `col` of rows row0 + j * kRowStep of each 32-row group: group
-// 2h + s of an edge pass holds the projection (s = 0) or gate (s = 1) rows of slot 2q + h, a g pass
-// rows n0.. of w_g. Rows past C (or G) are zeros.
-template <typename T, int kKSteps, typename Params>
-__device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* smem, int q) {
+// Starts the copy of pass q's weight tile [128 rows, kK] into `smem` (one cp.async group), element
+// (row, col) at smem + offset_of(row, col) (a padded pitch for mma.sync, a GMMA swizzle for wgmma).
+// A thread copies the 16-byte chunk at column `col` of rows row0 + j * kRowStep of each 32-row
+// group: group 2h + s of an edge pass holds the projection (s = 0) or gate (s = 1) rows of slot
+// 2q + h, a g pass rows n0.. of w_g. Rows past C (or G) are zeros.
+template <typename T, int kKSteps, typename Params, typename OffsetOf>
+__device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* smem, int q, OffsetOf&& offset_of) {
   using Tile = TriangleInputTile<kKSteps>;
   constexpr int kChunksPerRow = Tile::kK / 8;
   constexpr int kRowStep = kTriInThreads / kChunksPerRow;
@@ -80,7 +82,6 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
   const int col = int(threadIdx.x % unsigned(kChunksPerRow)) * 8;
   const int row0 = int(threadIdx.x / unsigned(kChunksPerRow));
   const bool col_ok = col < p.K;
-  T* const dst = smem + row0 * Tile::kPitch + col;
   const int blocks = edge_blocks(p.C);
   if (q < blocks) {
     const T* const w = static_cast<const T*>(p.w_ab) + col;
@@ -94,7 +95,7 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
           const int ch = slot.ch0 + row0 + j * kRowStep;  // the row's channel
           const bool ok = col_ok && slot.edge < 2 && ch < p.C;
           const T* src = w + (int64_t(2 * slot.edge + s) * p.c_rows + ch) * p.K;
-          cp_async_16(dst + ((2 * h + s) * 32 + j * kRowStep) * Tile::kPitch, ok ? src : w, ok);
+          cp_async_16(smem + offset_of((2 * h + s) * 32 + row0 + j * kRowStep, col), ok ? src : w, ok);
         }
     }
   } else {
@@ -103,10 +104,17 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
 #pragma unroll
     for (int r = 0; r < kTriInPassCols; r += kRowStep) {
       const bool ok = col_ok && n0 + r < p.G;
-      cp_async_16(dst + r * Tile::kPitch, ok ? w + int64_t(r) * p.K : w, ok);
+      cp_async_16(smem + offset_of(row0 + r, col), ok ? w + int64_t(r) * p.K : w, ok);
     }
   }
   cp_async_commit();
+}
+
+// The same into the padded [128, kK + 8] tile of the mma.sync kernels.
+template <typename T, int kKSteps, typename Params>
+__device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* smem, int q) {
+  triangle_input_load_weights<T, kKSteps>(p, smem, q,
+                                          [](int r, int c) { return r * TriangleInputTile<kKSteps>::kPitch + c; });
 }
 
 // acc = A . (pass weights[col_half * 64.., :])^T for one warp: two m16 row tiles x eight n8 column
@@ -201,6 +209,134 @@ inline void launch_on_position_tiles(void (*kernel)(Params), const Params& p, in
   check_launch(name);
 }
 
+// Layer norm of the z tile in place (x_hat, no affine: it is folded into the weights), element (r, c)
+// at xs + offset_of(r, c); mean and rstd of the valid rows to p.mean / p.rstd. Two lanes per row;
+// lane h of the pair reads the 16-byte chunks c with (c / 4) % 2 == h (the pair's two 64-byte runs
+// fall on different banks), three times: sum, squared deviations, normalised values written back.
+template <typename T, int kK, typename OffsetOf>
+__device__ __forceinline__ void triangle_input_normalise(const TriangleInputParams& p, T* xs, OffsetOf&& offset_of,
+                                                         int64_t m0, int valid_rows) {
+  constexpr int kChunks = kK / 16;  // per lane
+  static_assert(kTriInThreads == 2 * kTriInRows, "two lanes per row");
+  const int r = threadIdx.x / 2u, h = threadIdx.x % 2u;
+  const auto chunk_col = [h](int j) { return ((j / 4) * 8 + h * 4 + j % 4) * 8; };
+  const auto chunk = [&](int j) { return xs + offset_of(r, chunk_col(j)); };
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    Vec<T> x;
+    x.load(chunk(j));
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += x.v[e];  // columns past K are zeros
+  }
+  const float inv_k = 1.f / float(p.K);
+  const float mean = segment_sum(sum, 2) * inv_k;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    if (chunk_col(j) >= p.K) continue;
+    Vec<T> x;
+    x.load(chunk(j));
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq += (x.v[e] - mean) * (x.v[e] - mean);
+  }
+  const float rstd = rsqrtf(segment_sum(sq, 2) * inv_k + p.eps);
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    if (chunk_col(j) >= p.K) continue;
+    Vec<T> x;
+    x.load(chunk(j));
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x.v[e] = (x.v[e] - mean) * rstd;
+    x.store(chunk(j));
+  }
+  if (h == 0 && r < valid_rows) p.mean[m0 + r] = mean, p.rstd[m0 + r] = rstd;
+}
+
+// An edge pass's gated values of one slot, staged as rows (channels) of [64 channels, 128
+// positions] (pitch kTriInStagePitch): a[c, m] = mask * sigmoid(gate + b_g) * (proj + b_p). acc holds
+// the slot's tiles of the thread's kMTiles m16 row tiles: projection tile nt of row tile mt at
+// acc[8 mt + nt], its gate at acc[8 mt + 4 + nt]; `stage` points at the slot's first staged row and
+// the thread's first row (row tile mt at + 16 mt, half hh at + 8 hh).
+template <typename T, int kMTiles>
+__device__ __forceinline__ void stage_gated_slot(const TriangleInputParams& p, const EdgeSlot& slot,
+                                                 const float (*acc)[4], const float (&mask)[kMTiles][2], T* stage,
+                                                 int t) {
+  if (slot.edge >= 2) return;
+  const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows;
+  const float* const bias_gate = bias_proj + p.c_rows;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int ch = slot.ch0 + nt * 8 + 2 * t + e;
+      const float bp = ch < p.C ? bias_proj[ch] : 0.f;
+      const float bg = ch < p.C ? bias_gate[ch] : 0.f;
+      T* const s = stage + (nt * 8 + 2 * t + e) * kTriInStagePitch;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = 2 * hh + e;
+          const float gate = fast_sigmoid(acc[8 * mt + 4 + nt][i] + bg);
+          s[mt * 16 + 8 * hh] = T(gate * (acc[8 * mt + nt][i] + bp) * mask[mt][hh]);
+        }
+    }
+}
+
+// Stores edge pass q's staged [64 channel rows (slots 2q, 2q + 1), 128 positions] (pitch
+// kTriInStagePitch) as channel rows of a or b: a thread stores 8 positions from `col` of staged rows
+// lr0, lr0 + 16, ...
+template <typename T>
+__device__ __forceinline__ void triangle_input_store_edges(const TriangleInputParams& p, const T* stage, int q,
+                                                           int64_t m0, int valid_rows) {
+  constexpr int kSpans = kTriInRows / 8;
+  const int blocks = edge_blocks(p.C);
+  const int col = int(threadIdx.x % unsigned(kSpans)) * 8, lr0 = int(threadIdx.x / unsigned(kSpans));
+  if (col >= valid_rows) return;
+#pragma unroll
+  for (int lr = lr0; lr < 2 * kTriInSlot; lr += kTriInThreads / kSpans) {
+    const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
+    const int ch = slot.ch0 + lr % kTriInSlot;
+    if (slot.edge >= 2 || ch >= p.C) continue;
+    const T* src = stage + lr * kTriInStagePitch + col;
+    T* dst = static_cast<T*>(slot.edge == 0 ? p.a : p.b) + int64_t(ch) * p.M + m0 + col;
+    if (p.vector_ok) {  // M % 8 == 0: a whole span
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && col + e < valid_rows; ++e) dst[e] = src[e];
+    }
+  }
+}
+
+// Stores a g pass's staged [128 positions, 128 columns from n0] (pitch kTriInStagePitch) as rows of
+// g (G is a multiple of 8: whole 16-byte spans).
+template <typename T>
+__device__ __forceinline__ void triangle_input_store_g(const TriangleInputParams& p, const T* stage, int n0,
+                                                       int64_t m0, int valid_rows) {
+  constexpr int kSpans = kTriInPassCols / 8;
+  const int col = int(threadIdx.x % unsigned(kSpans)) * 8, r0 = int(threadIdx.x / unsigned(kSpans));
+  if (n0 + col >= p.G) return;
+#pragma unroll
+  for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
+    if (r >= valid_rows) break;
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.g) + (m0 + r) * p.G + n0 + col) =
+        *reinterpret_cast<const uint4*>(stage + r * kTriInStagePitch + col);
+  }
+}
+
+// f(std::integral_constant<int, kKSteps>) for the bucket of K = c_z: 64, 128 or 256 (k-steps of 16).
+template <typename F>
+inline void by_k_bucket(int K, F&& f) {
+  static_assert(kTriangleInputMaxK == 256, "one bucket per c_z range");
+  if (K <= 64)
+    f(std::integral_constant<int, 4>{});
+  else if (K <= 128)
+    f(std::integral_constant<int, 8>{});
+  else
+    f(std::integral_constant<int, 16>{});
+}
+
 template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(TriangleInputParams p) {
   using Tile = TriangleInputTile<kKSteps>;
@@ -223,45 +359,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
   cp_async_wait<2>();
   __syncthreads();
 
-  // Layer norm: two lanes per row; lane h of the pair reads the 16-byte chunks c with (c / 4) % 2 == h
-  // (the pair's two 64-byte runs fall on different banks), three times: sum, squared deviations,
-  // normalised values written back.
-  {
-    constexpr int kChunks = Tile::kK / 16;  // per lane
-    const int r = threadIdx.x / 2u, h = threadIdx.x % 2u;
-    T* row = xs + r * kPitch;
-    const auto chunk_col = [h](int j) { return ((j / 4) * 8 + h * 4 + j % 4) * 8; };
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      Vec<T> x;
-      x.load(row + chunk_col(j));
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += x.v[e];  // columns past K are zeros
-    }
-    const float inv_k = 1.f / float(p.K);
-    const float mean = segment_sum(sum, 2) * inv_k;
-    float sq = 0.f;
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      if (chunk_col(j) >= p.K) continue;
-      Vec<T> x;
-      x.load(row + chunk_col(j));
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sq += (x.v[e] - mean) * (x.v[e] - mean);
-    }
-    const float rstd = rsqrtf(segment_sum(sq, 2) * inv_k + p.eps);
-#pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      if (chunk_col(j) >= p.K) continue;
-      Vec<T> x;
-      x.load(row + chunk_col(j));
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x.v[e] = (x.v[e] - mean) * rstd;
-      x.store(row + chunk_col(j));
-    }
-    if (h == 0 && r < valid_rows) p.mean[m0 + r] = mean, p.rstd[m0 + r] = rstd;
-  }
+  triangle_input_normalise<T, Tile::kK>(p, xs, [](int r, int c) { return r * kPitch + c; }, m0, valid_rows);
 
   const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
   const int g = lane / 4, t = lane % 4;
@@ -279,51 +377,12 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
     __syncthreads();  // every warp is done with the weights: the buffer takes the staged results
 
     if (q < blocks) {
-      // edge pass: the warp's column half is slot 2q + col_half; tiles 0-3 projections, 4-7 gates
-      const EdgeSlot slot(2 * q + col_half, blocks);
-      if (slot.edge < 2) {
-        const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows;
-        const float* const bias_gate = bias_proj + p.c_rows;
-        // staged [64 rows (the two slots' channels), 128 positions]
-        T* const stage = wbuf + (col_half * kTriInSlot + 2 * t) * kTriInStagePitch + row_group * 32 + g;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int ch = slot.ch0 + nt * 8 + 2 * t + e;
-            const float bp = ch < p.C ? bias_proj[ch] : 0.f;
-            const float bg = ch < p.C ? bias_gate[ch] : 0.f;
-            T* const s = stage + (nt * 8 + e) * kTriInStagePitch;
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const int i = 2 * hh + e;
-                s[mt * 16 + 8 * hh] =
-                    T(fast_sigmoid(acc[mt][nt + 4][i] + bg) * (acc[mt][nt][i] + bp) * mask[mt][hh]);
-              }
-          }
-      }
+      // edge pass: the warp's column half is slot 2q + col_half; tiles 0-3 projections, 4-7 gates;
+      // staged [64 rows (the two slots' channels), 128 positions]
+      stage_gated_slot<T, 2>(p, EdgeSlot(2 * q + col_half, blocks), &acc[0][0], mask,
+                             wbuf + col_half * kTriInSlot * kTriInStagePitch + row_group * 32 + g, t);
       __syncthreads();
-      // staged rows -> channel rows of a or b: the thread stores 8 positions from `col` of rows
-      // lr0, lr0 + 16, ...
-      constexpr int kSpans = kTriInRows / 8;
-      const int col = int(threadIdx.x % unsigned(kSpans)) * 8, lr0 = int(threadIdx.x / unsigned(kSpans));
-      if (col < valid_rows) {
-#pragma unroll
-        for (int lr = lr0; lr < 2 * kTriInSlot; lr += kTriInThreads / kSpans) {
-          const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
-          const int ch = slot.ch0 + lr % kTriInSlot;
-          if (slot.edge >= 2 || ch >= p.C) continue;
-          const T* src = wbuf + lr * kTriInStagePitch + col;
-          T* dst = static_cast<T*>(slot.edge == 0 ? p.a : p.b) + int64_t(ch) * p.M + m0 + col;
-          if (p.vector_ok) {  // M % 8 == 0: a whole span
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-          } else {
-            for (int e = 0; e < 8 && col + e < valid_rows; ++e) dst[e] = src[e];
-          }
-        }
-      }
+      triangle_input_store_edges<T>(p, wbuf, q, m0, valid_rows);
     } else {
       // g pass: columns n0.. of g, plus their bias
       const int n0 = (q - blocks) * kTriInPassCols;
@@ -338,17 +397,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
             store2<T>(stage + (mt * 16 + 8 * hh) * kTriInStagePitch + nt * 8, acc[mt][nt][2 * hh],
                       acc[mt][nt][2 * hh + 1]);
       __syncthreads();
-      // [128 positions, 128 columns] -> rows of g (G is a multiple of 8: whole 16-byte spans)
-      constexpr int kSpans = kTriInPassCols / 8;
-      const int col = int(threadIdx.x % unsigned(kSpans)) * 8, r0 = int(threadIdx.x / unsigned(kSpans));
-      if (n0 + col < p.G) {
-#pragma unroll
-        for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
-          if (r >= valid_rows) break;
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.g) + (m0 + r) * p.G + n0 + col) =
-              *reinterpret_cast<const uint4*>(wbuf + r * kTriInStagePitch + col);
-        }
-      }
+      triangle_input_store_g<T>(p, wbuf, n0, m0, valid_rows);
     }
     __syncthreads();  // the staged results are stored: the buffer takes pass q + 2's weights
     if (q + 2 < passes) triangle_input_load_weights<T, kKSteps>(p, wbuf, q + 2);

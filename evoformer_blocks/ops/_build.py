@@ -91,7 +91,8 @@ def sources() -> list[Path]:
             f"kernel sources not found at {INSTALLED_SOURCE_DIR} (installed package) "
             f"nor at {CHECKOUT_SOURCE_DIR} (checkout); reinstall the package"
         )
-    fixed = ["bindings.cpp", "block_bindings.cpp", "common.cu", "block_ops.cu", "triangle_input.cu", "triangle_output.cu"]
+    fixed = ["bindings.cpp", "block_bindings.cpp", "common.cu", "block_ops.cu", "triangle_input.cu",
+             "triangle_input_sm90.cu", "triangle_output.cu"]
     return [SOURCE_DIR / name for name in fixed] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from . import _dispatch, _fused
 from .normalization import MAX_ROW_BYTES
 from ._dispatch import Backend, Capabilities
+from .cutlass import kernel_family
 from ._inputs import FLOAT_DTYPES, LOW_PRECISION, ValidatedInputs, describe
 
 Tensor = torch.Tensor
@@ -198,17 +199,18 @@ class EagerTriangleMultiplication(Backend):
 
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_fwd", mutates_args=(), device_types="cuda")
 def triangle_fwd(
-    z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool
+    z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool, family: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order (contiguous,
-    float16, bfloat16 or float32) -> (out, *saved): the output, then what the backward reuses
+    float16, bfloat16 or float32), the kernel family (:func:`~evoformer_blocks.ops.cutlass.kernel_family`:
+    "sm90" runs the Hopper input kernel) -> (out, *saved): the output, then what the backward reuses
     (mean_in, rstd_in, a, b, n_hat, rstd_out, g and the folded weights w_ab, b_ab, w_g, w_z, b_z: y is
     recomputed from n_hat)."""
-    return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, weights, eps, outgoing))
+    return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, weights, eps, outgoing, family))
 
 
 @triangle_fwd.register_fake
-def _(z, mask, weights, eps, outgoing):
+def _(z, mask, weights, eps, outgoing, family):
     batch, n, _, c_z = z.shape
     m, c = batch * n * n, weights[2].shape[0] // 4
     stat = z.new_empty(m, dtype=torch.float32)
@@ -245,13 +247,13 @@ def _gradients(ctx, dout, backward):
 
 
 def _setup_context(ctx, inputs, output):
-    z, mask, weights, eps, outgoing = inputs
+    z, mask, weights, eps, outgoing, _family = inputs
     _save(ctx, z, mask, weights, eps, outgoing, output[1:])
 
 
 def _custom_op_backward(ctx, dout, *_):
     dz, dweights = _gradients(ctx, dout, triangle_bwd)
-    return dz, None, dweights, None, None
+    return dz, None, dweights, None, None, None
 
 
 triangle_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
@@ -262,15 +264,15 @@ class _FusedTriangleFunction(torch.autograd.Function):
     layers (less host time per call outside torch.compile); weights come as separate arguments."""
 
     @staticmethod
-    def forward(ctx, z, mask, eps, outgoing, *weights):
-        out, *saved = _fused.kernels().triangle_multiplication_fwd(z, mask, list(weights), eps, outgoing)
+    def forward(ctx, z, mask, eps, outgoing, family, *weights):
+        out, *saved = _fused.kernels().triangle_multiplication_fwd(z, mask, list(weights), eps, outgoing, family)
         _save(ctx, z, mask, weights, eps, outgoing, saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         dz, dweights = _gradients(ctx, dout, _fused.kernels().triangle_multiplication_bwd)
-        return (dz, None, None, None, *dweights)
+        return (dz, None, None, None, None, *dweights)
 
 
 def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
@@ -279,10 +281,11 @@ def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
     zb = z.reshape(-1, n, n, inputs.c_z)  # [B, N, N, c_z]
     mask = None if inputs.mask is None else inputs.mask.reshape(-1, n, n)  # [B, N, N]
     weights = [_fused.kernel_parameter(inputs.weights[name]) for name in _WEIGHTS]
+    family = kernel_family(z.device) if z.is_cuda else "sm80"  # (a meta tensor under tracing: the fakes ignore it)
     if torch.compiler.is_compiling():
-        out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing)[0]
+        out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family)[0]
     else:
-        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, *weights)
+        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, *weights)
     return out.reshape(z.shape)  # [*, N, N, c_z]
 
 
