@@ -358,7 +358,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
                                  rstd_in.data_ptr<float>(), s.M, s.M > 1 ? rows.stride(0) : s.cz, int(s.cz), int(s.c),
                                  int(s.cz), float(eps), s.M % 8 == 0 && aligned16(a) && aligned16(b)};
     tp.c_rows = int(s.c);
-    tp.hopper = hopper;
+    tp.hopper = hopper && aligned16(bias) && aligned16(b_g);  // (the Hopper kernel copies the biases 16 bytes at a time)
     if (z.scalar_type() == at::kHalf) launch_triangle_input<cutlass::half_t>(tp, stream);
     else launch_triangle_input<cutlass::bfloat16_t>(tp, stream);
   } else {

@@ -43,8 +43,9 @@ struct Vec {
   static constexpr int kSize = 16 / int(sizeof(T));
   float v[kSize];
 
-  __device__ __forceinline__ void load(const T* p) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  __device__ __forceinline__ void load(const T* p) { unpack(*reinterpret_cast<const uint4*>(p)); }
+  // the values of 16 raw bytes (e.g. a chunk kept in registers)
+  __device__ __forceinline__ void unpack(const uint4 raw) {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
     if constexpr (std::is_same_v<T, float>) {
 #pragma unroll

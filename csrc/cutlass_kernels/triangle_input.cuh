@@ -212,7 +212,8 @@ inline void launch_on_position_tiles(void (*kernel)(Params), const Params& p, in
 // Layer norm of the z tile in place (x_hat, no affine: it is folded into the weights), element (r, c)
 // at xs + offset_of(r, c); mean and rstd of the valid rows to p.mean / p.rstd. Two lanes per row;
 // lane h of the pair reads the 16-byte chunks c with (c / 4) % 2 == h (the pair's two 64-byte runs
-// fall on different banks), three times: sum, squared deviations, normalised values written back.
+// fall on different banks) once into registers, then passes over them three times: sum, squared
+// deviations, normalised values written back.
 template <typename T, int kK, typename OffsetOf>
 __device__ __forceinline__ void triangle_input_normalise(const TriangleInputParams& p, T* xs, OffsetOf&& offset_of,
                                                          int64_t m0, int valid_rows) {
@@ -221,35 +222,37 @@ __device__ __forceinline__ void triangle_input_normalise(const TriangleInputPara
   const int r = threadIdx.x / 2u, h = threadIdx.x % 2u;
   const auto chunk_col = [h](int j) { return ((j / 4) * 8 + h * 4 + j % 4) * 8; };
   const auto chunk = [&](int j) { return xs + offset_of(r, chunk_col(j)); };
-  float sum = 0.f;
+  // the lane's chunks, read once and kept as raw bytes (columns past K are zeros, not written back)
+  uint4 raw[kChunks];
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    Vec<T> x;
-    x.load(chunk(j));
+  for (int j = 0; j < kChunks; ++j) raw[j] = *reinterpret_cast<const uint4*>(chunk(j));
+  // fn(x, j) for the values x of each chunk j that holds columns below K
+  const auto each_chunk = [&](auto&& fn) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sum += x.v[e];  // columns past K are zeros
-  }
+    for (int j = 0; j < kChunks; ++j) {
+      if (chunk_col(j) >= p.K) continue;
+      Vec<T> x;
+      x.unpack(raw[j]);
+      fn(x, j);
+    }
+  };
+  float sum = 0.f, sq = 0.f;
+  each_chunk([&](Vec<T>& x, int) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += x.v[e];
+  });
   const float inv_k = 1.f / float(p.K);
   const float mean = segment_sum(sum, 2) * inv_k;
-  float sq = 0.f;
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    if (chunk_col(j) >= p.K) continue;
-    Vec<T> x;
-    x.load(chunk(j));
+  each_chunk([&](Vec<T>& x, int) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) sq += (x.v[e] - mean) * (x.v[e] - mean);
-  }
+  });
   const float rstd = rsqrtf(segment_sum(sq, 2) * inv_k + p.eps);
-#pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    if (chunk_col(j) >= p.K) continue;
-    Vec<T> x;
-    x.load(chunk(j));
+  each_chunk([&](Vec<T>& x, int j) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) x.v[e] = (x.v[e] - mean) * rstd;
     x.store(chunk(j));
-  }
+  });
   if (h == 0 && r < valid_rows) p.mean[m0 + r] = mean, p.rstd[m0 + r] = rstd;
 }
 
@@ -257,21 +260,21 @@ __device__ __forceinline__ void triangle_input_normalise(const TriangleInputPara
 // positions] (pitch kTriInStagePitch): a[c, m] = mask * sigmoid(gate + b_g) * (proj + b_p). acc holds
 // the slot's tiles of the thread's kMTiles m16 row tiles: projection tile nt of row tile mt at
 // acc[8 mt + nt], its gate at acc[8 mt + 4 + nt]; `stage` points at the slot's first staged row and
-// the thread's first row (row tile mt at + 16 mt, half hh at + 8 hh).
+// the thread's first row (row tile mt at + 16 mt, half hh at + 8 hh). bias_proj / bias_gate [32]:
+// the biases of the slot's channels (global or shared memory; read only below C).
 template <typename T, int kMTiles>
 __device__ __forceinline__ void stage_gated_slot(const TriangleInputParams& p, const EdgeSlot& slot,
+                                                 const float* bias_proj, const float* bias_gate,
                                                  const float (*acc)[4], const float (&mask)[kMTiles][2], T* stage,
                                                  int t) {
   if (slot.edge >= 2) return;
-  const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows;
-  const float* const bias_gate = bias_proj + p.c_rows;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int ch = slot.ch0 + nt * 8 + 2 * t + e;
-      const float bp = ch < p.C ? bias_proj[ch] : 0.f;
-      const float bg = ch < p.C ? bias_gate[ch] : 0.f;
+      const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c
+      const float bp = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
+      const float bg = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
       T* const s = stage + (nt * 8 + 2 * t + e) * kTriInStagePitch;
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
@@ -379,7 +382,9 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
     if (q < blocks) {
       // edge pass: the warp's column half is slot 2q + col_half; tiles 0-3 projections, 4-7 gates;
       // staged [64 rows (the two slots' channels), 128 positions]
-      stage_gated_slot<T, 2>(p, EdgeSlot(2 * q + col_half, blocks), &acc[0][0], mask,
+      const EdgeSlot slot(2 * q + col_half, blocks);
+      const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows + slot.ch0;
+      stage_gated_slot<T, 2>(p, slot, bias_proj, bias_proj + p.c_rows, &acc[0][0], mask,
                              wbuf + col_half * kTriInSlot * kTriInStagePitch + row_group * 32 + g, t);
       __syncthreads();
       triangle_input_store_edges<T>(p, wbuf, q, m0, valid_rows);

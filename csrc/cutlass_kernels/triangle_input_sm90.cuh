@@ -17,7 +17,9 @@
 // Shared memory (1024-byte aligned, as the swizzles need): the z / x_hat tile [128, kK] and two
 // weight buffers [128, kK], both in CuTe's K-major GMMA layouts (128-byte swizzle); a buffer whose
 // pass is multiplied takes the pass's staged results ([64 channels, 128 positions] or [128
-// positions, 128 columns], pitch kTriInStagePitch), so a buffer is sized for the larger of the two.
+// positions, 128 columns], pitch kTriInStagePitch), so a buffer is sized for the larger of the two,
+// plus the pass's 128 biases, copied with its weights (read from global memory in the epilogue,
+// after the product, their latency was a seventh of the kernel's stalls).
 // c_z 128: 106 KB, two CTAs per SM (c_z 256: one). The copies are cp.async (generic proxy): every thread fences
 // its copies and its layer-norm stores to the async proxy before the barrier that precedes a wgmma.
 #pragma once
@@ -40,11 +42,34 @@ struct TriangleInputSm90Tile {
   static constexpr int kStageBytes = kTriInPassCols * kTriInStagePitch * int(sizeof(T));
   static constexpr int kWeightBytes = kTriInPassCols * kK * int(sizeof(T));
   static constexpr int kXBytes = sm90::smem_align(kTriInRows * kK * int(sizeof(T)));
-  static constexpr int kBufferBytes = sm90::smem_align(kWeightBytes > kStageBytes ? kWeightBytes : kStageBytes);
+  // a buffer's pass biases (128 floats, or 128 values of T for a g pass) after its weights / stage
+  static constexpr int kBiasOffset = kWeightBytes > kStageBytes ? kWeightBytes : kStageBytes;
+  static constexpr int kBufferBytes = sm90::smem_align(kBiasOffset + kTriInPassCols * 4);
   static constexpr int kSmemBytes = sm90::kSmemAlign + kXBytes + 2 * kBufferBytes;  // + base alignment
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
   static constexpr int kMinBlocksPerSM = sm90::ctas_per_sm(kSmemBytes, 2);  // c_z 256: one (no register cap)
 };
+
+// Starts the copy of pass q's biases into `bias` (joining the cp.async group the weight copy then
+// commits): an edge pass's [slot 2q + h][projection, gate][32 channels] floats of b_ab (threads 0-31,
+// 4 channels each), a g pass's 128 values of b_g from column n0 (threads 0-15, 8 each); zeros past
+// C or G. b_ab and b_g are 16-byte aligned (the host checks).
+template <typename T, typename Params>
+__device__ __forceinline__ void triangle_input_load_bias(const Params& p, void* bias, int q) {
+  const int tid = int(threadIdx.x), blocks = edge_blocks(p.C);
+  if (q < blocks) {
+    if (tid >= 32) return;
+    const int h = tid / 16, s = tid / 8 % 2, c = tid % 8 * 4;
+    const EdgeSlot slot(2 * q + h, blocks);
+    const bool ok = slot.edge < 2 && slot.ch0 + c < p.C;
+    const float* src = p.b_ab + (ok ? int64_t(2 * slot.edge + s) * p.c_rows + slot.ch0 + c : 0);
+    cp_async_16(static_cast<float*>(bias) + tid * 4, src, ok);
+  } else if (tid < kTriInPassCols / 8) {
+    const int n = (q - blocks) * kTriInPassCols + tid * 8;
+    const bool ok = n < p.G;
+    cp_async_16(static_cast<T*>(bias) + tid * 8, static_cast<const T*>(p.b_g) + (ok ? n : 0), ok);
+  }
+}
 
 template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSteps>::kMinBlocksPerSM))
@@ -56,8 +81,14 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   char* const smem = sm90::aligned_smem(tri_in90_smem);
   T* const xs = reinterpret_cast<T*>(smem);  // LayoutX: z, then x_hat
   auto buffer = [&](int i) { return reinterpret_cast<T*>(smem + Tile::kXBytes + i * Tile::kBufferBytes); };
+  auto bias_of = [&](int i) { return smem + Tile::kXBytes + i * Tile::kBufferBytes + Tile::kBiasOffset; };
   const auto x_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutX, T>(r, c); };
   const auto w_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutW, T>(r, c); };
+  // pass q's weights and biases into buffer q % 2 (one cp.async group)
+  const auto load_pass = [&](int q) {
+    triangle_input_load_bias<T>(p, bias_of(q % 2), q);
+    triangle_input_load_weights<T, kKSteps>(p, buffer(q % 2), q, w_offset);
+  };
 
   const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
   const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
@@ -68,14 +99,11 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   sm90::SwizzledTileCopy<kTriInRows, Tile::kK, kTriInThreads>(threadIdx.x, x_offset)(
       xs, static_cast<const T*>(p.z) + m0 * p.z_stride, p.z_stride, valid_rows, p.K);
   cp_async_commit();
-  triangle_input_load_weights<T, kKSteps>(p, buffer(0), 0, w_offset);
-  if (passes > 1) triangle_input_load_weights<T, kKSteps>(p, buffer(1), 1, w_offset);
-  else cp_async_commit();
-  cp_async_wait<2>();
-  __syncthreads();
+  load_pass(0);
+  if (passes > 1) load_pass(1);
+  else cp_async_commit();  // (an empty group: the waits below count three)
 
-  triangle_input_normalise<T, Tile::kK>(p, xs, x_offset, m0, valid_rows);
-
+  // the mask of the thread's two rows, read while the copies land
   const int lane = threadIdx.x % 32u, g = lane / 4, t = lane % 4;
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128u), 0);  // warp-uniform
   const int row0 = wg * 64 + int(threadIdx.x % 128u) / 32 * 16 + g;  // the thread's rows: row0, row0 + 8
@@ -86,6 +114,10 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
     mask[0][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
   }
 
+  cp_async_wait<2>();
+  __syncthreads();
+  triangle_input_normalise<T, Tile::kK>(p, xs, x_offset, m0, valid_rows);
+
   typename Tile::Mma mma;
   auto thr = mma.get_thread_slice(threadIdx.x % 128u);
   Tensor sX = make_tensor(make_smem_ptr(xs), typename Tile::LayoutX{});
@@ -94,11 +126,21 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   static_assert(size(tAcc) == kTriInPassCols / 2, "sixteen n8 accumulator tiles per thread");
   float(&acc)[kTriInPassCols / 8][4] = *reinterpret_cast<float(*)[kTriInPassCols / 8][4]>(raw_pointer_cast(tAcc.data()));
 
+  // Stores pass q's staged results (in buffer q % 2) to a, b or g.
+  const auto store_pass = [&](int q) {
+    if (q < blocks) triangle_input_store_edges<T>(p, buffer(q % 2), q, m0, valid_rows);
+    else triangle_input_store_g<T>(p, buffer(q % 2), (q - blocks) * kTriInPassCols, m0, valid_rows);
+  };
+
+  // Pass q: its product runs on the tensor cores while the threads store pass q - 1's staged results;
+  // then pass q + 1's weights go into the buffer those results leave, and pass q's epilogue stages
+  // its results in the buffer its weights leave. Two CTA barriers per pass.
   for (int q = 0; q < passes; ++q) {
     T* const wbuf = buffer(q % 2);
-    cp_async_wait<1>();
+    if (q == 0) cp_async_wait<1>();  // (pass 1's copies may still run)
+    else cp_async_wait<0>();
     cutlass::arch::fence_view_async_shared();  // this thread's copies (and x_hat stores) -> tensor cores
-    __syncthreads();                            // x_hat (q = 0) and pass q's weights are in shared memory
+    __syncthreads();  // pass q's weights and x_hat are in shared memory, pass q - 1's results staged
 
 #pragma unroll
     for (int nt = 0; nt < kTriInPassCols / 8; ++nt)
@@ -110,39 +152,35 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
 #pragma unroll
     for (int kk = 0; kk < size<2>(tXr); ++kk) gemm(mma, tXr(_, _, kk), tWr(_, _, kk), tAcc);
     warpgroup_commit_batch();
+    if (q > 0) store_pass(q - 1);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tAcc);
-    __syncthreads();  // both warpgroups are done with the weights: the buffer takes the staged results
+    __syncthreads();  // pass q's weights and pass q - 1's staged results are read: both buffers are free
+    if (q > 0 && q + 1 < passes) load_pass(q + 1);  // (pass 1 was copied with pass 0)
 
     if (q < blocks) {
       // edge pass: half h of the columns is slot 2q + h; its tiles 8h.. are projections, 8h + 4.. gates.
       // Staged [64 rows (the two slots' channels), 128 positions].
+      const float* const bias = reinterpret_cast<const float*>(bias_of(q % 2));  // [h][proj, gate][32]
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        stage_gated_slot<T, 1>(p, EdgeSlot(2 * q + h, blocks), acc + 8 * h, mask,
+        stage_gated_slot<T, 1>(p, EdgeSlot(2 * q + h, blocks), bias + 64 * h, bias + 64 * h + 32, acc + 8 * h, mask,
                                wbuf + h * kTriInSlot * kTriInStagePitch + row0, t);
-      __syncthreads();
-      triangle_input_store_edges<T>(p, wbuf, q, m0, valid_rows);
     } else {
       // g pass: columns n0.. of g, plus their bias; staged [128 positions, 128 columns]
-      const int n0 = (q - blocks) * kTriInPassCols;
-      const T* const bias = static_cast<const T*>(p.b_g);
+      const T* const bias = reinterpret_cast<const T*>(bias_of(q % 2));  // [128] from column n0, zeros past G
       T* const stage = wbuf + row0 * kTriInStagePitch + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < kTriInPassCols / 8; ++nt) {
-        const int n = n0 + nt * 8 + 2 * t;
-        const float b0 = n < p.G ? float(bias[n]) : 0.f, b1 = n < p.G ? float(bias[n + 1]) : 0.f;
+        const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
           store2<T>(stage + 8 * hh * kTriInStagePitch + nt * 8, acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
       }
-      __syncthreads();
-      triangle_input_store_g<T>(p, wbuf, n0, m0, valid_rows);
     }
-    __syncthreads();  // the staged results are stored: the buffer takes pass q + 2's weights
-    if (q + 2 < passes) triangle_input_load_weights<T, kKSteps>(p, wbuf, q + 2, w_offset);
-    else cp_async_commit();
   }
+  __syncthreads();  // the last pass's results are staged
+  store_pass(passes - 1);
 #endif
 }
 
