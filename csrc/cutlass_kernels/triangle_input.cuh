@@ -457,6 +457,87 @@ __device__ __forceinline__ void triangle_gate_backward_load_d(const TriangleGate
   cp_async_commit();
 }
 
+// The gates' backward of one slot for the thread's kMTiles m16 row tiles (acc and the rows as in
+// stage_gated_slot): d = mask * the staged da / db value at ds (the slot's first staged row and the
+// thread's first row), overwritten by d_proj, and d_gate written 64 staged rows further. The sums of
+// each channel's d_proj and d_gate over the warp's rows (of the values rounded to T, as the GEMMs
+// that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in the slot).
+template <typename T, int kMTiles>
+__device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardParams& p, const EdgeSlot& slot,
+                                                   const float* bias_proj, const float* bias_gate,
+                                                   const float (*acc)[4], const float (&mask)[kMTiles][2], T* ds,
+                                                   float* red_row, int lane) {
+  if (slot.edge >= 2) return;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c, staged row c of the slot
+      const float bp = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
+      const float bg = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
+      float sum_proj = 0.f, sum_gate = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = 2 * hh + e;
+          T* const cell = ds + c * kTriInStagePitch + mt * 16 + 8 * hh;
+          const float d = float(*cell) * mask[mt][hh];
+          const float sg = fast_sigmoid(acc[8 * mt + 4 + nt][i] + bg);
+          const T d_proj = T(d * sg);
+          const T d_gate = T(d * (acc[8 * mt + nt][i] + bp) * sg * (1.f - sg));
+          sum_proj += float(d_proj), sum_gate += float(d_gate);
+          *cell = d_proj;
+          cell[2 * kTriInSlot * kTriInStagePitch] = d_gate;
+        }
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) {  // the eight lanes g of the channel
+        sum_proj += __shfl_xor_sync(0xffffffffu, sum_proj, offset);
+        sum_gate += __shfl_xor_sync(0xffffffffu, sum_gate, offset);
+      }
+      if (g == 0) red_row[c] = sum_proj, red_row[2 * kTriInSlot + c] = sum_gate;
+    }
+}
+
+// After a pass's gate_backward_slot calls (and a barrier): the CTA's bias sums of the pass's
+// channels, red [kGroups][128] added in order into bias_part, and the staged d_proj / d_gate rows
+// (ds, [128 rows, kTriInStagePitch]) stored as rows of dab.
+template <typename T, int kGroups>
+__device__ __forceinline__ void gate_backward_store(const TriangleGateBackwardParams& p, const T* ds, const float* red,
+                                                    int q, int64_t m0, int valid_rows) {
+  const int blocks = edge_blocks(p.C);
+  // staged row rr: kind rr / 64 (projection, gate) of staged channel lr = rr % 64
+  if (threadIdx.x < kTriInPassCols) {
+    const int kind = int(threadIdx.x) / (2 * kTriInSlot), lr = int(threadIdx.x) % (2 * kTriInSlot);
+    const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
+    const int ch = s.ch0 + lr % kTriInSlot;
+    if (s.edge < 2 && ch < p.C) {
+      float total = 0.f;
+#pragma unroll
+      for (int rg = 0; rg < kGroups; ++rg) total += red[rg * kTriInPassCols + threadIdx.x];
+      p.bias_part[int64_t(blockIdx.x) * 4 * p.C + (2 * s.edge + kind) * p.C + ch] = total;
+    }
+  }
+  constexpr int kSpans = kTriInRows / 8;  // 16-byte spans of a staged row
+  const int span_col = int(threadIdx.x % unsigned(kSpans)) * 8, span_row0 = int(threadIdx.x / unsigned(kSpans));
+  if (span_col >= valid_rows) return;
+#pragma unroll
+  for (int rr = span_row0; rr < kTriInPassCols; rr += kTriInThreads / kSpans) {
+    const int kind = rr / (2 * kTriInSlot), lr = rr % (2 * kTriInSlot);
+    const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
+    const int ch = s.ch0 + lr % kTriInSlot;
+    if (s.edge >= 2 || ch >= p.C) continue;
+    const T* src = ds + rr * kTriInStagePitch + span_col;
+    T* dst = static_cast<T*>(p.dab) + (int64_t(2 * s.edge + kind) * p.C + ch) * p.M + m0 + span_col;
+    if (p.vector_ok) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 8 && span_col + e < valid_rows; ++e) dst[e] = src[e];
+    }
+  }
+}
+
 template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kernel(TriangleGateBackwardParams p) {
   using Tile = TriangleInputTile<kKSteps>;
@@ -476,14 +557,11 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kerne
   triangle_input_load_weights<T, kKSteps>(p, wb, 0);
   triangle_gate_backward_load_d<T>(p, ds, 0, m0, valid_rows);
 
-  const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
-  const int g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u, g = lane / 4;
   const int row_group = warp % 4, col_half = warp / 4;
   float mask[2][2];
   triangle_row_masks<T>(mask, p.mask, m0, valid_rows, row_group, g);
 
-  constexpr int kSpans = kTriInRows / 8;  // 16-byte spans of a staged row
-  const int span_col = int(threadIdx.x % unsigned(kSpans)) * 8, span_row0 = int(threadIdx.x / unsigned(kSpans));
   for (int q = 0; q < blocks; ++q) {
     cp_async_wait<0>();
     __syncthreads();  // x_hat, the pass's weights and its d rows are in shared memory
@@ -494,73 +572,12 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kerne
     if (q + 1 < blocks) triangle_input_load_weights<T, kKSteps>(p, wb, q + 1);
 
     const EdgeSlot slot(2 * q + col_half, blocks);
-    if (slot.edge < 2) {
-      const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows;
-      const float* const bias_gate = bias_proj + p.c_rows;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int lr = col_half * kTriInSlot + nt * 8 + 2 * t + e;  // staged row
-          const int ch = slot.ch0 + nt * 8 + 2 * t + e;
-          const float bp = ch < p.C ? bias_proj[ch] : 0.f;
-          const float bg = ch < p.C ? bias_gate[ch] : 0.f;
-          float sum_proj = 0.f, sum_gate = 0.f;
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int i = 2 * hh + e;
-              const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-              T* const cell = ds + lr * kTriInStagePitch + r;
-              const float d = float(*cell) * mask[mt][hh];
-              const float sg = fast_sigmoid(acc[mt][nt + 4][i] + bg);
-              const T d_proj = T(d * sg);
-              const T d_gate = T(d * (acc[mt][nt][i] + bp) * sg * (1.f - sg));
-              sum_proj += float(d_proj), sum_gate += float(d_gate);
-              *cell = d_proj;
-              cell[2 * kTriInSlot * kTriInStagePitch] = d_gate;
-            }
-#pragma unroll
-          for (int offset = 4; offset < 32; offset *= 2) {  // the eight lanes g of the channel
-            sum_proj += __shfl_xor_sync(0xffffffffu, sum_proj, offset);
-            sum_gate += __shfl_xor_sync(0xffffffffu, sum_gate, offset);
-          }
-          if (g == 0) {
-            red[row_group * kTriInPassCols + lr] = sum_proj;
-            red[row_group * kTriInPassCols + 2 * kTriInSlot + lr] = sum_gate;
-          }
-        }
-    }
+    const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows + slot.ch0;
+    gate_backward_slot<T, 2>(p, slot, bias_proj, bias_proj + p.c_rows, &acc[0][0], mask,
+                             ds + col_half * kTriInSlot * kTriInStagePitch + row_group * 32 + g,
+                             red + row_group * kTriInPassCols + col_half * kTriInSlot, lane);
     __syncthreads();
-    // staged row rr: kind rr / 64 (projection, gate) of staged channel lr = rr % 64
-    if (threadIdx.x < kTriInPassCols) {
-      const int kind = int(threadIdx.x) / (2 * kTriInSlot), lr = int(threadIdx.x) % (2 * kTriInSlot);
-      const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
-      const int ch = s.ch0 + lr % kTriInSlot;
-      if (s.edge < 2 && ch < p.C) {
-        float total = 0.f;
-#pragma unroll
-        for (int rg = 0; rg < 4; ++rg) total += red[rg * kTriInPassCols + threadIdx.x];
-        p.bias_part[int64_t(blockIdx.x) * 4 * p.C + (2 * s.edge + kind) * p.C + ch] = total;
-      }
-    }
-    if (span_col < valid_rows) {
-#pragma unroll
-      for (int rr = span_row0; rr < kTriInPassCols; rr += kTriInThreads / kSpans) {
-        const int kind = rr / (2 * kTriInSlot), lr = rr % (2 * kTriInSlot);
-        const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
-        const int ch = s.ch0 + lr % kTriInSlot;
-        if (s.edge >= 2 || ch >= p.C) continue;
-        const T* src = ds + rr * kTriInStagePitch + span_col;
-        T* dst = static_cast<T*>(p.dab) + (int64_t(2 * s.edge + kind) * p.C + ch) * p.M + m0 + span_col;
-        if (p.vector_ok) {
-          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-          for (int e = 0; e < 8 && span_col + e < valid_rows; ++e) dst[e] = src[e];
-        }
-      }
-    }
+    gate_backward_store<T, 4>(p, ds, red, q, m0, valid_rows);
     __syncthreads();  // the staged results are stored: the tile takes the next pass's d rows
     if (q + 1 < blocks) triangle_gate_backward_load_d<T>(p, ds, q + 1, m0, valid_rows);
   }

@@ -1,6 +1,6 @@
 // Launcher of the triangle multiplication's Hopper input kernel (triangle_input_sm90.cuh), half and
-// bfloat16, one instantiation per c_z bucket (64, 128, 256); the kernels hold code only in a build
-// for sm_90a, and the host launches them only where block_hopper_kernels() says so.
+// bfloat16, one instantiation per c_z bucket (64, 128, 256). The kernels hold code only in a build for
+// sm_90a; the host launches them for the "sm90" kernel family.
 #include "triangle_input_sm90.cuh"
 
 namespace evoformer {
