@@ -27,7 +27,9 @@ cuEquivariance's fused triangle_multiplicative_update on the same weights: time 
 (instead of the block cases unless --shapes is given too).
 
 With --profile, the CUDA kernels of one forward+backward of the default block (torch.profiler,
-gradients by torch.autograd.grad as in the timing, grouped by kernel name).
+gradients by torch.autograd.grad as in the timing, grouped by kernel name); with --triangle too,
+those of the outgoing triangle multiplication at each N_res, once per kernel family the GPU runs
+(on Hopper: the Hopper kernels and the portable ones).
 
     python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
                                      [--triangle 384,768,1024] [--json out.json]
@@ -50,6 +52,7 @@ from harness import (  # noqa: E402
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
+from evoformer_blocks.ops import cutlass  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -257,6 +260,23 @@ def triangle_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return z, mask
 
 
+def triangle_kernels(n: int, z: torch.Tensor, mask: torch.Tensor, args) -> None:
+    """The CUDA kernels of the outgoing triangle multiplication at N_res n (torch.profiler), once per
+    kernel family this GPU runs (EVOFORMER_BLOCKS_KERNELS), forward and, unless --forward-only,
+    forward+backward."""
+    module = randomized(eb.TriangleMultiplicationOutgoing(128, 128)).to("cuda", DTYPE)
+    leaves = [z, *module.parameters()]
+    for family in cutlass.available_kernel_families(torch.cuda.current_device()):
+        for backward in (False,) if args.forward_only else (False, True):
+            setting = "auto" if family == "sm90" else "sm80"  # (the sm80 setting forces the portable kernels)
+            step = make_step(lambda: module(z, mask), leaves, backward=backward, env={cutlass.KERNELS_ENV: setting})
+            total, launches, kernels = kernel_breakdown(step, top=12)
+            print(f"  kernels, outgoing N_res {n}, family {family}, {'forward+backward' if backward else 'forward'}: "
+                  f"{total:.3f} ms in {launches} launches", flush=True)
+            for ms, count, name in kernels:
+                print(f"    {ms:7.3f} ms {count:3d}x {name[:100]}", flush=True)
+
+
 def triangle_sweep(sizes: list[int], args) -> list[dict]:
     """Both triangle multiplications alone at c_z = c_hidden = 128 against cuEquivariance's."""
     rows, table = [], []
@@ -277,6 +297,8 @@ def triangle_sweep(sizes: list[int], args) -> list[dict]:
             rows.append({"module": cls.__name__, "n_res": n, "ours": ours.as_dict(), "peer": theirs.as_dict()})
             print(f"  {table[-1][0]}: {ours.cell()} | cuEquivariance {theirs.cell()} ({ratio[0]} ; {ratio[1]})", flush=True)
             del module
+        if args.profile:
+            triangle_kernels(n, z, mask, args)
         del z, mask
         torch.cuda.empty_cache()
     print(markdown_table(["triangle multiplication", "ours fwd / fwd+bwd ms", "cuEquivariance",
@@ -288,7 +310,8 @@ def main() -> None:
     cli = CommandLine(__doc__, shapes=[c.label() for c in CASES], impls=list(IMPLS))
     cli.add_argument("--breakdown", action="store_true", help="time the nine sub-modules and the module-level peers")
     cli.add_argument("--profile", action="store_true",
-                     help="list the CUDA kernels of one forward+backward of the default block (torch.profiler)")
+                     help="list the CUDA kernels of one forward+backward of the default block (torch.profiler); "
+                          "with --triangle, those of the outgoing triangle multiplication per kernel family")
     cli.add_argument("--triangle", default="", help="N_res list for the triangle multiplication sweep, e.g. 384,768,1024")
     args = cli.parse()
     if args.triangle and not any(a.startswith("--shapes") for a in sys.argv[1:]):
