@@ -13,9 +13,10 @@
 // leave it), w_z [G, C] and the g tile [128, G] are copied into shared memory (cp.async). The
 // statistics take two threads per position (channel halves, warp-uniform: conflict-free column
 // reads); the tile is normalised in place and stays channel-major, so it is the GEMM's A operand
-// read with transposing ldmatrix (positions m, channels k). Warps as in triangle_input.cuh: 4 row
-// groups of 32 positions x 2 column halves of 64. The epilogue writes out over g (each value by the
-// thread that read g), which goes out as 16-byte rows.
+// read with transposing ldmatrix (positions m, channels k), and n_hat goes to HBM straight from
+// those A fragments. Warps as in triangle_input.cuh: 4 row groups of 32 positions x 2 column halves
+// of 64. The epilogue writes out over g (each value by the thread that read g), which goes out as
+// 16-byte rows.
 #pragma once
 
 #include <cstdint>
@@ -103,41 +104,33 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
       if (2 * j + h < p.C) column[2 * j * kSP] = T((float(column[2 * j * kSP]) - mean) * rstd);
     if (h == 0 && pos < valid_rows) p.rstd[m0 + pos] = rstd;
   }
-  __syncthreads();
-
-  // n_hat rows [position, C]: 8 channels per 16-byte store; a warp's lanes take consecutive
-  // positions, so its reads of the channel-major tile fall on distinct banks (lanes on one position
-  // and channels 8 apart, 8 * kSP elements apart, would all hit one bank)
-  {
-    const int spans = p.C / 8;
-    for (int s = threadIdx.x; s < kTriInRows * spans; s += kTriInThreads) {
-      const int pos = s % kTriInRows, c = (s / kTriInRows) * 8;
-      if (pos >= valid_rows) continue;
-      uint32_t w[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const T lo = ps[(c + 2 * e) * kSP + pos], hi = ps[(c + 2 * e + 1) * kSP + pos];
-        w[e] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) | (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
-      }
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.n_hat) + (m0 + pos) * p.C + c) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
   cp_async_wait<0>();
-  __syncthreads();  // w_z and g are in
+  __syncthreads();  // the normalised tile, w_z and g are in
 
-  // y = n_hat . w_z^T: A from the channel-major tile (transposing ldmatrix), B from w_z rows
+  // y = n_hat . w_z^T: A from the channel-major tile (transposing ldmatrix), B from w_z rows. The A
+  // fragments are n_hat's rows [position, C] as stored: each register holds two channels of one
+  // position, so they go to HBM from there as 4-byte stores (the warps of column half h take the
+  // k-steps of parity h; a k-step's two stores per position fill a 32-byte sector).
   const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
   const int g = lane / 4, t = lane % 4;
   const int row_group = warp % 4, col_half = warp / 4;
   float acc[2][8][4];
   const int mat = lane / 8;
+  T* const n_hat = static_cast<T*>(p.n_hat);
   triangle_pass_products<T, kKSteps>(
       acc,
       [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < 2; ++mt) {
           ldsm_x4_trans(ps + (kk * 16 + (mat / 2) * 8 + lane % 8) * kSP + row_group * 32 + mt * 16 + (mat % 2) * 8,
                         af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+          if (kk % 2 != col_half) continue;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {  // register i: position g + 8 (i % 2), channels 2t (+ 8 for i >= 2)
+            const int r = row_group * 32 + mt * 16 + g + 8 * (i % 2), c = kk * 16 + 8 * (i / 2) + 2 * t;
+            if (r < valid_rows && c < p.C) *reinterpret_cast<uint32_t*>(n_hat + (m0 + r) * p.C + c) = af[mt][i];
+          }
+        }
       },
       wb, col_half, lane);
 
