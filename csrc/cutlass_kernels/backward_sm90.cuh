@@ -8,7 +8,9 @@
 // start S^T at the biases and dP^T at -delta, issue S^T = K.Q^T and dP^T = V.dO^T, form
 // P^T = exp2((S^T - m) * scale_log2 - l) and dS^T = P^T * (dP^T - delta) in registers (the row sums
 // of dS^T are the mask-bias gradient), then issue dV += P^T.dO and dK += dS^T.Q and wait for them.
-// Q, dO, the pair tile and the statistics live in a 2-stage ring.
+// Q, dO, the pair tile and the statistics live in a 2-stage ring. At D > 32 (DkdvConfig::kOverlap)
+// block i's dV and dK products are issued in step i + 1, behind S^T and dP^T of block i + 1, and run
+// while that block's P^T and dS^T are formed; the ring then has three stages.
 //
 // dQ: CTA = one warpgroup x 64 query rows of one (b, n, h), on the sm80 dQ kernel's RowTileGrid.
 // Key step j: wait for block j's tiles, one CTA barrier, thread 0 starts block j + 1's TMA copies
@@ -62,7 +64,14 @@ struct DkdvConfig {
   static constexpr int kQBytes = smem_align(kBlockM * kHeadDim * 2);
   static constexpr int kPairBytes = kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0;
   static constexpr int kStageBytes = smem_align(2 * kQBytes + kPairBytes + kBlockM * 12);
-  static constexpr int kStages = 2;
+  // kOverlap: step i issues block i - 1's dV and dK products behind its own S^T and dP^T and forms
+  // P^T and dS^T while they run, so three stages (block i - 1's products read theirs during step i
+  // while block i + 1 is copied). Measured (H100, bf16, dK/dV kernel alone): D = 64 262 -> 245 us
+  // at MSA row N128 L384; D = 32 slower (343 -> 399 us at MSA row N512 L256, 1.72 -> 1.93 ms at
+  // triangle N768, where three CTAs per SM already overlap one another), so D = 32 keeps the plain
+  // order and two stages.
+  static constexpr bool kOverlap = kHeadDim > 32;
+  static constexpr int kStages = kOverlap ? 3 : 2;
   static constexpr int kSmemBytes = kSmemAlign + 2 * kKVBytes + kStages * kStageBytes;
   // S^T, dP^T, their A-operand copies and dK, dV stay in registers (about 100 + D per thread): the
   // register cap of 4 CTAs per SM (128) spills, 3 (168) fits D = 32, 2 (255) the wider heads.
@@ -178,13 +187,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     for (int e = 0; e < 4; ++e) dk[dt][e] = 0.f, dv[dt][e] = 0.f;
   float dmask_acc[2] = {0.f, 0.f};
 
+  // dV += P^T_{ib}.dO_{ib};  dK += dS^T_{ib}.Q_{ib}, with P^T and dS^T in registers (pa, dsa), issued
+  // without waiting.
+  auto issue_grads = [&](int ib) {
+    const int st = ib % Cfg::kStages;
+    Tensor tGrdO = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(do_smem(st)), typename Cfg::LayoutQt{}));
+    Tensor tGrQ = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(q_smem(st)), typename Cfg::LayoutQt{}));
+    warpgroup_fence_operand(tGrdV);
+    warpgroup_fence_operand(tGrdK);
+    warpgroup_fence_operand(tGrP);
+    warpgroup_fence_operand(tGrdS);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tGrP); ++kk) gemm(mma_g, tGrP(_, _, kk), tGrdO(_, _, kk), tGrdV);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tGrdS); ++kk) gemm(mma_g, tGrdS(_, _, kk), tGrQ(_, _, kk), tGrdK);
+    warpgroup_commit_batch();
+  };
+
   const int n_blocks = (p.Lq + kBlockM - 1) / kBlockM;
   for (int ib = 0; ib < n_blocks; ++ib) {
     const int st = ib % Cfg::kStages;
     cp_async_wait<0>();                        // this thread's copies of query block ib have landed
     cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
-    __syncthreads();  // everyone's copies and statistics landed; block ib - 1's products are done
-    if (ib + 1 < n_blocks) load_block(ib + 1);  // into the stage of block ib - 1
+    // everyone's copies and statistics of block ib landed; the products that read the stage block
+    // ib + 1 takes (block ib - 1's, or ib - 2's with kOverlap) are done
+    __syncthreads();
+    if (ib + 1 < n_blocks) load_block(ib + 1);
     cp_async_commit();
 
     // S^T = (mask + pair)^T / scale + K . Q^T;  dP^T - delta = -delta + V . dO^T
@@ -210,7 +239,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
     for (int kk = 0; kk < size<2>(tSrV); ++kk) gemm(mma_s, tSrV(_, _, kk), tSrdO(_, _, kk), tSrdP);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
+    if (Cfg::kOverlap && ib > 0) {
+      issue_grads(ib - 1);
+      warpgroup_wait<1>();  // S^T and dP^T done; block ib - 1's dV and dK products may still run
+    } else {
+      warpgroup_wait<0>();
+    }
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tSrdP);
 
@@ -226,26 +260,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
         dmask_acc[e / 2] += dpt[qt][e];
       }
     }
+    auto to_a_operands = [&] {
 #pragma unroll
-    for (int kc = 0; kc < kBlockM / 16; ++kc) {
-      c_to_a_frag<Element>(pa[kc], st_, kc);
-      c_to_a_frag<Element>(dsa[kc], dpt, kc);
+      for (int kc = 0; kc < kBlockM / 16; ++kc) {
+        c_to_a_frag<Element>(pa[kc], st_, kc);
+        c_to_a_frag<Element>(dsa[kc], dpt, kc);
+      }
+    };
+    if constexpr (Cfg::kOverlap) {
+      if (ib + 1 < n_blocks) store_pending((ib + 1) % Cfg::kStages);
+      warpgroup_wait<0>();  // block ib - 1's products done: pa and dsa may change
+      to_a_operands();
+    } else {
+      to_a_operands();
+      issue_grads(ib);
+      if (ib + 1 < n_blocks) store_pending((ib + 1) % Cfg::kStages);
+      warpgroup_wait<0>();
     }
-
-    // dV += P^T . dO;  dK += dS^T . Q
-    Tensor tGrdO = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(do_smem(st)), typename Cfg::LayoutQt{}));
-    Tensor tGrQ = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(q_smem(st)), typename Cfg::LayoutQt{}));
     warpgroup_fence_operand(tGrdV);
     warpgroup_fence_operand(tGrdK);
-    warpgroup_fence_operand(tGrP);
-    warpgroup_fence_operand(tGrdS);
-    warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tGrP); ++kk) gemm(mma_g, tGrP(_, _, kk), tGrdO(_, _, kk), tGrdV);
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tGrdS); ++kk) gemm(mma_g, tGrdS(_, _, kk), tGrQ(_, _, kk), tGrdK);
-    warpgroup_commit_batch();
-    if (ib + 1 < n_blocks) store_pending(st ^ 1);
+  }
+  if constexpr (Cfg::kOverlap) {
+    issue_grads(n_blocks - 1);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tGrdV);
     warpgroup_fence_operand(tGrdK);
