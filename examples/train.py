@@ -82,6 +82,14 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world)))
         if torch.cuda.is_available():
+            gpus = torch.cuda.device_count()
+            if self.local_rank >= gpus:
+                raise ValueError(
+                    f"local rank {self.local_rank} of {self.local_world} processes on this node has no GPU: the node "
+                    f"has {gpus} visible CUDA device(s) and each process trains on its own. Start at most {gpus} "
+                    f"per node (torchrun --nproc_per_node={gpus}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to "
+                    "train on the CPU with gloo."
+                )
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         else:

@@ -129,7 +129,7 @@ def test_runs_are_reproducible(tmp_path):
 
 def test_two_process_ddp_with_gloo(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path (gloo) also on a machine with GPUs
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(ROOT / "examples" / "train.py"), *TINY, f"hydra.run.dir={tmp_path}",
@@ -141,3 +141,15 @@ def test_two_process_ddp_with_gloo(tmp_path):
     # Rank 0 alone writes the run directory: one log, one metrics file, rank 0's checkpoints.
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "checkpoints", "contacts.png", "metrics.jsonl", "train.log"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002.pt", "step_000004.pt"]
+
+
+def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device must not be reached"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"local rank 1 of 2 .* 1 visible CUDA device.*--nproc_per_node=1"):
+        train_example.Dist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import email
 import os
 import shutil
+import site as site_module
 import subprocess
 import sys
 import zipfile
@@ -82,6 +83,9 @@ def test_installed_wheel_carries_and_finds_the_kernel_sources(wheel, tmp_path):
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     site = Path(run(python, "-c", purelib, cwd=tmp_path, env=env).strip())
     assert site.resolve().is_relative_to(venv.resolve())
+    # A venv made from inside another venv sees the base interpreter's site-packages, not the
+    # parent environment's (where torch is): those directories go after the venv's own.
+    (site / "_parent_environment.pth").write_text("\n".join(site_module.getsitepackages()) + "\n")
 
     outside = tmp_path / "elsewhere"  # not the checkout, so its evoformer_blocks/ is not on sys.path
     outside.mkdir()
