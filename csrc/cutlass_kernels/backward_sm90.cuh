@@ -21,7 +21,8 @@
 // then wait for that and keep dS_j in registers for the next step. K is therefore read one step
 // after V: V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
 //
-// Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma.
+// Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma, the pair
+// tile read once into registers.
 #pragma once
 
 #include <type_traits>
