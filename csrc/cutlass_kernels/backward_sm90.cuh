@@ -586,19 +586,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 
   // The pair tile is the same for every row n: read once into registers, keys past Lk at -inf, so
-  // that each row's scores start at fma(pair, 1 / scale, mask) as init_scores forms them.
+  // that each row's scores start at fma(pair, 1 / scale, mask) (add_key_biases, as the forward's).
+  static_assert(Cfg::kPair != kNoPair, "the pair-bias gradient kernel runs only with a pair bias");
   float pair_reg[kNTiles][4];
   {
     cp_async_wait<0>();  // the pair tile (and row n_begin's tiles) have landed
     __syncthreads();
-    if constexpr (Cfg::kPair != kNoPair) load_bias_tile<kNTiles, Cfg::kPairPitch, false>(pair_reg, sPair, warp_row0, lane);
+    load_bias_tile<kNTiles, Cfg::kPairPitch, false>(pair_reg, sPair, warp_row0, lane);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if constexpr (Cfg::kPair == kNoPair) pair_reg[nt][e] = 0.f;
+      for (int e = 0; e < 4; ++e)
         if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
-      }
   }
 
   for (int n = tile.n_begin; n < tile.n_end; ++n) {
@@ -617,12 +616,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       delta_row[r] = delta_smem(st)[warp_row0 + lane / 4 + 8 * r];
     }
     const float* sMask = mask ? mask_smem(st) : nullptr;
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-      const float2 cb = sMask ? *reinterpret_cast<const float2*>(sMask + nt * 8 + 2 * (lane % 4)) : make_float2(0.f, 0.f);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = fmaf(pair_reg[nt][e], p.inv_scale, e % 2 ? cb.y : cb.x);
-    }
+    add_key_biases<true, false, kNTiles>(s, pair_reg, sMask, tile.rows_k, p.inv_scale, lane);
     start_at_minus_delta<kNTiles>(dp, delta_row);
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 0)), typename Cfg::LayoutQ{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 1)), typename Cfg::LayoutQ{}));

@@ -98,15 +98,15 @@ __device__ __forceinline__ void load_bias_tile(float (&out)[kNTiles][4], const T
   }
 }
 
-// Starts a warp's 16-row score tile at the biases divided by the scale, so that after S += q.k the
-// logits in log2 units are x = S * scale_log2. Columns are the stage's keys: the mask bias (already
-// divided by the scale) is per column; the pair tile holds rows row0.. of this stage (see
-// load_bias_tile). With kCheckKeys (the last key block), keys at or past `valid_keys` start at -inf.
-template <bool kHasPair, bool kCheckKeys, int kNTiles, int kPairPitch, typename PairT>
-__device__ __forceinline__ void init_scores(float (&s)[kNTiles][4], const float* mask_tile, const PairT* pair_tile,
-                                            int row0, int valid_keys, float inv_scale, int lane) {
+// Sets a warp's 16-row score tile to the biases divided by the scale, s = fma(pair, 1 / scale, mask)
+// per score (the mask bias is already divided by the scale and is per column; without kHasPair,
+// s = mask), so that after S += q.k the logits in log2 units are x = S * scale_log2. `pair` holds
+// the pair-bias values in accumulator layout and may be `s` itself. With kCheckKeys (the last key
+// block), keys at or past `valid_keys` start at -inf.
+template <bool kHasPair, bool kCheckKeys, int kNTiles>
+__device__ __forceinline__ void add_key_biases(float (&s)[kNTiles][4], const float (&pair)[kNTiles][4],
+                                               const float* mask_tile, int valid_keys, float inv_scale, int lane) {
   const int t = lane % 4;
-  if constexpr (kHasPair) load_bias_tile<kNTiles, kPairPitch, false>(s, pair_tile, row0, lane);
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt) {
     const int col = nt * 8 + 2 * t;
@@ -116,14 +116,23 @@ __device__ __forceinline__ void init_scores(float (&s)[kNTiles][4], const float*
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (kHasPair) {
-        s[nt][2 * r] = fmaf(s[nt][2 * r], inv_scale, cb.x);
-        s[nt][2 * r + 1] = fmaf(s[nt][2 * r + 1], inv_scale, cb.y);
+        s[nt][2 * r] = fmaf(pair[nt][2 * r], inv_scale, cb.x);
+        s[nt][2 * r + 1] = fmaf(pair[nt][2 * r + 1], inv_scale, cb.y);
       } else {
         s[nt][2 * r] = cb.x;
         s[nt][2 * r + 1] = cb.y;
       }
     }
   }
+}
+
+// Starts a warp's 16-row score tile at the biases divided by the scale (add_key_biases); the pair
+// tile holds rows row0.. of this stage (see load_bias_tile).
+template <bool kHasPair, bool kCheckKeys, int kNTiles, int kPairPitch, typename PairT>
+__device__ __forceinline__ void init_scores(float (&s)[kNTiles][4], const float* mask_tile, const PairT* pair_tile,
+                                            int row0, int valid_keys, float inv_scale, int lane) {
+  if constexpr (kHasPair) load_bias_tile<kNTiles, kPairPitch, false>(s, pair_tile, row0, lane);
+  add_key_biases<kHasPair, kCheckKeys, kNTiles>(s, s, mask_tile, valid_keys, inv_scale, lane);
 }
 
 // init_scores for a key block of kNTiles * 8 keys of which `valid_keys` exist: the variant that
