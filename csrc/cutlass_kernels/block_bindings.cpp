@@ -109,11 +109,11 @@ bool row_fits(int64_t C, int64_t element_size) {
   return C * element_size % 16 == 0 && C * element_size <= int64_t(32) * kMaxRowChunks * 16;
 }
 
-// CTAs of a row-norm launch: one per group of rows, at most four per SM (the backward's affine
+// CTAs of a row-kernel launch: one per group of rows, at most per_sm per SM (the backward's affine
 // partials have one row per CTA).
-int row_norm_ctas(int64_t M, int row_threads) {
+int row_norm_ctas(int64_t M, int row_threads, int per_sm = kRowNormCtasPerSm) {
   const int64_t groups = (M + kBlockOpThreads / row_threads - 1) / (kBlockOpThreads / row_threads);
-  return int(std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(4) * current_sm_count())));
+  return int(std::max<int64_t>(1, std::min<int64_t>(groups, int64_t(per_sm) * current_sm_count())));
 }
 
 void check_cuda(const at::Tensor& t, const char* name, const char* op) {
@@ -187,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, c
   at::Tensor dx = output({M, C}, x.options());
   const auto f32 = x.options().dtype(at::kFloat);
   const int row_threads = row_threads_for(C, x.element_size());
-  const int ctas = row_norm_ctas(M, row_threads);
+  const int ctas = row_norm_ctas(M, row_threads, kRowNormBackwardCtasPerSm);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto affine_options = x.options().dtype(affine_dtype);
   if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options)};

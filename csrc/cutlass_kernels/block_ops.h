@@ -41,6 +41,10 @@ struct ColumnTotals {
 
 // Row layer norm: a row is spread over up to 32 lanes with up to kMaxRowChunks 16-byte chunks each.
 constexpr int kMaxRowChunks = 4;
+// CTAs per SM of the row layer norms' grids (grid-stride loops): the forward's, and the backward's
+// (its one-chunk instantiation is compiled for that many).
+constexpr int kRowNormCtasPerSm = 4;
+constexpr int kRowNormBackwardCtasPerSm = 3;
 
 struct RowNormParams {
   const void* x;        // [M, C] row-major

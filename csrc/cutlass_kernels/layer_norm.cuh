@@ -133,6 +133,35 @@ struct RowSlots {
   __device__ __forceinline__ int64_t row_step() const { return int64_t(gridDim.x) * rows_per_cta; }
 };
 
+// The thread's columns of an affine parameter [C] as float (`absent` where it is not given or past C).
+template <typename T, int kChunks>
+__device__ __forceinline__ void load_affine(const RowNormThread<T, kChunks>& th, const ParamTensor& t, float absent,
+                                            int C, float (&out)[kChunks][Vec<T>::kSize]) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kSize; ++i)
+      out[c][i] = t.ptr != nullptr && th.valid(c, C) ? param_load(t, th.col(c) + i) : absent;
+}
+
+// A thread's raw 16-byte chunks of one row of a row-major tensor, loaded ahead of their use (the
+// row kernels keep the next row group's chunks in flight while they work on the current one).
+// Chunks past C or of a row past M are not loaded.
+template <int kChunks>
+struct RowChunks {
+  uint4 raw[kChunks];
+
+  template <typename T>
+  __device__ __forceinline__ void load(const RowNormThread<T, kChunks>& th, const void* base, int64_t stride,
+                                       int64_t row, int64_t M, int C) {
+    if (row >= M) return;
+    const T* src = static_cast<const T*>(base) + row * stride;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      if (th.valid(c, C)) raw[c] = *reinterpret_cast<const uint4*>(src + th.col(c));
+  }
+};
+
 // The sum of n floats p[0], p[stride], ... in that order, eight loads in flight (read through L2:
 // other CTAs wrote them).
 __device__ __forceinline__ float add_rows_in_order(const float* p, int64_t stride, int n) {
@@ -223,7 +252,9 @@ __device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kCh
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
 // x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
 // or absent. With p.residual, x + residual (rounded to T, as a PyTorch add would) is written to
-// p.sum and normalised instead of x.
+// p.sum and normalised instead of x. Each thread loads its chunks of the next row group's x (and
+// residual) before it reduces and stores the current group's, so that two rows per thread are in
+// flight: one row per warp at a time left the kernel waiting on DRAM latency.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
@@ -231,20 +262,29 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
   Th& th = rs.th;
   const int rows_per_cta = rs.rows_per_cta, slot = rs.slot;
   const float inv_c = 1.f / float(p.C);
+  const bool add = p.residual != nullptr;
+  float weight[kChunks][Th::kVec], bias[kChunks][Th::kVec];  // of the thread's columns, read once
+  load_affine(th, p.weight, 1.f, p.C, weight);
+  load_affine(th, p.bias, 0.f, p.C, bias);
+  RowChunks<kChunks> next_x, next_r;  // the next row group's chunks, in flight
+  next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
+  if (add) next_r.load(th, p.residual, p.residual_stride, rs.first_row(), p.M, p.C);
   for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {  // uniform per CTA
     const int64_t row = group * rows_per_cta + slot;
     const bool row_ok = row < p.M;
-    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    // this group's chunks out of the prefetch registers, then the next group's loads
+    Vec<T> r[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) th.x[c].unpack(next_x.raw[c]), r[c].unpack(next_r.raw[c]);
+    next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
+    if (add) next_r.load(th, p.residual, p.residual_stride, row + rs.row_step(), p.M, p.C);
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (row_ok && th.valid(c, p.C)) {
-        th.x[c].load(x + th.col(c));
-        if (p.residual != nullptr) {
-          Vec<T> r;
-          r.load(static_cast<const T*>(p.residual) + row * p.residual_stride + th.col(c));
+        if (add) {
 #pragma unroll
-          for (int i = 0; i < Th::kVec; ++i) th.x[c].v[i] = round_to<T>(th.x[c].v[i] + r.v[i]);
+          for (int i = 0; i < Th::kVec; ++i) th.x[c].v[i] = round_to<T>(th.x[c].v[i] + r[c].v[i]);
           th.x[c].store(static_cast<T*>(p.sum) + row * p.sum_stride + th.col(c));
         }
 #pragma unroll
@@ -271,12 +311,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
       Vec<T> out;
       const int col = th.col(c);
 #pragma unroll
-      for (int i = 0; i < Th::kVec; ++i) {
-        float v = (th.x[c].v[i] - mean) * rstd;
-        if (p.weight.ptr != nullptr) v *= param_load(p.weight, col + i);
-        if (p.bias.ptr != nullptr) v += param_load(p.bias, col + i);
-        out.v[i] = v;
-      }
+      for (int i = 0; i < Th::kVec; ++i) out.v[i] = fmaf((th.x[c].v[i] - mean) * rstd, weight[c][i], bias[c][i]);
       out.store(y + col);
     }
     if (th.sub == 0) {
@@ -289,9 +324,12 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
 // Backward: dx from dy, x, the saved mean / rstd and the weight (plus p.dsum where given: the
 // gradient that reaches x by another path, added before the one rounding); with want_affine_grad, each CTA
 // writes its partial sums of dy * x_hat and dy over its rows into affine_part [gridDim.x, 2, C]
-// (float32).
+// (float32). The next row group's x and dy are loaded ahead, as in the forward.
+// One chunk per lane (rows up to 256 half-precision values, AF2's widths): registers capped for the
+// CTAs per SM the host sizes its grid for (kRowNormBackwardCtasPerSm).
 template <typename T, int kChunks>
-__global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
+__global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwardCtasPerSm : 1)
+    layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
   using Th = RowNormThread<T, kChunks>;
   constexpr int kVec = Th::kVec;
   extern __shared__ float partial_smem[];  // [rows_per_cta][2][C] when the affine gradient is wanted
@@ -307,27 +345,36 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
 #pragma unroll
     for (int i = 0; i < kVec; ++i) dw[c][i] = 0.f, db[c][i] = 0.f;
 
-  for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {
+  const bool has_dsum = p.dsum != nullptr;
+  float weight[kChunks][kVec];  // of the thread's columns, read once
+  load_affine(th, p.weight, 1.f, p.C, weight);
+  RowChunks<kChunks> next_x, next_dy;  // the next row group's chunks, in flight
+  next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
+  next_dy.load(th, p.dy, p.dy_stride, rs.first_row(), p.M, p.C);
+  for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {  // uniform per CTA
     const int64_t row = group * rows_per_cta + slot;
     const bool row_ok = row < p.M;
-    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
     const float mean = row_ok ? p.mean[row] : 0.f, rstd = row_ok ? p.rstd[row] : 0.f;
+    // this group's chunks out of the prefetch registers, then the next group's loads
     Vec<T> g[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) th.x[c].unpack(next_x.raw[c]), g[c].unpack(next_dy.raw[c]);
+    RowChunks<kChunks> dsum;  // this group's, used last (in flight during the reductions)
+    if (has_dsum) dsum.load(th, p.dsum, p.dsum_stride, row, p.M, p.C);
+    next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
+    next_dy.load(th, p.dy, p.dy_stride, row + rs.row_step(), p.M, p.C);
     float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (row_ok && th.valid(c, p.C)) {
         const int col = th.col(c);
-        th.x[c].load(x + col);
-        g[c].load(dy + col);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
           const float xh = (th.x[c].v[i] - mean) * rstd;
           th.x[c].v[i] = xh;
           dw[c][i] = fmaf(g[c].v[i], xh, dw[c][i]);
           db[c][i] += g[c].v[i];
-          if (p.weight.ptr != nullptr) g[c].v[i] *= param_load(p.weight, col + i);
+          g[c].v[i] *= weight[c][i];
           sum_g += g[c].v[i];
           sum_gx = fmaf(g[c].v[i], xh, sum_gx);
         }
@@ -343,9 +390,9 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_backward_kern
       Vec<T> out;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) out.v[i] = rstd * (g[c].v[i] - mean_g - th.x[c].v[i] * mean_gx);
-      if (p.dsum != nullptr) {
+      if (has_dsum) {
         Vec<T> d;
-        d.load(static_cast<const T*>(p.dsum) + row * p.dsum_stride + th.col(c));
+        d.unpack(dsum.raw[c]);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) out.v[i] += d.v[i];
       }
