@@ -374,3 +374,9 @@ def test_gate_and_linear_that_do_not_fit_the_kernels():
     dout = torch.randn(9, 2048, device=DEV, dtype=torch.bfloat16)
     (db,) = torch.autograd.grad(ops.linear(x, w, b, backend="cutlass"), (b,), dout)
     torch.testing.assert_close(db, dout.float().sum(0).to(db.dtype))
+    # the same with a ReLU: its backward falls back to PyTorch's too
+    y = ops.linear(x, w, b, activation="relu", backend="cutlass")
+    dx, db = torch.autograd.grad(y, (x, b), dout)
+    masked = torch.where(y > 0, dout, torch.zeros_like(dout))
+    torch.testing.assert_close(db, masked.float().sum(0).to(db.dtype))
+    torch.testing.assert_close(dx, (masked.float() @ w.float()).to(dx.dtype), atol=0.25, rtol=2e-2)

@@ -21,6 +21,8 @@
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
 //   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
+//   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype)
+//       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
 // them; family "sm90" runs the Hopper input kernel (triangle_input_sm90.cuh), "sm80" the portable one. The layer norms' affine parameters are folded into the projections that follow them
 // (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
@@ -746,19 +748,17 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd(const at::Tensor& dout_in, c
 
 // The sums over rows of x [..., C] (a projection's bias gradient) in float32, in a fixed order, then
 // rounded to dtype (a float type).
-at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
+// The float32 sum over the rows of x [M, C] (whole 16-byte chunks per row, checked by the callers),
+// added in a fixed order and rounded to dtype; with relu_out ([M, C], x's dtype), of x where relu_out > 0
+// instead, which is written to *masked (a new [M, C] tensor): a ReLU's backward and its bias gradient
+// in one read.
+at::Tensor column_sum_rows(const at::Tensor& x, at::ScalarType dtype, const at::Tensor* relu_out = nullptr,
+                           at::Tensor* masked = nullptr) {
   const char* op = "column sum";
-  check_cuda(x_in, "x", op);
-  const int64_t C = x_in.dim() >= 1 ? x_in.size(-1) : 0;
-  TORCH_CHECK(x_in.dim() >= 1 && row_fits(C, x_in.element_size()), op,
-              ": `x` must be [..., C] with C a whole number of 16-byte chunks, at most ", kMaxRowChunks,
-              " per lane, got ", x_in.sizes());
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = as_rows(x_in, C);
-  const int64_t M = x.size(0);
+  const int64_t C = x.size(-1), M = x.size(0);
   const auto f32 = x.options().dtype(at::kFloat);
-  TORCH_CHECK(is_param_dtype(dtype), op,
-              ": `dtype` must be float16, bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(is_param_dtype(dtype), op, ": `dtype` must be float16, bfloat16 or float32, got ", dtype);
+  if (relu_out != nullptr) *masked = output({M, C}, x.options());
   if (M == 0) return at::zeros({C}, x.options().dtype(dtype));
   const int row_threads = row_threads_for(C, x.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
@@ -767,8 +767,64 @@ at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
   PartialSums sums(ctas, C, f32, param_tensor(total), kNoParam, stream);  // added by the last CTA in a fixed order
   ColumnSumParams p{x.data_ptr(), sums.data(), M, M > 1 ? x.stride(0) : C, int(C), row_threads};
   p.totals = sums.totals;
+  if (relu_out != nullptr) {
+    p.relu_out = relu_out->data_ptr(), p.relu_stride = M > 1 ? relu_out->stride(0) : C;
+    p.masked = masked->data_ptr(), p.masked_stride = C;
+  }
   by_dtype(x.scalar_type(), op, [&](auto e) { launch_column_sum<decltype(e)>(p, ctas, stream); });
   return total;
+}
+
+at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
+  const char* op = "column sum";
+  check_cuda(x_in, "x", op);
+  const int64_t C = x_in.dim() >= 1 ? x_in.size(-1) : 0;
+  TORCH_CHECK(x_in.dim() >= 1 && row_fits(C, x_in.element_size()), op,
+              ": `x` must be [..., C] with C a whole number of 16-byte chunks, at most ", kMaxRowChunks,
+              " per lane, got ", x_in.sizes());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  return column_sum_rows(as_rows(x_in, C), dtype);
+}
+
+// The backward of y = x . weight^T + bias (then relu where relu_out, the saved y, is given) from dy
+// [..., out]: (dx in x's dtype, dweight in weight's, dbias in bias_dtype), each an undefined tensor
+// unless wanted. Products in dy's dtype (autocast: x and weight may be float32 under a half dy), as
+// PyTorch computes them; the ReLU's backward and the bias gradient are one column-sum pass where
+// the rows fit its kernel (else PyTorch's threshold_backward and float32 sum).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_in, const at::Tensor& x,
+                                                          const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& relu_out, bool need_dx,
+                                                          bool need_dw, bool need_db, at::ScalarType bias_dtype) {
+  const char* op = "linear backward";
+  check_cuda(dy_in, "dy", op);
+  const int64_t C = dy_in.dim() >= 1 ? dy_in.size(-1) : 0;
+  TORCH_CHECK(dy_in.dim() >= 1 && weight.dim() == 2 && weight.size(0) == C && x.size(-1) == weight.size(1) &&
+                  x.numel() / std::max<int64_t>(1, x.size(-1)) == dy_in.numel() / std::max<int64_t>(1, C),
+              op, ": `dy` [..., out], `x` [..., in] and `weight` [out, in] do not match: ", dy_in.sizes(), ", ",
+              x.sizes(), ", ", weight.sizes());
+  const c10::cuda::CUDAGuard guard(dy_in.device());
+  const bool kernel = is_param_dtype(dy_in.scalar_type()) && is_param_dtype(bias_dtype) && row_fits(C, dy_in.element_size());
+  at::Tensor dy = kernel ? as_rows(dy_in, C) : dy_in.reshape({-1, C});  // [rows, out]
+  at::Tensor db;
+  if (relu_out.has_value()) {
+    TORCH_CHECK(relu_out->sizes() == dy_in.sizes() && relu_out->scalar_type() == dy_in.scalar_type() &&
+                    relu_out->device() == dy_in.device(),
+                op, ": `relu_out` must match dy, got ", relu_out->sizes(), " ", relu_out->scalar_type());
+    if (kernel) {
+      const at::Tensor y = as_rows(*relu_out, C);
+      at::Tensor masked;
+      db = column_sum_rows(dy, bias_dtype, &y, &masked);
+      dy = masked;
+    } else {
+      dy = at::threshold_backward(dy, relu_out->reshape({-1, C}), 0);
+    }
+  }
+  if (need_db && !db.defined())
+    db = kernel ? column_sum_rows(dy, bias_dtype) : at::sum(dy, {0}, false, at::kFloat).to(bias_dtype);
+  at::Tensor dx, dw;
+  if (need_dx) dx = at::mm(dy, weight.to(dy.scalar_type())).view(x.sizes()).to(x.scalar_type());  // [..., in]
+  if (need_dw) dw = at::mm(dy.t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type())).to(weight.scalar_type());  // [out, in]
+  return {dx, dw, need_db ? db : at::Tensor()};
 }
 
 }  // namespace
@@ -790,6 +846,8 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
   m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
+  m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
+        "ScalarType bias_dtype) -> (Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
@@ -804,6 +862,7 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("sigmoid_gate_fwd", &evoformer::block::sigmoid_gate_fwd);
   m.impl("sigmoid_gate_bwd", &evoformer::block::sigmoid_gate_bwd);
   m.impl("column_sum", &evoformer::block::column_sum);
+  m.impl("linear_bwd", &evoformer::block::linear_bwd);
   m.impl("add_layer_norm_fwd", &evoformer::block::add_layer_norm_fwd);
   m.impl("add_layer_norm_bwd", &evoformer::block::add_layer_norm_bwd);
 }

@@ -259,6 +259,11 @@ struct ColumnSumParams {
   int C;
   int row_threads;  // lanes per row, as RowNormParams::row_threads
   ColumnTotals totals;
+  // With relu_out ([M, C] row-major, the output of a ReLU whose gradient x is): x's values where
+  // relu_out > 0, else 0, are summed and written to masked ([M, C] row-major), the ReLU's backward.
+  const void* relu_out = nullptr;
+  void* masked = nullptr;
+  int64_t relu_stride = 0, masked_stride = 0;
 };
 
 // Folding a layer norm's affine parameters into the projection that follows it:

@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(
   store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part, p.C, p.totals);
 }
 
-// part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams).
+// part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams; with
+// p.relu_out, of x masked by relu_out > 0, which is also written to p.masked).
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumParams p) {
   constexpr int kVec = Vec<T>::kSize;
@@ -215,6 +216,13 @@ __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumPa
       if (!th.valid(c, p.C)) continue;
       Vec<T> x;
       x.load(static_cast<const T*>(p.x) + row * p.x_stride + th.col(c));
+      if (p.relu_out != nullptr) {  // (uniform) the ReLU's backward: x where relu_out > 0, else 0
+        Vec<T> y;
+        y.load(static_cast<const T*>(p.relu_out) + row * p.relu_stride + th.col(c));
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) x.v[e] = y.v[e] > 0.f ? x.v[e] : 0.f;
+        x.store(static_cast<T*>(p.masked) + row * p.masked_stride + th.col(c));
+      }
 #pragma unroll
       for (int e = 0; e < kVec; ++e) sums[0][c][e] += x.v[e];
     }

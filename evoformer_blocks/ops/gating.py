@@ -16,7 +16,8 @@ Backends, chosen by the same setting as every op (:func:`evoformer_blocks.ops.se
   input and weight gradients with the same cuBLAS calls as PyTorch and sums the bias gradient with
   a column-sum kernel (float32 per-CTA partials added in a fixed order) in place of PyTorch's
   reduction, which reads a tall ``[rows, out]`` gradient at a fraction of the memory bandwidth; a
-  ReLU after it runs in the GEMM's epilogue (the transitions' first layer).
+  ReLU after it runs in the GEMM's epilogue (the transitions' first layer), and its backward in the
+  column-sum pass.
 
 Both backends give the same results up to floating-point rounding (the bias gradient sums in float32
 in another order).
@@ -251,9 +252,11 @@ def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Option
 
 class _FusedBiasLinear(torch.autograd.Function):
     """``F.linear`` (with ``relu``: then ReLU, fused into the GEMM by :func:`_linear_relu`) whose
-    backward sums the bias gradient with :func:`bias_gradient`. Input and weight gradients as
+    backward sums the bias gradient with the column-sum kernel. Input and weight gradients as
     PyTorch computes them (in the output gradient's dtype, so that autocast training works: weights
-    and inputs may be float32 under a bfloat16 output)."""
+    and inputs may be float32 under a bfloat16 output). Outside torch.compile the backward is one
+    extension call (``linear_bwd``: the ReLU's backward and the bias gradient in one pass over the
+    output gradient, then the two GEMMs); under it, the same steps as traceable ops."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, relu):
@@ -265,6 +268,10 @@ class _FusedBiasLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, y = ctx.saved_tensors
+        if not torch.compiler.is_compiling():
+            # one extension call: the ReLU's backward and the bias gradient in one pass, then the GEMMs
+            dx, dw, db = _fused.kernels().linear_bwd(dy, x, weight, y, *ctx.needs_input_grad[:3], ctx.bias_dtype)
+            return dx, dw, db, None
         if y is not None:
             dy = torch.ops.aten.threshold_backward(dy, y, 0)  # the ReLU's gradient: 0 where y = 0
         dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, out]
