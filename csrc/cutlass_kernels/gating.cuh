@@ -197,34 +197,40 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(
 }
 
 // part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams; with
-// p.relu_out, of x masked by relu_out > 0, which is also written to p.masked).
+// p.relu_out, of x masked by relu_out > 0, which is also written to p.masked). The next row's chunks
+// are loaded before the current one is masked, stored and added (as the row layer norms do), so
+// that the masked stores do not hold back the loads behind them.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumParams p) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ float column_sums[];  // [rows_per_cta][C]
   const RowSlots<T, kChunks> rs(p.row_threads);
   const RowNormThread<T, kChunks>& th = rs.th;
+  const bool relu = p.relu_out != nullptr;
   float sums[1][kChunks][kVec];
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
 #pragma unroll
     for (int e = 0; e < kVec; ++e) sums[0][c][e] = 0.f;
-#pragma unroll 4
+  RowChunks<kChunks> next_x, next_y;  // the next row's chunks, in flight
+  next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
+  if (relu) next_y.load(th, p.relu_out, p.relu_stride, rs.first_row(), p.M, p.C);
   for (int64_t row = rs.first_row(); row < p.M; row += rs.row_step()) {
+    Vec<T> x[kChunks], y[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) x[c].unpack(next_x.raw[c]), y[c].unpack(next_y.raw[c]);
+    next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
+    if (relu) next_y.load(th, p.relu_out, p.relu_stride, row + rs.row_step(), p.M, p.C);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (!th.valid(c, p.C)) continue;
-      Vec<T> x;
-      x.load(static_cast<const T*>(p.x) + row * p.x_stride + th.col(c));
-      if (p.relu_out != nullptr) {  // (uniform) the ReLU's backward: x where relu_out > 0, else 0
-        Vec<T> y;
-        y.load(static_cast<const T*>(p.relu_out) + row * p.relu_stride + th.col(c));
+      if (relu) {  // (uniform) the ReLU's backward: x where relu_out > 0, else 0
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) x.v[e] = y.v[e] > 0.f ? x.v[e] : 0.f;
-        x.store(static_cast<T*>(p.masked) + row * p.masked_stride + th.col(c));
+        for (int e = 0; e < kVec; ++e) x[c].v[e] = y[c].v[e] > 0.f ? x[c].v[e] : 0.f;
+        x[c].store(static_cast<T*>(p.masked) + row * p.masked_stride + th.col(c));
       }
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sums[0][c][e] += x.v[e];
+      for (int e = 0; e < kVec; ++e) sums[0][c][e] += x[c].v[e];
     }
   }
   float* const part[1] = {p.part};
