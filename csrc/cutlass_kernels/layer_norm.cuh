@@ -367,7 +367,6 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (row_ok && th.valid(c, p.C)) {
-        const int col = th.col(c);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
           const float xh = (th.x[c].v[i] - mean) * rstd;
