@@ -65,30 +65,29 @@ class _StackedProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, bias, fused_bias_grad, *weights):
+    def forward(ctx, x, bias, fused_bias_grad, stacked, stacked_bias, *weights):
+        # stacked [k * width, c_in], stacked_bias [k * width]: from _stacked_parameters
         width = weights[0].shape[0]
-        stacked = torch.cat(weights)  # [k * width, c_in]
-        stacked_bias = torch.cat([bias.new_zeros((len(weights) - 1) * width), bias])  # [k * width]
         y = F.linear(x, stacked, stacked_bias)  # [..., k * width]
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x, stacked, *weights)
         ctx.bias_dtype = bias.dtype
         ctx.fused_bias_grad = fused_bias_grad
         return y.split(width, dim=-1)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
+        x, stacked, *weights = ctx.saved_tensors
         dx, dweights = None, []
         x2 = None
         if torch.compiler.is_compiling() and all(g is not None for g in grads):
-            return _concatenated_backward(ctx, x, weights, grads)
+            return _concatenated_backward(ctx, x, stacked, weights, grads)
         qkv = _one_matrix(grads[:3])  # [rows, 3 * width] when the attention wrote them so
-        if qkv is not None and any(ctx.needs_input_grad[3:6]):
-            w = as_dtype(torch.cat(weights[:3]), qkv.dtype)  # [3 * width, c_in]
+        if qkv is not None and any(ctx.needs_input_grad[5:8]):
+            w = as_dtype(stacked[: 3 * weights[0].shape[0]], qkv.dtype)  # [3 * width, c_in], a view
             dx = torch.mm(qkv, w)  # [rows, c_in]
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), qkv.dtype)
             dw = torch.mm(qkv.t(), x2).split(weights[0].shape[0])  # 3 x [width, c_in]
-            dweights = [as_dtype(d, t.dtype) if ctx.needs_input_grad[3 + i] else None
+            dweights = [as_dtype(d, t.dtype) if ctx.needs_input_grad[5 + i] else None
                         for i, (d, t) in enumerate(zip(dw, weights))]
             grads, weights = grads[3:], weights[3:]
         for i, (grad, weight) in enumerate(zip(grads, weights), start=len(dweights)):
@@ -98,13 +97,13 @@ class _StackedProjection(torch.autograd.Function):
             g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
             w = as_dtype(weight, g2.dtype)
             dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)  # [rows, c_in]
-            if ctx.needs_input_grad[3 + i]:
+            if ctx.needs_input_grad[5 + i]:
                 x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype) if x2 is None else x2
                 dweights.append(as_dtype(torch.mm(g2.t(), x2), weight.dtype))  # [width, c_in]
             else:
                 dweights.append(None)
         dx = None if dx is None else as_dtype(dx.view(x.shape), x.dtype)
-        return (dx, _bias_grad(ctx, grads[-1]), None, *dweights)
+        return (dx, _bias_grad(ctx, grads[-1]), None, None, None, *dweights)
 
 
 def _bias_grad(ctx, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -115,19 +114,35 @@ def _bias_grad(ctx, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
 
 
-def _concatenated_backward(ctx, x, weights, grads):
+def _concatenated_backward(ctx, x, stacked, weights, grads):
     """_StackedProjection's backward under torch.compile, where the attention's gradients arrive as
     separate tensors: one GEMM for dx and one for the weights over the concatenated gradients.
     (The eager path's accumulation ``dx.addmm_`` runs out of place in inductor, which copies dx once
     per projection first.)"""
     g2 = torch.cat([g.reshape(-1, g.shape[-1]) for g in grads], dim=1)  # [rows, k * width]
-    dx = torch.mm(g2, as_dtype(torch.cat(weights), g2.dtype))  # [rows, c_in]
+    dx = torch.mm(g2, as_dtype(stacked, g2.dtype))  # [rows, c_in]
     dweights = [None] * len(weights)
-    if any(ctx.needs_input_grad[3:]):
+    if any(ctx.needs_input_grad[5:]):
         x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype)  # [rows, c_in]
         dw = torch.mm(g2.t(), x2).split(weights[0].shape[0])  # k x [width, c_in]
-        dweights = [as_dtype(d, t.dtype) if need else None for d, t, need in zip(dw, weights, ctx.needs_input_grad[3:])]
-    return (as_dtype(dx.view(x.shape), x.dtype), _bias_grad(ctx, grads[-1]), None, *dweights)
+        dweights = [as_dtype(d, t.dtype) if need else None for d, t, need in zip(dw, weights, ctx.needs_input_grad[5:])]
+    return (as_dtype(dx.view(x.shape), x.dtype), _bias_grad(ctx, grads[-1]), None, None, None, *dweights)
+
+
+def _stacked_parameters(weights, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights of a _StackedProjection one after another ``[k * width, c_in]`` and its bias after
+    zeros for the projections without one ``[k * width]``, as constants of the autograd graph (the
+    projection returns the gradients of the weights and the bias themselves)."""
+    with torch.no_grad():
+        stacked = torch.cat(weights)  # [k * width, c_in]
+        zeros = bias.new_zeros((len(weights) - 1) * weights[0].shape[0])
+        return stacked, torch.cat([zeros, bias])  # [k * width]
+
+
+def _flatten_batch(t: torch.Tensor, keep: int) -> torch.Tensor:
+    """``t [*, d_1..d_keep] -> [B, d_1..d_keep]`` with B the product of the batch dims (1 for none; a
+    view wherever the batch dims allow one, as for einops' ``"... -> (...)"``)."""
+    return t.reshape(math.prod(t.shape[:-keep]), *t.shape[-keep:])
 
 
 def _row_pitch(t: torch.Tensor) -> Optional[int]:
@@ -195,9 +210,9 @@ class _GatedAttention(nn.Module):
         follows; the dtype is what ``linear_z(z)`` would give (autocast included).
         """
         length = z.shape[-2]
-        z = rearrange(z, "... i j c -> (...) c (i j)")  # [B, c_z, L * L], a view of a contiguous z
+        z = _flatten_batch(z, 3).flatten(1, 2).transpose(1, 2)  # [B, c_z, L * L], a view of a contiguous z
         bias = torch.matmul(self.linear_z.weight, z)  # [B, H, L * L]
-        return rearrange(bias, "b h (i j) -> b 1 h i j", i=length, j=length)  # [B, 1, H, L, L]
+        return bias.unflatten(-1, (length, length)).unsqueeze(1)  # [B, 1, H, L, L]
 
     def _add_projections(self, c_in: int) -> None:
         hidden = self.c_hidden * self.no_heads
@@ -210,7 +225,7 @@ class _GatedAttention(nn.Module):
     def _attend(
         self,
         x: torch.Tensor,
-        mask: Optional[torch.Tensor],
+        mask_bias: Optional[torch.Tensor],
         pair_bias: Optional[torch.Tensor],
         chunk_size: Optional[int],
         transposed: bool = False,
@@ -218,37 +233,46 @@ class _GatedAttention(nn.Module):
         """x: [*, N, L, c_in] (normalized), or with ``transposed`` [*, L, N, c_in]: the rows n along
         dim -2 and the positions they attend over along dim -3 (column attention and the ending node
         run on their input's own layout, so nothing is transposed in memory: the attention op takes
-        strided q, k, v). mask: [*, N, L] 0/1 or None, in the attention's orientation; pair_bias:
-        [B, 1, H, L, L] (from :meth:`_pair_bias`) or None.
+        strided q, k, v). mask_bias: [*, N, L] (``mask_to_bias`` of the mask, any strides) or None,
+        in the attention's orientation; pair_bias: [B, 1, H, L, L] (from :meth:`_pair_bias`) or None.
 
         Row ``n`` attends over its ``L`` positions; ``pair_bias[b, 0, h, i, j]`` is added to the
         logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns the update in x's
         layout.
         """
         batch_shape = x.shape[:-3]
-        x = rearrange(x, "... a b c -> (...) a b c")  # [B, A, B', c_in] in x's layout
+        x = _flatten_batch(x, 3)  # [B, A, B', c_in] in x's layout
         heads = self.no_heads
+        weights = (self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight)
         fused_bias_grad = fused_bias_gradient(x, self.linear_g.weight, self.linear_g.bias, self.backend)
         q, k, v, g = _StackedProjection.apply(
-            x, self.linear_g.bias, fused_bias_grad,
-            self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight,
+            x, self.linear_g.bias, fused_bias_grad, *_stacked_parameters(weights, self.linear_g.bias), *weights
         )  # views [B, A, B', H * C] of one GEMM's output
-        to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
-        q, k, v = (rearrange(t, to_heads, h=heads) for t in (q, k, v))  # strided views [B, N, L, H, C]
+        q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))  # [B, A, B', H, C]
+        if transposed:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # strided views [B, N, L, H, C]
 
-        mask_bias = None
-        if mask is not None:
-            bias = mask_to_bias(mask, self.inf, q.dtype)  # [*, N, L]
-            mask_bias = rearrange(bias, "... n l -> (...) n 1 1 l")  # [B, N, 1, 1, L]
+        if mask_bias is not None:
+            mask_bias = _flatten_batch(mask_bias, 2)[:, :, None, None, :]  # [B, N, 1, 1, L]
 
         o = evoformer_attention(
             q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
         )  # [B, N, L, H, C]
-        from_heads = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
-        # o seen in x's layout (a permuted view when transposed): the gate reads it where it lies
-        o = sigmoid_gate(g, rearrange(o, from_heads), backend=self.backend)  # [B, A, B', H * C]
+        if transposed:
+            o = o.transpose(1, 2)  # [B, L, N, H, C]: a view in x's layout
+        # the gate reads o where it lies
+        o = sigmoid_gate(g, o.flatten(-2), backend=self.backend)  # [B, A, B', H * C]
         out = self.linear_o(o)  # [B, A, B', c_in]
         return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
+
+    def _mask_bias(
+        self, mask: Optional[torch.Tensor], like: torch.Tensor, given: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
+        """The mask's additive bias ``mask_to_bias(mask)`` [*, N, L] for inputs like ``like``: ``given``
+        where the caller computed it already, None for no mask."""
+        if given is not None or mask is None:
+            return given
+        return mask_to_bias(mask, self.inf, like.dtype)
 
 
 class MSARowAttentionWithPairBias(_GatedAttention):
@@ -314,9 +338,16 @@ class MSARowAttentionWithPairBias(_GatedAttention):
         if mask is not None:
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
 
+        return self._update(m, z, self._mask_bias(mask, m), chunk_size)
+
+    def _update(
+        self, m: torch.Tensor, z: torch.Tensor, mask_bias: Optional[torch.Tensor], chunk_size: Optional[int]
+    ) -> torch.Tensor:
+        """The update from checked inputs and the MSA mask's bias ``mask_to_bias(mask)``
+        [*, N_seq, N_res] or None (the block computes it once for both MSA attentions)."""
         m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
         pair_bias = self._pair_bias(self.layer_norm_z(z))  # [B, 1, H, N_res, N_res]
-        return self._attend(m, mask, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
+        return self._attend(m, mask_bias, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
 
 
 class MSAColumnAttention(_GatedAttention):
@@ -369,13 +400,15 @@ class MSAColumnAttention(_GatedAttention):
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
         return self._normalized(self.layer_norm_m(m), mask, chunk_size)
 
-    def _normalized(self, m: torch.Tensor, mask: Optional[torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+    def _normalized(self, m: torch.Tensor, mask, chunk_size: Optional[int], mask_bias=None) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` (checked inputs; the block passes its fused residual
-        add and layer norm's output here)."""
-        if mask is not None:
-            mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]: row r attends over s
+        add and layer norm's output here, and ``mask_bias = mask_to_bias(mask)`` [*, N_seq, N_res]
+        when it has it already)."""
+        mask_bias = self._mask_bias(mask, m, mask_bias)  # [*, N_seq, N_res] or None
+        if mask_bias is not None:
+            mask_bias = mask_bias.transpose(-1, -2)  # [*, N_res, N_seq]: row r attends over s
         # each residue column attends over the sequences: rows along dim -2, positions along dim -3
-        return self._attend(m, mask, None, chunk_size, transposed=True)  # [*, N_seq, N_res, c_m]
+        return self._attend(m, mask_bias, None, chunk_size, transposed=True)  # [*, N_seq, N_res, c_m]
 
 
 class _TriangleAttention(_GatedAttention):
@@ -422,21 +455,23 @@ class _TriangleAttention(_GatedAttention):
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
         return self._normalized(self.layer_norm_z(z), mask, chunk_size)
 
-    def _normalized(self, z: torch.Tensor, mask: Optional[torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+    def _normalized(self, z: torch.Tensor, mask, chunk_size: Optional[int], mask_bias=None) -> torch.Tensor:
         """The update from ``z = layer_norm_z(z)`` [*, I, J, c_z] (checked inputs; the block passes its
-        fused residual add and layer norm's output here)."""
+        fused residual add and layer norm's output here, and ``mask_bias = mask_to_bias(mask)``
+        [*, I, J] when it has it already)."""
+        mask_bias = self._mask_bias(mask, z, mask_bias)  # [*, I, J] or None
         # Starting node: row i, query j, key k; the bias comes from the third edge z[j, k], i.e.
         # pair_bias[b, 0, h, j, k] = linear_z(z[j, k])[h], the same for every row i.
         triangle_bias = self._pair_bias(z)  # [B, 1, H, I, J]
         if self._starting:
-            return self._attend(z, mask, triangle_bias, chunk_size)  # [*, I, J, c_z]
+            return self._attend(z, mask_bias, triangle_bias, chunk_size)  # [*, I, J, c_z]
         # Ending node = the starting node on z^T, run on z's own layout: row j attends over the
         # edges (k, j) with the bias of the third edge z[k, i], i.e. the starting node's bias of z^T.
         # (the one copy here is of the bias, H * N_res^2 values, instead of z's c_z * N_res^2)
-        triangle_bias = rearrange(triangle_bias, "b o h i j -> b o h j i").contiguous()  # [B, 1, H, J, I]
-        if mask is not None:
-            mask = rearrange(mask, "... i j -> ... j i")  # [*, J, I]: row j attends over i
-        return self._attend(z, mask, triangle_bias, chunk_size, transposed=True)  # [*, I, J, c_z]
+        triangle_bias = triangle_bias.transpose(-1, -2).contiguous()  # [B, 1, H, J, I]
+        if mask_bias is not None:
+            mask_bias = mask_bias.transpose(-1, -2)  # [*, J, I]: row j attends over i
+        return self._attend(z, mask_bias, triangle_bias, chunk_size, transposed=True)  # [*, I, J, c_z]
 
 
 class TriangleAttentionStartingNode(_TriangleAttention):
@@ -551,9 +586,10 @@ class MSAColumnGlobalAttention(nn.Module):
 
         return self._update(m, mask, chunk_size, normalized=False)
 
-    def _normalized(self, m: torch.Tensor, mask: Optional[torch.Tensor], chunk_size: Optional[int]) -> torch.Tensor:
+    def _normalized(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], mask_bias=None) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` (checked inputs, mask not None; the block passes its
-        fused residual add and layer norm's output here)."""
+        fused residual add and layer norm's output here). ``mask_bias`` is accepted for the block's
+        one call signature and not used: the pooled query needs the 0/1 mask itself."""
         return self._update(m, mask, chunk_size, normalized=True)
 
     def _update(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], normalized: bool) -> torch.Tensor:

@@ -42,6 +42,12 @@ def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor):
     return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, backend=norm.backend)
 
 
+def _shared(mask_bias: torch.Tensor, owner: nn.Module, other: nn.Module) -> Optional[torch.Tensor]:
+    """``owner``'s mask bias for ``other`` too, where both use the same ``inf`` (else None: ``other``
+    computes its own)."""
+    return mask_bias if other.inf == owner.inf else None
+
+
 def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, c_m: int, c_z: int):
     """Validates a block's or stack's inputs; returns the masks as 0/1 tensors of m's / z's dtype."""
     check_tensor(owner, "m", m, (None, None, c_m), f"[*, N_seq, N_res, c_m={c_m}]")
@@ -141,9 +147,17 @@ class _MSABlock(nn.Module):
         # (add_and_norm) and the module goes on from the normalised rows (its _normalized):
         # `m = m + update; module(m)` becomes `m, m_ln = add_and_norm(m, norm, update);
         # module._normalized(m_ln)`. The triangle multiplications normalise inside their own op.
-        update = self.msa_dropout_row(self.msa_att_row(m, z, msa_mask, chunk_size=chunk_size))
+        # The mask biases inf * (mask - 1) are computed once per mask and shared by the two attentions
+        # over that representation (the second reads the first's as a transposed view).
+        # The pair transition's residual add happens in the pass that masks its update (torch.addcmul:
+        # the same values as the add after the multiply, the mask being 0/1).
+        msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
+        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
+        update = self.msa_dropout_row(self.msa_att_row._update(m, z, msa_bias, chunk_size))
         m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update)
-        update = self.msa_att_col._normalized(m_ln, msa_mask, chunk_size)
+        update = self.msa_att_col._normalized(
+            m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
+        )
         m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
         update = self.msa_transition._normalized(m_ln, msa_mask, chunk_size)
         m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update)
@@ -151,11 +165,15 @@ class _MSABlock(nn.Module):
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
         update = self.pair_dropout_row(self.tri_mul_in(z, pair_mask))
         z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update)
-        update = self.pair_dropout_row(self.tri_att_start._normalized(z_ln, pair_mask, chunk_size))
+        update = self.pair_dropout_row(self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias))
         z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update)
-        update = self.pair_dropout_col(self.tri_att_end._normalized(z_ln, pair_mask, chunk_size))
+        update = self.pair_dropout_col(
+            self.tri_att_end._normalized(
+                z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
+            )
+        )
         z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update)
-        z = z + self.pair_transition._normalized(z_ln, pair_mask, chunk_size)
+        z = self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
         return m, z
 
 

@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
 from .primitives import LayerNorm, Linear
@@ -69,13 +68,13 @@ class OuterProductMean(nn.Module):
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # a: [*, N_seq, N_i, c_hidden]; b: [*, N_seq, N_j, c_hidden]
         c, n_i, n_j = a.shape[-1], a.shape[-2], b.shape[-2]
-        a2 = rearrange(a, "... s i c -> ... (i c) s")  # [*, N_i * c_hidden, N_seq]
-        b2 = rearrange(b, "... s j e -> ... s (j e)")  # [*, N_seq, N_j * c_hidden]
+        a2 = a.flatten(-2).transpose(-1, -2)  # [*, N_i * c_hidden, N_seq]
+        b2 = b.flatten(-2)  # [*, N_seq, N_j * c_hidden]
         # one GEMM over the sequences; its output is [i, c, j, e] in memory and linear_out wants
         # [i, j, (c e)]: the swap moves whole e-rows
         outer = torch.matmul(a2, b2).unflatten(-1, (n_j, c)).unflatten(-3, (n_i, c))  # [*, N_i, c, N_j, c]
         outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
-        outer = rearrange(outer, "... c e -> ... (c e)")  # [*, N_i, N_j, c_hidden²]
+        outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
         return self.linear_out(outer)  # [*, N_i, N_j, c_z]
 
     def forward(
@@ -90,7 +89,7 @@ class OuterProductMean(nn.Module):
     def _normalized(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
         """The update from ``m = layer_norm(m)`` (checked inputs, mask [*, N_seq, N_res]; the block
         passes its fused residual add and layer norm's output here)."""
-        mask_c = rearrange(mask, "... s r -> ... s r 1")  # [*, N_seq, N_res, 1]
+        mask_c = mask.unsqueeze(-1)  # [*, N_seq, N_res, 1]
         a = self.linear_1(m) * mask_c  # [*, N_seq, N_res, c_hidden]
         b = self.linear_2(m) * mask_c  # [*, N_seq, N_res, c_hidden]
         n_res = m.shape[-2]
@@ -99,6 +98,5 @@ class OuterProductMean(nn.Module):
         else:
             parts = [self._outer(a[..., i : i + chunk_size, :], b) for i in range(0, n_res, chunk_size)]
             out = torch.cat(parts, dim=-3)  # [*, N_res, N_res, c_z]
-        norm = torch.einsum("...si,...sj->...ij", mask, mask)  # [*, N_res, N_res]
-        norm = rearrange(norm, "... i j -> ... i j 1")  # [*, N_res, N_res, 1]
-        return out / (self.eps + norm)
+        norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
+        return out / (self.eps + norm)  # [*, N_res, N_res, c_z]

@@ -6,7 +6,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_tensor
 from ._chunking import chunked
@@ -36,9 +35,12 @@ class Transition(nn.Module):
     def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self._after_norm(self.layer_norm(x), mask)  # [*, N_b, c]
 
-    def _after_norm(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # x = layer_norm(x) [*, N_b, c]; relu(linear_1(x)), the ReLU in the GEMM's epilogue where the backend can
+    def _after_norm(self, x: torch.Tensor, mask: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x = layer_norm(x) [*, N_b, c], mask [*, N_b, 1]; relu(linear_1(x)), the ReLU in the GEMM's
+        # epilogue where the backend can
         x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
+        if residual is not None:
+            return torch.addcmul(residual, self.linear_2(x), mask)  # residual + update, one pass [*, N_b, c]
         return self.linear_2(x) * mask  # [*, N_b, c]
 
     def forward(
@@ -50,13 +52,19 @@ class Transition(nn.Module):
         mask = as_mask(name, "mask", mask, x, "[*, N_a, N_b]")  # [*, N_a, N_b]
         return self._run(self._update, x, mask, chunk_size)
 
-    def _normalized(self, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
+    def _normalized(
+        self, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The update from ``x = layer_norm(x)`` (checked inputs, mask [*, N_a, N_b]; the block passes
-        its fused residual add and layer norm's output here)."""
-        return self._run(self._after_norm, x, mask, chunk_size)
+        its fused residual add and layer norm's output here). With ``residual`` (``x``'s shape):
+        ``residual + update``, added in the pass that masks the update (after it when chunked)."""
+        if residual is not None and chunk_size is None:
+            return self._after_norm(x, mask.unsqueeze(-1), residual)  # [*, N_a, N_b, c]
+        update = self._run(self._after_norm, x, mask, chunk_size)
+        return update if residual is None else residual + update
 
     def _run(self, update, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
-        mask = rearrange(mask, "... a b -> ... a b 1")  # [*, N_a, N_b, 1]
+        mask = mask.unsqueeze(-1)  # [*, N_a, N_b, 1]
         return chunked(update, {"x": x, "mask": mask}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
 
 
