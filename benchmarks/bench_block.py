@@ -26,18 +26,25 @@ With --triangle N[,N...], TriangleMultiplicationOutgoing and TriangleMultiplicat
 cuEquivariance's fused triangle_multiplicative_update on the same weights: time and peak memory
 (instead of the block cases unless --shapes is given too).
 
+With --host, the host (CPU) time of the default EvoformerBlock with the GPU idle: AF2 widths at
+N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the block call and around
+`torch.autograd.grad` (no synchronisation inside an iteration), the median over five rounds of 20
+iterations after warm-up (instead of the block cases unless --shapes is given too). Host time is
+what bounds the block at small sizes without CUDA graphs.
+
 With --profile, the CUDA kernels of one forward+backward of the default block (torch.profiler,
 gradients by torch.autograd.grad as in the timing, grouped by kernel name); with --triangle too,
 those of the outgoing triangle multiplication at each N_res, once per kernel family the GPU runs
 (on Hopper: the Hopper kernels and the portable ones).
 
     python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
-                                     [--triangle 384,768,1024] [--json out.json]
+                                     [--triangle 384,768,1024] [--host] [--json out.json]
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -306,6 +313,37 @@ def triangle_sweep(sizes: list[int], args) -> list[dict]:
     return rows
 
 
+HOST_CASE = Case("EvoformerBlock", 16, 64)
+
+
+def host_ms(rounds: int = 5, iters: int = 20) -> dict:
+    """Median host ms of the forward and of the backward of the default block at HOST_CASE, and every
+    round's (forward, backward) pair (see the module docstring)."""
+    _, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
+    leaves = [m.requires_grad_(True), z.requires_grad_(True), *block.parameters()]
+
+    def forward():
+        return sum(o.float().sum() for o in block(m, z, msa_mask, pair_mask))
+
+    for _ in range(5):
+        torch.autograd.grad(forward(), leaves)
+    torch.cuda.synchronize()
+    per_round = []
+    for _ in range(rounds):
+        fwd = bwd = 0.0
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            loss = forward()
+            t1 = time.perf_counter()
+            torch.autograd.grad(loss, leaves)
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+        torch.cuda.synchronize()
+        per_round.append((fwd / iters * 1e3, bwd / iters * 1e3))
+    per_round.sort(key=sum)
+    median = per_round[len(per_round) // 2]
+    return {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1], "rounds": per_round}
+
+
 def main() -> None:
     cli = CommandLine(__doc__, shapes=[c.label() for c in CASES], impls=list(IMPLS))
     cli.add_argument("--breakdown", action="store_true", help="time the nine sub-modules and the module-level peers")
@@ -313,11 +351,18 @@ def main() -> None:
                      help="list the CUDA kernels of one forward+backward of the default block (torch.profiler); "
                           "with --triangle, those of the outgoing triangle multiplication per kernel family")
     cli.add_argument("--triangle", default="", help="N_res list for the triangle multiplication sweep, e.g. 384,768,1024")
+    cli.add_argument("--host", action="store_true", help="host time of the default block with the GPU idle")
     args = cli.parse()
-    if args.triangle and not any(a.startswith("--shapes") for a in sys.argv[1:]):
-        args.shapes = []  # the sweep alone
+    if (args.triangle or args.host) and not any(a.startswith("--shapes") for a in sys.argv[1:]):
+        args.shapes = []  # the sweep or the host timing alone
     print(run_info_line(), flush=True)
     results = []
+    if args.host:
+        host = host_ms()
+        rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in host["rounds"])
+        print(f"\n## host time, {host['case']}, GPU idle: forward {host['fwd_ms']:.2f} ms, backward "
+              f"{host['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds})", flush=True)
+        results.append({"host": host})
     if args.triangle:
         print("\n## triangle multiplication, c_z = c_hidden = 128", flush=True)
         results.append({"triangle": triangle_sweep([int(n) for n in args.triangle.split(",")], args)})
