@@ -76,6 +76,11 @@ class _MSABlock(nn.Module):
         z += DropoutRowwise(pair_dropout)(TriangleAttentionStartingNode(z))
         z += DropoutColumnwise(pair_dropout)(TriangleAttentionEndingNode(z))
         z += PairTransition(z)
+
+    The block runs the attentions, transitions and outer product mean through their internal
+    entry points (a residual add fused with the next layer norm, mask biases shared), not their
+    ``forward``: forward hooks registered on those sub-modules do not fire inside the block; those
+    on the triangle multiplications and the dropouts do.
     """
 
     def __init__(
