@@ -65,29 +65,30 @@ class _StackedProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, bias, fused_bias_grad, stacked, stacked_bias, *weights):
-        # stacked [k * width, c_in], stacked_bias [k * width]: from _stacked_parameters
+    def forward(ctx, x, bias, fused_bias_grad, *weights):
         width = weights[0].shape[0]
+        stacked = torch.cat(weights)  # [k * width, c_in]
+        stacked_bias = torch.cat([bias.new_zeros((len(weights) - 1) * width), bias])  # [k * width]
         y = F.linear(x, stacked, stacked_bias)  # [..., k * width]
-        ctx.save_for_backward(x, stacked, *weights)
+        ctx.save_for_backward(x, *weights)
         ctx.bias_dtype = bias.dtype
         ctx.fused_bias_grad = fused_bias_grad
         return y.split(width, dim=-1)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, stacked, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
         dx, dweights = None, []
         x2 = None
         if torch.compiler.is_compiling() and all(g is not None for g in grads):
-            return _concatenated_backward(ctx, x, stacked, weights, grads)
+            return _concatenated_backward(ctx, x, weights, grads)
         qkv = _one_matrix(grads[:3])  # [rows, 3 * width] when the attention wrote them so
-        if qkv is not None and any(ctx.needs_input_grad[5:8]):
-            w = as_dtype(stacked[: 3 * weights[0].shape[0]], qkv.dtype)  # [3 * width, c_in], a view
+        if qkv is not None and any(ctx.needs_input_grad[3:6]):
+            w = as_dtype(torch.cat(weights[:3]), qkv.dtype)  # [3 * width, c_in]
             dx = torch.mm(qkv, w)  # [rows, c_in]
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), qkv.dtype)
             dw = torch.mm(qkv.t(), x2).split(weights[0].shape[0])  # 3 x [width, c_in]
-            dweights = [as_dtype(d, t.dtype) if ctx.needs_input_grad[5 + i] else None
+            dweights = [as_dtype(d, t.dtype) if ctx.needs_input_grad[3 + i] else None
                         for i, (d, t) in enumerate(zip(dw, weights))]
             grads, weights = grads[3:], weights[3:]
         for i, (grad, weight) in enumerate(zip(grads, weights), start=len(dweights)):
@@ -97,13 +98,13 @@ class _StackedProjection(torch.autograd.Function):
             g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
             w = as_dtype(weight, g2.dtype)
             dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)  # [rows, c_in]
-            if ctx.needs_input_grad[5 + i]:
+            if ctx.needs_input_grad[3 + i]:
                 x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype) if x2 is None else x2
                 dweights.append(as_dtype(torch.mm(g2.t(), x2), weight.dtype))  # [width, c_in]
             else:
                 dweights.append(None)
         dx = None if dx is None else as_dtype(dx.view(x.shape), x.dtype)
-        return (dx, _bias_grad(ctx, grads[-1]), None, None, None, *dweights)
+        return (dx, _bias_grad(ctx, grads[-1]), None, *dweights)
 
 
 def _bias_grad(ctx, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -114,29 +115,19 @@ def _bias_grad(ctx, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
 
 
-def _concatenated_backward(ctx, x, stacked, weights, grads):
+def _concatenated_backward(ctx, x, weights, grads):
     """_StackedProjection's backward under torch.compile, where the attention's gradients arrive as
     separate tensors: one GEMM for dx and one for the weights over the concatenated gradients.
     (The eager path's accumulation ``dx.addmm_`` runs out of place in inductor, which copies dx once
     per projection first.)"""
     g2 = torch.cat([g.reshape(-1, g.shape[-1]) for g in grads], dim=1)  # [rows, k * width]
-    dx = torch.mm(g2, as_dtype(stacked, g2.dtype))  # [rows, c_in]
+    dx = torch.mm(g2, as_dtype(torch.cat(weights), g2.dtype))  # [rows, c_in]
     dweights = [None] * len(weights)
-    if any(ctx.needs_input_grad[5:]):
+    if any(ctx.needs_input_grad[3:]):
         x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype)  # [rows, c_in]
         dw = torch.mm(g2.t(), x2).split(weights[0].shape[0])  # k x [width, c_in]
-        dweights = [as_dtype(d, t.dtype) if need else None for d, t, need in zip(dw, weights, ctx.needs_input_grad[5:])]
-    return (as_dtype(dx.view(x.shape), x.dtype), _bias_grad(ctx, grads[-1]), None, None, None, *dweights)
-
-
-def _stacked_parameters(weights, bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights of a _StackedProjection one after another ``[k * width, c_in]`` and its bias after
-    zeros for the projections without one ``[k * width]``, as constants of the autograd graph (the
-    projection returns the gradients of the weights and the bias themselves)."""
-    with torch.no_grad():
-        stacked = torch.cat(weights)  # [k * width, c_in]
-        zeros = bias.new_zeros((len(weights) - 1) * weights[0].shape[0])
-        return stacked, torch.cat([zeros, bias])  # [k * width]
+        dweights = [as_dtype(d, t.dtype) if need else None for d, t, need in zip(dw, weights, ctx.needs_input_grad[3:])]
+    return (as_dtype(dx.view(x.shape), x.dtype), _bias_grad(ctx, grads[-1]), None, *dweights)
 
 
 def _flatten_batch(t: torch.Tensor, keep: int) -> torch.Tensor:
@@ -243,10 +234,10 @@ class _GatedAttention(nn.Module):
         batch_shape = x.shape[:-3]
         x = _flatten_batch(x, 3)  # [B, A, B', c_in] in x's layout
         heads = self.no_heads
-        weights = (self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight)
         fused_bias_grad = fused_bias_gradient(x, self.linear_g.weight, self.linear_g.bias, self.backend)
         q, k, v, g = _StackedProjection.apply(
-            x, self.linear_g.bias, fused_bias_grad, *_stacked_parameters(weights, self.linear_g.bias), *weights
+            x, self.linear_g.bias, fused_bias_grad,
+            self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight,
         )  # views [B, A, B', H * C] of one GEMM's output
         q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))  # [B, A, B', H, C]
         if transposed:

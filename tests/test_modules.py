@@ -597,8 +597,8 @@ def test_stacked_projection_backward_is_the_same_either_way():
 
     x = torch.randn(3, 4, 6, 16, dtype=torch.float64)
     weights = [torch.randn(12, 16, dtype=torch.float64) for _ in range(4)]
-    ctx = SimpleNamespace(saved_tensors=(x, torch.cat(weights), *weights), needs_input_grad=(True,) * 9,
-                          bias_dtype=torch.float64, fused_bias_grad=False)
+    ctx = SimpleNamespace(saved_tensors=(x, *weights), needs_input_grad=(True,) * 7, bias_dtype=torch.float64,
+                          fused_bias_grad=False)
     views = torch.randn(3, 4, 6, 48, dtype=torch.float64).split(12, dim=-1)
     stacked = stacked_gradients(*(t.unflatten(-1, (3, 4)) for t in views[:3]))
     grads = [g.flatten(-2) for g in stacked] + [torch.randn(3, 4, 6, 12, dtype=torch.float64)]
