@@ -157,12 +157,12 @@ class _MSABlock(nn.Module):
         # The pair transition's residual add happens in the pass that masks its update (torch.addcmul:
         # the same values as the add after the multiply, the mask being 0/1).
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
-        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
         update = self.msa_dropout_row(self.msa_att_row._update(m, z, msa_bias, chunk_size))
         m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update)
         update = self.msa_att_col._normalized(
             m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
         )
+        del msa_bias  # (each bias lives only while its two attentions run)
         m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
         update = self.msa_transition._normalized(m_ln, msa_mask, chunk_size)
         m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update)
@@ -170,6 +170,7 @@ class _MSABlock(nn.Module):
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
         update = self.pair_dropout_row(self.tri_mul_in(z, pair_mask))
         z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update)
+        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
         update = self.pair_dropout_row(self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias))
         z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update)
         update = self.pair_dropout_col(
@@ -177,6 +178,7 @@ class _MSABlock(nn.Module):
                 z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
             )
         )
+        del pair_bias
         z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update)
         z = self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
         return m, z
