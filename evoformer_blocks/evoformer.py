@@ -33,13 +33,14 @@ from .transitions import MSATransition, PairTransition
 from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
 
-def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor):
+def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, mask: Optional[torch.Tensor] = None):
     """(x + update, norm(x + update)) by :func:`ops.add_layer_norm` (one pass each way) where x and
-    update share shape and dtype; the sum is what ``x + update`` gives."""
+    update share shape and dtype; the sum is what ``x + update`` gives. With ``mask`` (x's shape
+    without the channels, x's dtype), the update is masked in the same pass: ``x + update * mask[..., None]``."""
     if update.dtype != x.dtype or update.shape != x.shape:  # e.g. autocast: the plain add promotes
-        s = x + update
+        s = x + (update if mask is None else update * mask.unsqueeze(-1))
         return s, norm(s)
-    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, backend=norm.backend)
+    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=mask, backend=norm.backend)
 
 
 def _shared(mask_bias: torch.Tensor, owner: nn.Module, other: nn.Module) -> Optional[torch.Tensor]:
@@ -154,8 +155,9 @@ class _MSABlock(nn.Module):
         # module._normalized(m_ln)`. The triangle multiplications normalise inside their own op.
         # The mask biases inf * (mask - 1) are computed once per mask and shared by the two attentions
         # over that representation (the second reads the first's as a transposed view).
-        # The pair transition's residual add happens in the pass that masks its update (torch.addcmul:
-        # the same values as the add after the multiply, the mask being 0/1).
+        # The MSA transition's update is masked in the residual add and layer norm after it
+        # (add_layer_norm's residual_scale), the pair transition's in its residual add (torch.addcmul):
+        # both the values of the multiply then the add.
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
         update = self.msa_dropout_row(self.msa_att_row._update(m, z, msa_bias, chunk_size))
         m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update)
@@ -164,8 +166,8 @@ class _MSABlock(nn.Module):
         )
         del msa_bias  # (each bias lives only while its two attentions run)
         m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
-        update = self.msa_transition._normalized(m_ln, msa_mask, chunk_size)
-        m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update)
+        update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
+        m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, mask=msa_mask)
         z = z + self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size)
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
         update = self.pair_dropout_row(self.tri_mul_in(z, pair_mask))

@@ -35,13 +35,17 @@ class Transition(nn.Module):
     def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self._after_norm(self.layer_norm(x), mask)  # [*, N_b, c]
 
-    def _after_norm(self, x: torch.Tensor, mask: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # x = layer_norm(x) [*, N_b, c], mask [*, N_b, 1]; relu(linear_1(x)), the ReLU in the GEMM's
-        # epilogue where the backend can
+    def _unmasked_update(self, x: torch.Tensor) -> torch.Tensor:
+        # x = layer_norm(x) [*, N_b, c]; relu(linear_1(x)), the ReLU in the GEMM's epilogue where the
+        # backend can, then linear_2: the update before its mask [*, N_b, c]
         x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
+        return self.linear_2(x)
+
+    def _after_norm(self, x: torch.Tensor, mask: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x = layer_norm(x) [*, N_b, c], mask [*, N_b, 1]
         if residual is not None:
-            return torch.addcmul(residual, self.linear_2(x), mask)  # residual + update, one pass [*, N_b, c]
-        return self.linear_2(x) * mask  # [*, N_b, c]
+            return torch.addcmul(residual, self._unmasked_update(x), mask)  # residual + update, one pass [*, N_b, c]
+        return self._unmasked_update(x) * mask  # [*, N_b, c]
 
     def forward(
         self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
@@ -62,6 +66,11 @@ class Transition(nn.Module):
             return self._after_norm(x, mask.unsqueeze(-1), residual)  # [*, N_a, N_b, c]
         update = self._run(self._after_norm, x, mask, chunk_size)
         return update if residual is None else residual + update
+
+    def _normalized_unmasked(self, x: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
+        """The update from ``x = layer_norm(x)`` before its mask (checked inputs): the block masks it in
+        the residual add that follows (``ops.add_layer_norm``'s ``residual_scale``)."""
+        return chunked(self._unmasked_update, {"x": x}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
 
     def _run(self, update, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
         mask = mask.unsqueeze(-1)  # [*, N_a, N_b, 1]

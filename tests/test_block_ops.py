@@ -186,18 +186,20 @@ def test_layer_norm_cutlass_on_cpu_lists_reasons():
 
 
 @pytest.mark.parametrize("affine", [True, False])
-def test_add_layer_norm_eager_is_the_add_then_the_norm(affine):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_add_layer_norm_eager_is_the_add_then_the_norm(affine, scaled):
     x = (torch.randn(2, 5, 16, dtype=torch.float64) * 3 + 1).requires_grad_(True)
     r = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
     w, b = ((torch.randn(16, dtype=torch.float64, requires_grad=True),
              torch.randn(16, dtype=torch.float64, requires_grad=True)) if affine else (None, None))
-    s, y = ops.add_layer_norm(x, r, w, b, 1e-5)
-    s_ref = x + r
+    scale = torch.randn(2, 5, dtype=torch.float64, requires_grad=True) if scaled else None
+    s, y = ops.add_layer_norm(x, r, w, b, 1e-5, residual_scale=scale)
+    s_ref = x + (r if scale is None else r * scale[..., None])
     y_ref = F.layer_norm(s_ref, (16,), w, b, 1e-5)
     torch.testing.assert_close(s, s_ref)
     torch.testing.assert_close(y, y_ref)
     ds, dy = torch.randn_like(s), torch.randn_like(y)
-    leaves = [t for t in (x, r, w, b) if t is not None]
+    leaves = [t for t in (x, r, w, b, scale) if t is not None]
     got = torch.autograd.grad((s, y), leaves, (ds, dy))
     want = torch.autograd.grad((s_ref, y_ref), leaves, (ds, dy))
     for g, e in zip(got, want):
@@ -211,6 +213,15 @@ def test_add_layer_norm_eager_is_the_add_then_the_norm(affine):
 def test_add_layer_norm_invalid_residual(residual):
     with pytest.raises(ValueError, match="`residual`"):
         ops.add_layer_norm(torch.randn(3, 4), residual)
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [torch.randn(3, 4), torch.randn(3, dtype=torch.float64), torch.randn(3, 1), "not a tensor"],
+)
+def test_add_layer_norm_invalid_residual_scale(scale):
+    with pytest.raises(ValueError, match="`residual_scale`"):
+        ops.add_layer_norm(torch.randn(3, 4), torch.randn(3, 4), residual_scale=scale)
 
 
 def test_add_layer_norm_cutlass_on_cpu_lists_reasons():
@@ -267,20 +278,23 @@ def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
-def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype, scaled):
     from evoformer_blocks.ops import normalization
 
     x, r = _meta_leaf(3, 5, 32), _meta_leaf(3, 5, 32)
     weight, bias = _meta_leaf(32, dtype=param_dtype), _meta_leaf(32, dtype=param_dtype)
+    leaves = [x, r, weight, bias] + ([_meta_leaf(3, 5)] if scaled else [])
 
-    def run(x, r, weight, bias):
-        s, y = normalization.CutlassAddLayerNorm().forward(normalization.validate_add(x, r, weight, bias, 1e-5))
+    def run(x, r, weight, bias, *scale):
+        inputs = normalization.validate_add(x, r, weight, bias, 1e-5, *scale)
+        s, y = normalization.CutlassAddLayerNorm().forward(inputs)
         return s * 3 + y * 2
 
-    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x, r, weight, bias)
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(*leaves)
     out.float().sum().backward()
     assert out.shape == x.shape and out.dtype == x.dtype
-    for t in (x, r, weight, bias):
+    for t in leaves:
         assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
 
 

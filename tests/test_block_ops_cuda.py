@@ -84,37 +84,49 @@ def test_layer_norm_strided_rows_and_determinism():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 37, 128), (1000, 256), (5, 1024)])
 @pytest.mark.parametrize("params", ["affine", "none", "float32 weight"])
-def test_add_layer_norm_matches_reference(dtype, shape, params):
-    # the residual add in the layer norm's kernel: s is x + residual as torch rounds it, bit for
-    # bit; y and every gradient (x and residual share theirs) against float64 with the 2x rule
+@pytest.mark.parametrize("scale", ["none", "mask", "random"])
+def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
+    # the residual add in the layer norm's kernel: s is x + residual (* residual_scale per row) as
+    # torch rounds it, bit for bit; y and every gradient (x and an unscaled residual share theirs;
+    # a random scale gets its own) against float64 with the 2x rule
     c = shape[-1]
     if c * torch.finfo(dtype).bits // 8 > 2048:
         pytest.skip("wider than the kernel's rows: the op routes it to eager")
     x = (torch.randn(shape, device=DEV) * 2 + 0.5).to(dtype).requires_grad_(True)
     r = torch.randn(shape, device=DEV).to(dtype).requires_grad_(True)
-    w = b = None
+    w = b = sc = None
     if params != "none":
         w = (1 + 0.5 * torch.randn(c, device=DEV)).to(torch.float32 if params == "float32 weight" else dtype)
         w.requires_grad_(True)
         b = torch.randn(c, device=DEV).to(dtype).requires_grad_(True)
-    leaves = [t for t in (x, r, w, b) if t is not None]
+    if scale == "mask":  # a 0/1 row mask with a fully masked row
+        sc = (torch.rand(shape[:-1], device=DEV) > 0.3).to(dtype)
+        sc.view(-1)[0] = 0
+    elif scale == "random":
+        sc = (torch.randn(shape[:-1], device=DEV) * 1.5).to(dtype).requires_grad_(True)
+    leaves = [t for t in (x, r, w, b) if t is not None] + ([sc] if scale == "random" else [])
     ds, dy = torch.randn(shape, device=DEV), torch.randn(shape, device=DEV)
 
     def run(fn, leaves):
         s, y = fn()
         return [s.detach(), y.detach(), *torch.autograd.grad((s, y), leaves, (ds.to(s.dtype), dy.to(y.dtype)))]
 
-    fused = run(lambda: ops.add_layer_norm(x, r, w, b, backend="cutlass"), leaves)
-    eager = run(lambda: ops.add_layer_norm(x, r, w, b, backend="eager"), leaves)
-    assert torch.equal(fused[0], eager[0]), "s must be x + residual as torch rounds it"
+    fused = run(lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, backend="cutlass"), leaves)
+    eager = run(lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, backend="eager"), leaves)
+    assert torch.equal(fused[0], eager[0]), "s must be x + residual (* scale) as torch rounds it"
+    if scale == "mask":  # a masked row's residual gets no gradient, as from the multiply
+        assert not fused[3].view(-1, c)[0].any()
     l64 = [t.detach().double().requires_grad_(True) for t in leaves]
     x64, r64 = l64[0], l64[1]
     w64, b64 = (l64[2], l64[3]) if w is not None else (None, None)
+    s64 = {"none": lambda: x64 + r64, "mask": lambda: x64 + r64 * sc.double()[..., None],
+           "random": lambda: x64 + (r64 * l64[-1][..., None]).to(dtype).double()}[scale]
     # the reference normalises the rounded sum, as both backends do
-    ref = run(lambda: (x64 + r64, F.layer_norm((x64 + r64).to(dtype).double(), (c,), w64, b64, 1e-5)), l64)
-    for name, f, e, rf in zip(("y", "dx", "dresidual", "dw", "db"), fused[1:], eager[1:], ref[1:]):
+    ref = run(lambda: (s64(), F.layer_norm(s64().to(dtype).double(), (c,), w64, b64, 1e-5)), l64)
+    names = ["y", "dx", "dresidual"] + (["dw", "db"] if w is not None else []) + (["dscale"] if scale == "random" else [])
+    for name, f, e, rf in zip(names, fused[1:], eager[1:], ref[1:]):
         check(name, f, e, rf, dtype)
-    runs = [run(lambda: ops.add_layer_norm(x, r, w, b, backend="cutlass"), leaves) for _ in range(2)]
+    runs = [run(lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, backend="cutlass"), leaves) for _ in range(2)]
     for a, b_ in zip(*runs):
         assert torch.equal(a, b_), "the fused add + layer norm must be bitwise reproducible"
 
@@ -221,8 +233,9 @@ def test_triangle_custom_ops_pass_opcheck():
     from evoformer_blocks.ops import normalization as ln
 
     torch.library.opcheck(ln.layer_norm_fwd, (x, None, None, 1e-5), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(ln.add_layer_norm_fwd, (x, torch.randn_like(x), None, None, 1e-5),
-                          test_utils=("test_schema", "test_faketensor"))
+    for scale in (None, (torch.rand(5, 7, device=DEV) > 0.5).to(x.dtype)):
+        torch.library.opcheck(ln.add_layer_norm_fwd, (x, torch.randn_like(x), None, None, 1e-5, scale),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_block_modules_compile_fullgraph():

@@ -10,9 +10,11 @@
 //       -> (dx, [2, C] in affine_dtype (a float type): the gradients of weight and bias, or [0] without
 //           need_affine)
 //   (weight and bias: contiguous float16, bfloat16 or float32, read in their own dtype)
-//   add_layer_norm_fwd(x, residual, weight?, bias?, eps) -> (sum = x + residual, layer_norm(sum), mean, rstd)
-//   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype)
-//       -> (dsum + the layer norm's input gradient: the gradient of x and of residual, [2, C] as above)
+//   add_layer_norm_fwd(x, residual, weight?, bias?, eps, residual_scale? [*])
+//       -> (sum = x + residual (* residual_scale per row), layer_norm(sum), mean, rstd)
+//   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype, residual_scale?)
+//       -> (dsum + the layer norm's input gradient: the gradient of x (and of residual without a scale),
+//           [2, C] as above, that gradient times residual_scale per row: the residual's (else empty))
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing, family)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
 //           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z])
@@ -149,12 +151,22 @@ ParamTensor optional_param(const std::optional<at::Tensor>& t, const at::Tensor&
   return param_tensor(*t);
 }
 
-// y = layer_norm(rows of x); x must have C % (16 bytes / element) == 0 (the op routes others to eager).
-// y = layer_norm(rows of x) and its statistics; with `residual` (x's shape and dtype), of the rows of
-// x + residual instead, whose sum is written to `sum` (a new [M, C] tensor).
+// A per-row scale of the residual ([*] = x's shape without C, x's dtype) as the row kernels read it:
+// [M] contiguous (a copy only when it is not).
+at::Tensor row_scale(const at::Tensor& scale, const at::Tensor& x, int64_t M, const char* op) {
+  TORCH_CHECK(scale.numel() == M && scale.scalar_type() == x.scalar_type() && scale.device() == x.device(), op,
+              ": `residual_scale` must hold one value per row of x in x's dtype and device, got ", scale.sizes(), " ",
+              scale.scalar_type());
+  return scale.reshape({M}).contiguous();
+}
+
+// y = layer_norm(rows of x) and its statistics; x must have C % (16 bytes / element) == 0 (the op
+// routes others to eager). With `residual` (x's shape and dtype), of the rows of x + residual instead
+// (x + residual * residual_scale[row] with a scale), whose sum is written to `sum` (a new [M, C] tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, ParamTensor weight, ParamTensor bias,
                                                          double eps, const at::Tensor* residual = nullptr,
-                                                         at::Tensor* sum = nullptr) {
+                                                         at::Tensor* sum = nullptr,
+                                                         const std::optional<at::Tensor>& residual_scale = {}) {
   const int64_t C = x.size(-1);
   at::Tensor rows = as_rows(x, C);  // [M, C]
   const int64_t M = rows.size(0);
@@ -163,12 +175,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
   at::Tensor mean = output({M}, f32), rstd = output({M}, f32);
   RowNormParams p{rows.data_ptr(), y.data_ptr(), weight, bias, mean.data_ptr<float>(), rstd.data_ptr<float>(),
                   M, M > 1 ? rows.stride(0) : C, C, int(C), row_threads_for(C, rows.element_size()), float(eps)};
-  at::Tensor residual_rows;  // kept alive through the launch
+  at::Tensor residual_rows, scale;  // kept alive through the launch
   if (residual != nullptr) {
     residual_rows = as_rows(*residual, C);  // [M, C]
     *sum = output({M, C}, rows.options());
     p.residual = residual_rows.data_ptr(), p.residual_stride = M > 1 ? residual_rows.stride(0) : C;
     p.sum = sum->data_ptr(), p.sum_stride = C;
+    if (residual_scale.has_value()) {
+      scale = row_scale(*residual_scale, rows, M, "add layer norm");  // [M]
+      p.residual_scale = scale.data_ptr();
+    }
   }
   by_dtype(rows.scalar_type(), "layer norm", [&](auto element) {
     launch_layer_norm_rows<decltype(element)>(p, row_norm_ctas(M, p.row_threads), c10::cuda::getCurrentCUDAStream());
@@ -177,12 +193,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
 }
 
 // dx and, when affine_grad, the float32 sums over rows of dy * x_hat and of dy as one [2, C] tensor
-// (else [0]) of norm_rows.
-std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, const at::Tensor& x_in,
-                                                      ParamTensor weight, const at::Tensor& mean,
-                                                      const at::Tensor& rstd, bool affine_grad,
-                                                      at::ScalarType affine_dtype = at::kFloat,
-                                                      const at::Tensor* dsum_in = nullptr) {
+// (else [0]) of norm_rows; with residual_scale, also dresidual = dx * residual_scale[row] ([M, C];
+// else undefined).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
+    const at::Tensor& dy_in, const at::Tensor& x_in, ParamTensor weight, const at::Tensor& mean,
+    const at::Tensor& rstd, bool affine_grad, at::ScalarType affine_dtype = at::kFloat,
+    const at::Tensor* dsum_in = nullptr, const std::optional<at::Tensor>& residual_scale = {}) {
   const int64_t C = x_in.size(-1);
   at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
   const int64_t M = x.size(0);
@@ -192,7 +208,12 @@ std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, c
   const int ctas = row_norm_ctas(M, row_threads, kRowNormBackwardCtasPerSm);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto affine_options = x.options().dtype(affine_dtype);
-  if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options)};
+  at::Tensor dresidual, scale;
+  if (residual_scale.has_value()) {
+    scale = row_scale(*residual_scale, x, M, "add layer norm backward");  // [M]
+    dresidual = output({M, C}, x.options());
+  }
+  if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options), dresidual};
   at::Tensor affine = affine_grad ? output({2, C}, affine_options) : at::empty({0}, f32);  // (dweight, dbias)
   std::optional<PartialSums> sums;  // [ctas, (dweight, dbias), C], added by the last CTA into affine
   if (affine_grad) sums.emplace(ctas, 2 * C, f32, param_tensor(affine[0]), param_tensor(affine[1]), stream);
@@ -205,9 +226,10 @@ std::tuple<at::Tensor, at::Tensor> norm_rows_backward(const at::Tensor& dy_in, c
     dsum = as_rows(*dsum_in, C);
     p.dsum = dsum.data_ptr(), p.dsum_stride = M > 1 ? dsum.stride(0) : C;
   }
+  if (scale.defined()) p.residual_scale = scale.data_ptr(), p.dresidual = dresidual.data_ptr(), p.dresidual_stride = C;
   by_dtype(x.scalar_type(), "layer norm backward",
            [&](auto element) { launch_layer_norm_rows_backward<decltype(element)>(p, ctas, stream); });
-  return {dx, affine};
+  return {dx, affine, dresidual};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x,
@@ -231,18 +253,17 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
   TORCH_CHECK(mean.numel() * x.size(-1) == x.numel() && rstd.numel() == mean.numel(),
               "layer norm backward: `mean` and `rstd` must hold one value per row of x");
   const c10::cuda::CUDAGuard guard(x.device());
-  auto [dx, affine] =
+  auto [dx, affine, unused] =
       norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine, affine_dtype);
   return {dx.view(x.sizes()), affine};
 }
 
-// sum = x + residual and layer_norm(sum), in one pass over the rows (the residual add of a block
-// and the layer norm of the module after it).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(const at::Tensor& x,
-                                                                          const at::Tensor& residual,
-                                                                          const std::optional<at::Tensor>& weight,
-                                                                          const std::optional<at::Tensor>& bias,
-                                                                          double eps) {
+// sum = x + residual (residual * residual_scale per row with a scale) and layer_norm(sum), in one
+// pass over the rows (the residual add of a block, its update's row mask, and the layer norm of the
+// module after it).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
+    const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, const std::optional<at::Tensor>& residual_scale) {
   check_cuda(x, "x", "add layer norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
                   residual.device() == x.device(),
@@ -250,16 +271,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(co
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor sum;
   auto [y, mean, rstd] =
-      norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps, &residual, &sum);
+      norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps, &residual, &sum,
+                residual_scale);
   return {sum.view(x.sizes()), y.view(x.sizes()), mean, rstd};
 }
 
 // The backward of add_layer_norm_fwd: dx = dsum + the layer norm's input gradient (the gradient of
-// x and of residual alike), and the weight and bias gradients as layer_norm_bwd returns them.
-std::tuple<at::Tensor, at::Tensor> add_layer_norm_bwd(const at::Tensor& dsum, const at::Tensor& dy,
-                                                      const at::Tensor& sum, const std::optional<at::Tensor>& weight,
-                                                      const at::Tensor& mean, const at::Tensor& rstd,
-                                                      bool need_affine, at::ScalarType affine_dtype) {
+// x, and of residual without a scale), the weight and bias gradients as layer_norm_bwd returns them,
+// and with residual_scale the residual's gradient dx * residual_scale per row (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
+    const at::Tensor& dsum, const at::Tensor& dy, const at::Tensor& sum, const std::optional<at::Tensor>& weight,
+    const at::Tensor& mean, const at::Tensor& rstd, bool need_affine, at::ScalarType affine_dtype,
+    const std::optional<at::Tensor>& residual_scale) {
   check_cuda(sum, "sum", "add layer norm backward");
   TORCH_CHECK(dsum.sizes() == sum.sizes() && dsum.scalar_type() == sum.scalar_type() && dy.sizes() == sum.sizes() &&
                   dy.scalar_type() == sum.scalar_type(),
@@ -269,9 +292,10 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_bwd(const at::Tensor& dsum, co
   TORCH_CHECK(is_param_dtype(affine_dtype),
               "add layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   const c10::cuda::CUDAGuard guard(sum.device());
-  auto [dx, affine] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd, need_affine,
-                                         affine_dtype, &dsum);
-  return {dx.view(sum.sizes()), affine};
+  auto [dx, affine, dresidual] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd,
+                                                    need_affine, affine_dtype, &dsum, residual_scale);
+  return {dx.view(sum.sizes()), affine,
+          dresidual.defined() ? dresidual.view(sum.sizes()) : at::empty({0}, sum.options())};
 }
 
 // ---- triangle multiplicative update ------------------------------------------------------------
@@ -848,10 +872,10 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
         "ScalarType bias_dtype) -> (Tensor, Tensor, Tensor)");
-  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
+        "Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
-        "bool need_affine, ScalarType affine_dtype) -> (Tensor, Tensor)");
+        "bool need_affine, ScalarType affine_dtype, Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

@@ -60,6 +60,9 @@ struct RowNormParams {
   const void* residual = nullptr;  // [M, C] row-major or nullptr: normalise x + residual
   void* sum = nullptr;             // [M, C] row-major: x + residual, written when residual is given
   int64_t residual_stride = 0, sum_stride = 0;
+  // [M] contiguous, x's type, or nullptr: the residual's rows are scaled first (x + residual * scale,
+  // each product rounded to the type as a PyTorch multiply would; e.g. a 0/1 row mask)
+  const void* residual_scale = nullptr;
 };
 
 struct RowNormBackwardParams {
@@ -76,6 +79,11 @@ struct RowNormBackwardParams {
   ColumnTotals totals;   // affine_part's sums: out[0] dweight, out[1] dbias
   const void* dsum = nullptr;  // [M, C] row-major or nullptr: a gradient of x to add to dx
   int64_t dsum_stride = 0;
+  // With residual_scale ([M] contiguous, x's type: the forward's), dresidual ([M, C] row-major) gets
+  // dx * scale per row (dx rounded first, as autograd's multiply would take it).
+  const void* residual_scale = nullptr;
+  void* dresidual = nullptr;
+  int64_t dresidual_stride = 0;
 };
 
 struct ChannelNormParams {

@@ -252,9 +252,11 @@ __device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kCh
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
 // x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
 // or absent. With p.residual, x + residual (rounded to T, as a PyTorch add would) is written to
-// p.sum and normalised instead of x. Each thread loads its chunks of the next row group's x (and
-// residual) before it reduces and stores the current group's, so that two rows per thread are in
-// flight: one row per warp at a time left the kernel waiting on DRAM latency.
+// p.sum and normalised instead of x; with p.residual_scale as well, x + residual * scale[row] (the
+// product rounded to T first, and never contracted into an FMA with the add: float32 sums are those
+// of a PyTorch multiply and add, bit for bit). Each thread loads its chunks of the next row group's x (and
+// residual, and scale) before it reduces and stores the current group's, so that two rows per thread
+// are in flight: one row per warp at a time left the kernel waiting on DRAM latency.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
@@ -266,23 +268,35 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
   float weight[kChunks][Th::kVec], bias[kChunks][Th::kVec];  // of the thread's columns, read once
   load_affine(th, p.weight, 1.f, p.C, weight);
   load_affine(th, p.bias, 0.f, p.C, bias);
+  const T* const scale = static_cast<const T*>(p.residual_scale);
+  const auto scale_of = [&](int64_t row) { return scale != nullptr && row < p.M ? float(scale[row]) : 1.f; };
   RowChunks<kChunks> next_x, next_r;  // the next row group's chunks, in flight
   next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
   if (add) next_r.load(th, p.residual, p.residual_stride, rs.first_row(), p.M, p.C);
+  float next_scale = scale_of(rs.first_row());
   for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {  // uniform per CTA
     const int64_t row = group * rows_per_cta + slot;
     const bool row_ok = row < p.M;
     // this group's chunks out of the prefetch registers, then the next group's loads
     Vec<T> r[kChunks];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) th.x[c].unpack(next_x.raw[c]), r[c].unpack(next_r.raw[c]);
+    for (int c = 0; c < kChunks; ++c) {
+      th.x[c].unpack(next_x.raw[c]);
+      if (add) r[c].unpack(next_r.raw[c]);
+    }
+    const float row_scale = next_scale;
     next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
     if (add) next_r.load(th, p.residual, p.residual_stride, row + rs.row_step(), p.M, p.C);
+    next_scale = scale_of(row + rs.row_step());
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (row_ok && th.valid(c, p.C)) {
         if (add) {
+          if (scale != nullptr) {
+#pragma unroll
+            for (int i = 0; i < Th::kVec; ++i) r[c].v[i] = round_to<T>(__fmul_rn(r[c].v[i], row_scale));
+          }
 #pragma unroll
           for (int i = 0; i < Th::kVec; ++i) th.x[c].v[i] = round_to<T>(th.x[c].v[i] + r[c].v[i]);
           th.x[c].store(static_cast<T*>(p.sum) + row * p.sum_stride + th.col(c));
@@ -324,7 +338,9 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
 // Backward: dx from dy, x, the saved mean / rstd and the weight (plus p.dsum where given: the
 // gradient that reaches x by another path, added before the one rounding); with want_affine_grad, each CTA
 // writes its partial sums of dy * x_hat and dy over its rows into affine_part [gridDim.x, 2, C]
-// (float32). The next row group's x and dy are loaded ahead, as in the forward.
+// (float32). With p.dresidual, dx * residual_scale[row] (dx rounded first) is written there too: the
+// gradient of a scaled residual (add_layer_norm's). The next row group's x and dy are loaded ahead,
+// as in the forward.
 // One chunk per lane (rows up to 256 half-precision values, AF2's widths): registers capped for the
 // CTAs per SM the host sizes its grid for (kRowNormBackwardCtasPerSm).
 template <typename T, int kChunks>
@@ -345,7 +361,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
 #pragma unroll
     for (int i = 0; i < kVec; ++i) dw[c][i] = 0.f, db[c][i] = 0.f;
 
-  const bool has_dsum = p.dsum != nullptr;
+  const bool has_dsum = p.dsum != nullptr, has_dres = p.dresidual != nullptr;
   float weight[kChunks][kVec];  // of the thread's columns, read once
   load_affine(th, p.weight, 1.f, p.C, weight);
   RowChunks<kChunks> next_x, next_dy;  // the next row group's chunks, in flight
@@ -361,6 +377,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
     for (int c = 0; c < kChunks; ++c) th.x[c].unpack(next_x.raw[c]), g[c].unpack(next_dy.raw[c]);
     RowChunks<kChunks> dsum;  // this group's, used last (in flight during the reductions)
     if (has_dsum) dsum.load(th, p.dsum, p.dsum_stride, row, p.M, p.C);
+    const float row_scale = has_dres && row_ok ? float(static_cast<const T*>(p.residual_scale)[row]) : 0.f;
     next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
     next_dy.load(th, p.dy, p.dy_stride, row + rs.row_step(), p.M, p.C);
     float sum_g = 0.f, sum_gx = 0.f;
@@ -396,6 +413,11 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
         for (int i = 0; i < kVec; ++i) out.v[i] += d.v[i];
       }
       out.store(dx + th.col(c));
+      if (has_dres) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) out.v[i] = round_to<T>(out.v[i]) * row_scale;
+        out.store(static_cast<T*>(p.dresidual) + row * p.dresidual_stride + th.col(c));
+      }
     }
   }
   if (p.affine_part == nullptr) return;

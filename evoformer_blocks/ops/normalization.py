@@ -242,22 +242,23 @@ _dispatch.register(EagerLayerNorm(), auto_priority=100)
 @dataclass(frozen=True)
 class AddLayerNormInputs(ValidatedInputs):
     """Validated inputs of :func:`add_layer_norm`: x and residual ``[*, C]``, weight and bias ``[C]``
-    or None."""
+    or None, residual_scale ``[*]`` or None."""
 
     x: Tensor
     residual: Tensor
     weight: Optional[Tensor]
     bias: Optional[Tensor]
     eps: float
+    residual_scale: Optional[Tensor] = None
 
     def norm_inputs(self, s: Tensor) -> LayerNormInputs:
         return LayerNormInputs(s, self.weight, self.bias, self.eps)
 
 
-def validate_add(x, residual, weight=None, bias=None, eps=1e-5) -> AddLayerNormInputs:
+def validate_add(x, residual, weight=None, bias=None, eps=1e-5, residual_scale=None) -> AddLayerNormInputs:
     """Checks :func:`add_layer_norm`'s arguments (``ValueError`` naming the argument and the rule)."""
     inputs = validate(x, weight, bias, eps)
-    tensors = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+    tensors = {"x": x, "residual": residual, "weight": weight, "bias": bias, "residual_scale": residual_scale}
     if not isinstance(residual, torch.Tensor):
         raise ValueError(f"add_layer_norm: invalid `residual`: must be a torch.Tensor\n{describe(tensors)}")
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
@@ -265,7 +266,17 @@ def validate_add(x, residual, weight=None, bias=None, eps=1e-5) -> AddLayerNormI
             "add_layer_norm: invalid `residual`: must have x's shape, dtype and device "
             f"({list(x.shape)}, {x.dtype}, {x.device})\n{describe(tensors)}"
         )
-    return AddLayerNormInputs(x, residual, inputs.weight, inputs.bias, inputs.eps)
+    if residual_scale is not None and (
+        not isinstance(residual_scale, torch.Tensor)
+        or residual_scale.shape != x.shape[:-1]
+        or residual_scale.dtype != x.dtype
+        or residual_scale.device != x.device
+    ):
+        raise ValueError(
+            "add_layer_norm: invalid `residual_scale`: must be a tensor of x's shape without its last "
+            f"dimension, dtype and device ({list(x.shape[:-1])}, {x.dtype}, {x.device}) or None\n{describe(tensors)}"
+        )
+    return AddLayerNormInputs(x, residual, inputs.weight, inputs.bias, inputs.eps, residual_scale)
 
 
 def add_layer_norm(
@@ -275,6 +286,7 @@ def add_layer_norm(
     bias: Optional[Tensor] = None,
     eps: float = 1e-5,
     *,
+    residual_scale: Optional[Tensor] = None,
     backend: Optional[str] = None,
 ) -> tuple[Tensor, Tensor]:
     """``s = x + residual`` and ``layer_norm(s, weight, bias, eps)``: a block's residual add and the
@@ -285,17 +297,23 @@ def add_layer_norm(
     normalised, as the PyTorch code ``s = x + residual; y = F.layer_norm(s, (C,), weight, bias, eps)``
     does. x and residual must share shape, dtype and device; weight and bias as :func:`layer_norm`.
 
+    ``residual_scale`` (x's shape without C, x's dtype; e.g. a module's 0/1 row mask) multiplies
+    each row of ``residual`` first: ``s = x + residual * residual_scale[..., None]``, rounded as that
+    PyTorch code rounds it, so a masked update and its residual add take no pass of their own (the
+    residual's gradient is written in the same backward pass).
+
     Raises:
         ValueError: an argument breaks a rule above, or the requested backend cannot run it.
     """
-    inputs = validate_add(x, residual, weight, bias, eps)
+    inputs = validate_add(x, residual, weight, bias, eps, residual_scale)
     if x.numel() == 0:
         return _eager_add(inputs)
     return _dispatch.select(ADD_OP, inputs, backend).forward(inputs, None)
 
 
 def _eager_add(inputs: AddLayerNormInputs) -> tuple[Tensor, Tensor]:
-    s = inputs.x + inputs.residual
+    residual, scale = inputs.residual, inputs.residual_scale
+    s = inputs.x + (residual if scale is None else residual * scale.unsqueeze(-1))
     return s, _eager(inputs.norm_inputs(s))
 
 
@@ -310,15 +328,16 @@ class EagerAddLayerNorm(Backend):
 
 @torch.library.custom_op("evoformer_blocks::fused_add_layer_norm_fwd", mutates_args=(), device_types="cuda")
 def add_layer_norm_fwd(
-    x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+    residual_scale: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (s = x + residual, y = layer_norm(s), mean [M], rstd [M])."""
-    s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps)
+    """Returns (s = x + residual (* residual_scale per row), y = layer_norm(s), mean [M], rstd [M])."""
+    s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps, residual_scale)
     return s, y, mean, rstd
 
 
 @add_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps):
+def _(x, residual, weight, bias, eps, residual_scale):
     rows = x.numel() // x.shape[-1]
     stats = (x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32))
     return x.new_empty(x.shape), x.new_empty(x.shape), *stats
@@ -327,40 +346,52 @@ def _(x, residual, weight, bias, eps):
 @torch.library.custom_op("evoformer_blocks::fused_add_layer_norm_bwd", mutates_args=(), device_types="cuda")
 def add_layer_norm_bwd(
     ds: Tensor, dy: Tensor, s: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool,
-    affine_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """Returns (dx, affine): dx = ds + the layer norm's input gradient (the gradient of x and of the
-    residual alike); affine as :func:`layer_norm_bwd`."""
-    dx, affine = _fused.kernels().add_layer_norm_bwd(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype)
-    return dx, affine
+    affine_dtype: torch.dtype, residual_scale: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (dx, affine, dresidual): dx = ds + the layer norm's input gradient (the gradient of x,
+    and of the residual without a scale); affine as :func:`layer_norm_bwd`; with residual_scale,
+    dresidual = dx * residual_scale per row (else empty)."""
+    dx, affine, dresidual = _fused.kernels().add_layer_norm_bwd(
+        ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale
+    )
+    return dx, affine, dresidual
 
 
 @add_layer_norm_bwd.register_fake
-def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype):
+def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale):
     shape, dtype = ((2, s.shape[-1]), affine_dtype) if need_affine else ((0,), torch.float32)
-    return s.new_empty(s.shape), s.new_empty(shape, dtype=dtype)
+    dresidual = s.new_empty(s.shape if residual_scale is not None else (0,))
+    return s.new_empty(s.shape), s.new_empty(shape, dtype=dtype), dresidual
 
 
-def _save_add(ctx, s, weight, bias, mean, rstd) -> None:
-    ctx.save_for_backward(s, weight, mean, rstd)
+def _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale) -> None:
+    # the residual is kept only for the gradient of a residual_scale that requires one
+    ctx.scale_grad = residual_scale is not None and residual_scale.requires_grad
+    ctx.save_for_backward(s, weight, mean, rstd, residual_scale, residual if ctx.scale_grad else None)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _add_gradients(ctx, ds, dy, backward):
-    """(dx, dresidual, dweight, dbias, None): dx and dresidual are one tensor (the add passes the
-    gradient through to both)."""
-    s, weight, mean, rstd = ctx.saved_tensors
+    """(dx, dresidual, dweight, dbias, None, dresidual_scale): without a residual_scale dx and
+    dresidual are one tensor (the add passes the gradient through to both)."""
+    s, weight, mean, rstd, scale, residual = ctx.saved_tensors
     ds = torch.zeros_like(s) if ds is None else ds.contiguous()
     dy = torch.zeros_like(s) if dy is None else dy.contiguous()
     want_w, want_b, affine_dtype = _affine_request(ctx, weight, 2)
-    dx, affine = backward(ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype)
-    return (dx, dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
+    dx, affine, dresidual = backward(ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype, scale)
+    dscale = None
+    if scale is None:
+        dresidual = dx
+    elif ctx.scale_grad and ctx.needs_input_grad[5]:
+        # d(residual * scale) / d scale, summed over the row in float32: the gradient of the product is dx
+        dscale = (dx.float() * residual.float()).sum(-1).to(scale.dtype)
+    return (dx, dresidual, *_affine_grads(ctx, weight, affine, want_w, want_b), None, dscale)
 
 
 def _add_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps = inputs
-    _save_add(ctx, output[0], weight, bias, output[2], output[3])
+    x, residual, weight, bias, eps, residual_scale = inputs
+    _save_add(ctx, output[0], weight, bias, output[2], output[3], residual, residual_scale)
 
 
 add_layer_norm_fwd.register_autograd(
@@ -373,9 +404,9 @@ class _FusedAddLayerNormFunction(torch.autograd.Function):
     """The fused add + layer norm with the custom ops' autograd, called without the custom-op layers."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps):
-        s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps)
-        _save_add(ctx, s, weight, bias, mean, rstd)
+    def forward(ctx, x, residual, weight, bias, eps, residual_scale):
+        s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps, residual_scale)
+        _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale)
         return s, y
 
     @staticmethod
@@ -388,10 +419,11 @@ class CutlassAddLayerNorm(_CutlassRowNorm):
 
     def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
         weight, bias = self.kernel_parameters(inputs)
+        args = (inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale)
         if torch.compiler.is_compiling():
-            s, y, _, _ = add_layer_norm_fwd(inputs.x, inputs.residual, weight, bias, inputs.eps)
+            s, y, _, _ = add_layer_norm_fwd(*args)
             return s, y
-        return _FusedAddLayerNormFunction.apply(inputs.x, inputs.residual, weight, bias, inputs.eps)
+        return _FusedAddLayerNormFunction.apply(*args)
 
 
 _dispatch.register(CutlassAddLayerNorm(), auto_priority=10)
