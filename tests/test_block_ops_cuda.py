@@ -191,6 +191,43 @@ def test_triangle_matches_reference(dtype, direction, batch, n, c_z, c, kernel_f
         check(name, f, e, r, dtype)
 
 
+def _peak_bytes(fn):
+    """(fn()'s result, the allocator's peak above what was allocated before the call)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_triangle_forward_without_backward_skips_what_only_the_backward_reads(direction, kernel_family):
+    # A forward no backward follows (no_grad, or nothing requiring grad) gives the output of the
+    # forward with autograd bit for bit, and never allocates n_hat [M, c] (only the backward reads it).
+    n, c_z, c = 256, 64, 64
+    z = torch.randn(1, n, n, c_z, device=DEV, dtype=torch.bfloat16)
+    mask = (torch.rand(1, n, n, device=DEV) > 0.2).to(torch.bfloat16)
+    w = {k: v.to(DEV) for k, v in triangle_weights(c_z, c, torch.bfloat16, scale=0.2).items()}
+    with_grad = _triangle(z.clone().requires_grad_(True), mask, w, direction, "cutlass").detach()
+    with torch.no_grad():
+        out, peak = _peak_bytes(lambda: _triangle(z, mask, w, direction, "cutlass"))
+    assert torch.equal(out, with_grad)
+    assert torch.equal(_triangle(z, mask, w, direction, "cutlass"), with_grad)  # nothing requires grad
+    from evoformer_blocks.ops import triangle as tri
+
+    weights = [w[name] for name in tri._WEIGHTS]
+    family = cutlass.kernel_family(z.device)
+    kernels = tri._fused.kernels()
+    _, peak_kept = _peak_bytes(lambda: kernels.triangle_multiplication_fwd(z, mask, weights, 1e-5, direction == "outgoing",
+                                                                          family)[0])
+    _, peak_skipped = _peak_bytes(lambda: kernels.triangle_multiplication_fwd(z, mask, weights, 1e-5,
+                                                                             direction == "outgoing", family, False)[0])
+    n_hat_bytes = n * n * c * 2
+    assert peak_kept - peak_skipped >= 0.9 * n_hat_bytes, (peak_kept, peak_skipped)
+    assert peak <= peak_skipped + n_hat_bytes // 2, (peak, peak_skipped)
+
+
 @pytest.mark.slow
 def test_triangle_long_crop():
     n, c_z, c = 1000, 128, 128

@@ -15,9 +15,12 @@
 //   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype, residual_scale?)
 //       -> (dsum + the layer norm's input gradient: the gradient of x (and of residual without a scale),
 //           [2, C] as above, that gradient times residual_scale per row: the residual's (else empty))
-//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing, family)
+//   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing, family,
+//                               for_backward=True)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
-//           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z])
+//           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z]);
+//       for_backward=False (a forward no backward follows): n_hat, which only the backward reads, is
+//       an empty tensor where the fused output kernel runs (it is not written)
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
@@ -360,7 +363,8 @@ bool triangle_output_fits(const at::Tensor& z, const TriangleShape& s) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
-                            const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing, bool hopper) {
+                            const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing, bool hopper,
+                            bool for_backward) {
   const char* op = "triangle multiplication";
   const TriangleShape s = triangle_shape(z, w_ab, op);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -403,14 +407,16 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
 
   // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
   const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
-  at::Tensor n_hat = output({s.M, s.c}, z.options());
+  const bool fused_output = triangle_output_fits(z, s);
+  // n_hat [M, c]: the backward's (and the unfused output half's own intermediate)
+  at::Tensor n_hat = for_backward || !fused_output ? output({s.M, s.c}, z.options()) : at::empty({0}, z.options());
   at::Tensor rstd_out = output({s.M}, f32);
   at::Tensor out = output({s.M, s.cz}, z.options());
-  if (triangle_output_fits(z, s)) {
+  if (fused_output) {
     // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y (y is
     // not kept: the backward recomputes it from n_hat)
     const TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
-                                         n_hat.data_ptr(), rstd_out.data_ptr<float>(), s.M, int(s.c),
+                                         for_backward ? n_hat.data_ptr() : nullptr, rstd_out.data_ptr<float>(), s.M, int(s.c),
                                          int(s.cz), float(eps), vector_ok(p, s.M)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output<cutlass::half_t>(op_params, stream);
     else launch_triangle_output<cutlass::bfloat16_t>(op_params, stream);
@@ -620,7 +626,8 @@ FoldedWeights fold(at::TensorList w, const at::Tensor& z) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
-                            at::TensorList weights, double eps, bool outgoing, const std::string& family) {
+                            at::TensorList weights, double eps, bool outgoing, const std::string& family,
+                            bool for_backward) {
   const char* op = "triangle multiplication";
   check_cuda(z, "z", op);
   TORCH_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
@@ -632,7 +639,7 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   const c10::cuda::CUDAGuard guard(z.device());
   const FoldedWeights f = fold(weights, z);
   auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
-      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper);
+      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper, for_backward);
   return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, f.w_ab, f.b_ab, f.w_g, f.w_z, f.b_z};
 }
 
@@ -862,7 +869,8 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "ScalarType affine_dtype) "
       "-> (Tensor, Tensor)");
   m.def(
-      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family) "
+      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family, "
+      "bool for_backward=True) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "

@@ -218,7 +218,10 @@ __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumPa
   for (int64_t row = rs.first_row(); row < p.M; row += rs.row_step()) {
     Vec<T> x[kChunks], y[kChunks];
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) x[c].unpack(next_x.raw[c]), y[c].unpack(next_y.raw[c]);
+    for (int c = 0; c < kChunks; ++c) {
+      x[c].unpack(next_x.raw[c]);
+      if (relu) y[c].unpack(next_y.raw[c]);  // (loaded only with a ReLU)
+    }
     next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
     if (relu) next_y.load(th, p.relu_out, p.relu_stride, row + rs.row_step(), p.M, p.C);
 #pragma unroll

@@ -5,8 +5,8 @@
 //   y[m, n] = n_hat[m, :] . w_z[n, :] + b_z[n]
 //   out[m, n] = sigmoid(g[m, n]) * y[m, n]
 //
-// out and n_hat (kept for the backward, which recomputes y from it) are written row-major, rstd per
-// position. In HBM this reads p and g once and writes out and n_hat once; it replaces the channel
+// out and n_hat (kept for the backward, which recomputes y from it; not written when p.n_hat is
+// nullptr: a forward without a backward) are written row-major, rstd per position. In HBM this reads p and g once and writes out and n_hat once; it replaces the channel
 // layer norm, the y GEMM and the gate kernel (which read n_hat, y and g back).
 //
 // CTA: 256 threads, 128 positions. The p tile [C, 128] (channel-major, as the triangle products
@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 #pragma unroll
           for (int i = 0; i < 4; ++i) {  // register i: position g + 8 (i % 2), channels 2t (+ 8 for i >= 2)
             const int r = row_group * 32 + mt * 16 + g + 8 * (i % 2), c = kk * 16 + 8 * (i / 2) + 2 * t;
-            if (r < valid_rows && c < p.C) *reinterpret_cast<uint32_t*>(n_hat + (m0 + r) * p.C + c) = af[mt][i];
+            if (n_hat != nullptr && r < valid_rows && c < p.C)
+              *reinterpret_cast<uint32_t*>(n_hat + (m0 + r) * p.C + c) = af[mt][i];
           }
         }
       },

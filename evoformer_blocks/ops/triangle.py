@@ -284,8 +284,10 @@ def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
     family = kernel_family(z.device) if z.is_cuda else "sm80"  # (a meta tensor under tracing: the fakes ignore it)
     if torch.compiler.is_compiling():
         out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family)[0]
-    else:
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (zb, *weights)):
         out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, *weights)
+    else:  # no backward follows: the kernels skip what only the backward reads (n_hat)
+        out = _fused.kernels().triangle_multiplication_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family, False)[0]
     return out.reshape(z.shape)  # [*, N, N, c_z]
 
 
