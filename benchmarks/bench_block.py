@@ -32,13 +32,17 @@ N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the 
 iterations after warm-up (instead of the block cases unless --shapes is given too). Host time is
 what bounds the block at small sizes without CUDA graphs.
 
+With --train, the blocks run in training mode: dropout at the preset's rates (AF2: 0.15 after the MSA
+row attention, 0.25 after each pair update), a new mask every step, as a training step runs them
+(the block cases only; dropout off otherwise).
+
 With --profile, the CUDA kernels of one forward+backward of the default block (torch.profiler,
 gradients by torch.autograd.grad as in the timing, grouped by kernel name); with --triangle too,
 those of the outgoing triangle multiplication at each N_res, once per kernel family the GPU runs
 (on Hopper: the Hopper kernels and the portable ones).
 
     python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
-                                     [--triangle 384,768,1024] [--host] [--json out.json]
+                                     [--train] [--triangle 384,768,1024] [--host] [--json out.json]
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ CASES = [
 
 
 def block_args(extra: bool) -> dict:
-    """The constructor arguments of one block of the af2 preset, dropout off."""
+    """The constructor arguments of one block of the af2 preset (dropout rates included: they act
+    only in training mode)."""
     cfg = get_config("af2")
     section = dict(cfg.extra_msa_stack if extra else cfg.evoformer_stack)
     for key in ("no_blocks", "blocks_per_ckpt", "c_s"):
@@ -134,10 +139,11 @@ def randomized(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def build(case: Case):
+def build(case: Case, train: bool = False):
+    """The case's block (eval mode: dropout off; with `train`, training mode) and its inputs."""
     args = block_args(case.extra)
     cls = eb.ExtraMSABlock if case.extra else eb.EvoformerBlock
-    block = randomized(cls(**args)).to("cuda", DTYPE).eval()
+    block = randomized(cls(**args)).to("cuda", DTYPE).train(train)
     gen = torch.Generator(device="cuda").manual_seed(0)
     m = torch.randn(case.n_seq, case.n_res, args["c_m"], generator=gen, device="cuda").to(DTYPE)
     z = torch.randn(case.n_res, case.n_res, args["c_z"], generator=gen, device="cuda").to(DTYPE)
@@ -352,6 +358,7 @@ def main() -> None:
                           "with --triangle, those of the outgoing triangle multiplication per kernel family")
     cli.add_argument("--triangle", default="", help="N_res list for the triangle multiplication sweep, e.g. 384,768,1024")
     cli.add_argument("--host", action="store_true", help="host time of the default block with the GPU idle")
+    cli.add_argument("--train", action="store_true", help="the blocks in training mode (dropout at the preset's rates)")
     args = cli.parse()
     if (args.triangle or args.host) and not any(a.startswith("--shapes") for a in sys.argv[1:]):
         args.shapes = []  # the sweep or the host timing alone
@@ -368,12 +375,13 @@ def main() -> None:
         results.append({"triangle": triangle_sweep([int(n) for n in args.triangle.split(",")], args)})
     for index in args.shapes:
         case = CASES[index]
-        cfg, block, m, z, msa_mask, pair_mask = build(case)
+        cfg, block, m, z, msa_mask, pair_mask = build(case, train=args.train)
         flops_f, flops_fb = block_flops(cfg, case.n_seq, case.n_res, case.extra)
         leaves = [m, z, *block.parameters()]
-        print(f"\n## {case.label()} (model {flops_f / 1e12:.2f} TFLOP forward, {flops_fb / 1e12:.2f} forward+backward)",
+        mode = ", training mode (dropout on)" if args.train else ""
+        print(f"\n## {case.label()}{mode} (model {flops_f / 1e12:.2f} TFLOP forward, {flops_fb / 1e12:.2f} forward+backward)",
               flush=True)
-        row = {"case": case.label(), "flops": [flops_f, flops_fb], "impls": {}}
+        row = {"case": case.label(), "train": args.train, "flops": [flops_f, flops_fb], "impls": {}}
         table = []
         for name in args.impls:
             result = measure(IMPLS[name], (block, m, z, msa_mask, pair_mask), leaves,
