@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,12 +24,18 @@ class SharedDropout(nn.Module):
         self.shared_dim = shared_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = self.keep_mask(x)
+        return x if keep is None else x * keep
+
+    def keep_mask(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The mask ``forward(x)`` multiplies ``x`` by (``[*, 1 at shared_dim, *]``: 0, or ``1 / (1 - p)``
+        in x's dtype; one draw from the RNG, as ``forward`` makes), or None where dropout is off
+        (eval mode or ``p == 0``). The blocks pass it to the residual add that follows."""
         if not self.training or self.p == 0.0:
-            return x
+            return None
         shape = list(x.shape)
         shape[self.shared_dim] = 1
-        keep = F.dropout(x.new_ones(shape), p=self.p, training=True)  # [*, 1 at shared_dim, *]
-        return x * keep
+        return F.dropout(x.new_ones(shape), p=self.p, training=True)  # [*, 1 at shared_dim, *]
 
     def extra_repr(self) -> str:
         return f"p={self.p}, shared_dim={self.shared_dim}"

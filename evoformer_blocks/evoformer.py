@@ -33,14 +33,17 @@ from .transitions import MSATransition, PairTransition
 from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
 
-def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, mask: Optional[torch.Tensor] = None):
+def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: Optional[torch.Tensor] = None):
     """(x + update, norm(x + update)) by :func:`ops.add_layer_norm` (one pass each way) where x and
-    update share shape and dtype; the sum is what ``x + update`` gives. With ``mask`` (x's shape
-    without the channels, x's dtype), the update is masked in the same pass: ``x + update * mask[..., None]``."""
+    update share shape and dtype; the sum is what ``x + update`` gives. With ``scale`` (broadcasting
+    to x's shape: a row mask ``[*, 1]``, a dropout keep-mask), the update is scaled in the same pass:
+    what ``x + update * scale`` gives."""
     if update.dtype != x.dtype or update.shape != x.shape:  # e.g. autocast: the plain add promotes
-        s = x + (update if mask is None else update * mask.unsqueeze(-1))
+        s = x + (update if scale is None else update * scale)
         return s, norm(s)
-    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=mask, backend=norm.backend)
+    if scale is not None and scale.dtype != x.dtype:
+        scale = scale.to(x.dtype)
+    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=scale, backend=norm.backend)
 
 
 def _shared(mask_bias: torch.Tensor, owner: nn.Module, other: nn.Module) -> Optional[torch.Tensor]:
@@ -81,7 +84,8 @@ class _MSABlock(nn.Module):
     The block runs the attentions, transitions and outer product mean through their internal
     entry points (a residual add fused with the next layer norm, mask biases shared), not their
     ``forward``: forward hooks registered on those sub-modules do not fire inside the block; those
-    on the triangle multiplications and the dropouts do.
+    on the triangle multiplications and on the dropout after the outgoing one do (the other dropouts'
+    masks scale their update inside the residual add and layer norm that follow it).
     """
 
     def __init__(
@@ -155,33 +159,32 @@ class _MSABlock(nn.Module):
         # module._normalized(m_ln)`. The triangle multiplications normalise inside their own op.
         # The mask biases inf * (mask - 1) are computed once per mask and shared by the two attentions
         # over that representation (the second reads the first's as a transposed view).
-        # The MSA transition's update is masked in the residual add and layer norm after it
-        # (add_layer_norm's residual_scale), the pair transition's in its residual add (torch.addcmul):
-        # both the values of the multiply then the add.
+        # The MSA transition's mask and the dropouts in front of a layer norm scale their update in
+        # that residual add and layer norm (add_layer_norm's residual_scale; the dropout masks are
+        # drawn where the dropout modules would draw them), the pair transition's mask in its residual
+        # add (torch.addcmul): the values of the multiply then the add.
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
-        update = self.msa_dropout_row(self.msa_att_row._update(m, z, msa_bias, chunk_size))
-        m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update)
+        update = self.msa_att_row._update(m, z, msa_bias, chunk_size)
+        m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, self.msa_dropout_row.keep_mask(update))
         update = self.msa_att_col._normalized(
             m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
         )
         del msa_bias  # (each bias lives only while its two attentions run)
         m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
         update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
-        m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, mask=msa_mask)
+        m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, msa_mask.unsqueeze(-1))
         z = z + self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size)
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
-        update = self.pair_dropout_row(self.tri_mul_in(z, pair_mask))
-        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update)
+        update = self.tri_mul_in(z, pair_mask)
+        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, self.pair_dropout_row.keep_mask(update))
         pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
-        update = self.pair_dropout_row(self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias))
-        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update)
-        update = self.pair_dropout_col(
-            self.tri_att_end._normalized(
-                z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
-            )
+        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
+        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, self.pair_dropout_row.keep_mask(update))
+        update = self.tri_att_end._normalized(
+            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
         )
         del pair_bias
-        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update)
+        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, self.pair_dropout_col.keep_mask(update))
         z = self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
         return m, z
 

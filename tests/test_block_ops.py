@@ -192,9 +192,9 @@ def test_add_layer_norm_eager_is_the_add_then_the_norm(affine, scaled):
     r = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
     w, b = ((torch.randn(16, dtype=torch.float64, requires_grad=True),
              torch.randn(16, dtype=torch.float64, requires_grad=True)) if affine else (None, None))
-    scale = torch.randn(2, 5, dtype=torch.float64, requires_grad=True) if scaled else None
+    scale = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True) if scaled else None  # broadcast over dim 0
     s, y = ops.add_layer_norm(x, r, w, b, 1e-5, residual_scale=scale)
-    s_ref = x + (r if scale is None else r * scale[..., None])
+    s_ref = x + (r if scale is None else r * scale)
     y_ref = F.layer_norm(s_ref, (16,), w, b, 1e-5)
     torch.testing.assert_close(s, s_ref)
     torch.testing.assert_close(y, y_ref)
@@ -217,7 +217,7 @@ def test_add_layer_norm_invalid_residual(residual):
 
 @pytest.mark.parametrize(
     "scale",
-    [torch.randn(3, 4), torch.randn(3, dtype=torch.float64), torch.randn(3, 1), "not a tensor"],
+    [torch.randn(3), torch.randn(3, 1, dtype=torch.float64), torch.randn(2, 4), torch.randn(2, 3, 4), "not a tensor"],
 )
 def test_add_layer_norm_invalid_residual_scale(scale):
     with pytest.raises(ValueError, match="`residual_scale`"):
@@ -284,7 +284,7 @@ def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype, scaled):
 
     x, r = _meta_leaf(3, 5, 32), _meta_leaf(3, 5, 32)
     weight, bias = _meta_leaf(32, dtype=param_dtype), _meta_leaf(32, dtype=param_dtype)
-    leaves = [x, r, weight, bias] + ([_meta_leaf(3, 5)] if scaled else [])
+    leaves = [x, r, weight, bias] + ([_meta_leaf(3, 1, 32)] if scaled else [])
 
     def run(x, r, weight, bias, *scale):
         inputs = normalization.validate_add(x, r, weight, bias, 1e-5, *scale)

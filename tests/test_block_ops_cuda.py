@@ -84,11 +84,13 @@ def test_layer_norm_strided_rows_and_determinism():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 37, 128), (1000, 256), (5, 1024)])
 @pytest.mark.parametrize("params", ["affine", "none", "float32 weight"])
-@pytest.mark.parametrize("scale", ["none", "mask", "random"])
+@pytest.mark.parametrize("scale", ["none", "mask", "random", "dropout rows", "dropout columns", "strided"])
 def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
-    # the residual add in the layer norm's kernel: s is x + residual (* residual_scale per row) as
-    # torch rounds it, bit for bit; y and every gradient (x and an unscaled residual share theirs;
-    # a random scale gets its own) against float64 with the 2x rule
+    # the residual add in the layer norm's kernel: s is x + residual (* residual_scale) as torch
+    # rounds it, bit for bit; y and every gradient (x and an unscaled residual share theirs; a random
+    # scale gets its own) against float64 with the 2x rule. Scales: a 0/1 row mask [*, 1], random
+    # values per row (requiring grad), dropout keep-masks shared along the rows ([1, *, C] broadcast
+    # over dim 0) or along dim -2 ([*, 1, C]), and a per-element scale read through a strided view.
     c = shape[-1]
     if c * torch.finfo(dtype).bits // 8 > 2048:
         pytest.skip("wider than the kernel's rows: the op routes it to eager")
@@ -100,10 +102,15 @@ def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
         w.requires_grad_(True)
         b = torch.randn(c, device=DEV).to(dtype).requires_grad_(True)
     if scale == "mask":  # a 0/1 row mask with a fully masked row
-        sc = (torch.rand(shape[:-1], device=DEV) > 0.3).to(dtype)
+        sc = (torch.rand(*shape[:-1], 1, device=DEV) > 0.3).to(dtype)
         sc.view(-1)[0] = 0
     elif scale == "random":
-        sc = (torch.randn(shape[:-1], device=DEV) * 1.5).to(dtype).requires_grad_(True)
+        sc = (torch.randn(*shape[:-1], 1, device=DEV) * 1.5).to(dtype).requires_grad_(True)
+    elif scale.startswith("dropout"):  # 0 or 1 / (1 - p), as SharedDropout draws it
+        keep_shape = [1, *shape[1:]] if scale == "dropout rows" else [*shape[:-2], 1, c] if len(shape) > 2 else [1, c]
+        sc = torch.nn.functional.dropout(torch.ones(keep_shape, device=DEV, dtype=dtype), p=0.25, training=True)
+    elif scale == "strided":  # every value its own, read from a view with padded rows
+        sc = (torch.randn(*shape[:-1], c + 8, device=DEV) + 1).to(dtype)[..., :c]
     leaves = [t for t in (x, r, w, b) if t is not None] + ([sc] if scale == "random" else [])
     ds, dy = torch.randn(shape, device=DEV), torch.randn(shape, device=DEV)
 
@@ -119,8 +126,12 @@ def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
     l64 = [t.detach().double().requires_grad_(True) for t in leaves]
     x64, r64 = l64[0], l64[1]
     w64, b64 = (l64[2], l64[3]) if w is not None else (None, None)
-    s64 = {"none": lambda: x64 + r64, "mask": lambda: x64 + r64 * sc.double()[..., None],
-           "random": lambda: x64 + (r64 * l64[-1][..., None]).to(dtype).double()}[scale]
+    if scale == "none":
+        s64 = lambda: x64 + r64  # noqa: E731
+    elif scale == "random":
+        s64 = lambda: x64 + (r64 * l64[-1]).to(dtype).double()  # noqa: E731
+    else:
+        s64 = lambda: x64 + (r64 * sc.double()).to(dtype).double()  # noqa: E731
     # the reference normalises the rounded sum, as both backends do
     ref = run(lambda: (s64(), F.layer_norm(s64().to(dtype).double(), (c,), w64, b64, 1e-5)), l64)
     names = ["y", "dx", "dresidual"] + (["dw", "db"] if w is not None else []) + (["dscale"] if scale == "random" else [])
@@ -270,7 +281,7 @@ def test_triangle_custom_ops_pass_opcheck():
     from evoformer_blocks.ops import normalization as ln
 
     torch.library.opcheck(ln.layer_norm_fwd, (x, None, None, 1e-5), test_utils=("test_schema", "test_faketensor"))
-    for scale in (None, (torch.rand(5, 7, device=DEV) > 0.5).to(x.dtype)):
+    for scale in (None, (torch.rand(5, 7, 1, device=DEV) > 0.5).to(x.dtype), torch.rand(7, 64, device=DEV).to(x.dtype)):
         torch.library.opcheck(ln.add_layer_norm_fwd, (x, torch.randn_like(x), None, None, 1e-5, scale),
                               test_utils=("test_schema", "test_faketensor"))
 

@@ -10,11 +10,11 @@
 //       -> (dx, [2, C] in affine_dtype (a float type): the gradients of weight and bias, or [0] without
 //           need_affine)
 //   (weight and bias: contiguous float16, bfloat16 or float32, read in their own dtype)
-//   add_layer_norm_fwd(x, residual, weight?, bias?, eps, residual_scale? [*])
-//       -> (sum = x + residual (* residual_scale per row), layer_norm(sum), mean, rstd)
+//   add_layer_norm_fwd(x, residual, weight?, bias?, eps, residual_scale? (broadcasts to x))
+//       -> (sum = x + residual (* residual_scale), layer_norm(sum), mean, rstd)
 //   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype, residual_scale?)
 //       -> (dsum + the layer norm's input gradient: the gradient of x (and of residual without a scale),
-//           [2, C] as above, that gradient times residual_scale per row: the residual's (else empty))
+//           [2, C] as above, that gradient times residual_scale: the residual's (else empty))
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing, family,
 //                               for_backward=True)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
@@ -154,18 +154,43 @@ ParamTensor optional_param(const std::optional<at::Tensor>& t, const at::Tensor&
   return param_tensor(*t);
 }
 
-// A per-row scale of the residual ([*] = x's shape without C, x's dtype) as the row kernels read it:
-// [M] contiguous (a copy only when it is not).
-at::Tensor row_scale(const at::Tensor& scale, const at::Tensor& x, int64_t M, const char* op) {
-  TORCH_CHECK(scale.numel() == M && scale.scalar_type() == x.scalar_type() && scale.device() == x.device(), op,
-              ": `residual_scale` must hold one value per row of x in x's dtype and device, got ", scale.sizes(), " ",
-              scale.scalar_type());
-  return scale.reshape({M}).contiguous();
+bool row_map_of(const at::Tensor& y, RowMap& map);  // (below)
+
+// A residual's scale (any shape that broadcasts to x's; x's dtype and device) as the row kernels read
+// it (RowNormParams::residual_scale): the caller's tensor expanded to x's shape where its rows fit a
+// RowMap (a dropout mask shared along a dimension, a row mask), else a contiguous copy.
+struct ScaleRows {
+  at::Tensor values;  // what the kernel reads, kept alive through the launch
+  RowMap rows;
+  bool per_row;
+};
+ScaleRows scale_rows(const at::Tensor& scale, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(scale.scalar_type() == x.scalar_type() && scale.device() == x.device() &&
+                  at::is_expandable_to(scale.sizes(), x.sizes()),
+              op, ": `residual_scale` must broadcast to x's shape ", x.sizes(), " in x's dtype and device, got ",
+              scale.sizes(), " ", scale.scalar_type());
+  const at::Tensor e = scale.expand(x.sizes());
+  const int64_t C = x.size(-1), vec = 16 / x.element_size();
+  ScaleRows out{e, RowMap::strided(C), C == 1 || e.stride(-1) == 0};
+  const bool mapped = row_map_of(e, out.rows);
+  if (out.per_row) {  // one value per row
+    if (!mapped) out.values = e.select(-1, 0).contiguous(), out.rows = RowMap::strided(1);
+  } else if (!mapped || e.stride(-1) != 1 || !aligned16(e) || out.rows.s0 % vec || out.rows.s1 % vec ||
+             out.rows.s2 % vec) {
+    out.values = e.contiguous(), out.rows = RowMap::strided(C);
+  }
+  if (out.rows.mid == 1 && out.rows.s1 == 0 && out.rows.s2 == 0) out.rows = RowMap::strided(out.rows.s0);  // one level
+  if (out.rows.inner != 0 && e.numel() / C > INT32_MAX) {  // the kernels' RowMap::small needs M < 2^31
+    out.values = out.per_row ? e.select(-1, 0).contiguous() : e.contiguous();
+    out.rows = RowMap::strided(out.per_row ? 1 : C);
+  }
+  return out;
 }
 
 // y = layer_norm(rows of x) and its statistics; x must have C % (16 bytes / element) == 0 (the op
 // routes others to eager). With `residual` (x's shape and dtype), of the rows of x + residual instead
-// (x + residual * residual_scale[row] with a scale), whose sum is written to `sum` (a new [M, C] tensor).
+// (x + residual * residual_scale with a scale broadcasting to x), whose sum is written to `sum` (a new
+// [M, C] tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, ParamTensor weight, ParamTensor bias,
                                                          double eps, const at::Tensor* residual = nullptr,
                                                          at::Tensor* sum = nullptr,
@@ -178,26 +203,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
   at::Tensor mean = output({M}, f32), rstd = output({M}, f32);
   RowNormParams p{rows.data_ptr(), y.data_ptr(), weight, bias, mean.data_ptr<float>(), rstd.data_ptr<float>(),
                   M, M > 1 ? rows.stride(0) : C, C, int(C), row_threads_for(C, rows.element_size()), float(eps)};
-  at::Tensor residual_rows, scale;  // kept alive through the launch
+  at::Tensor residual_rows;  // kept alive through the launch
+  std::optional<ScaleRows> scale;
   if (residual != nullptr) {
     residual_rows = as_rows(*residual, C);  // [M, C]
     *sum = output({M, C}, rows.options());
     p.residual = residual_rows.data_ptr(), p.residual_stride = M > 1 ? residual_rows.stride(0) : C;
     p.sum = sum->data_ptr(), p.sum_stride = C;
     if (residual_scale.has_value()) {
-      scale = row_scale(*residual_scale, rows, M, "add layer norm");  // [M]
-      p.residual_scale = scale.data_ptr();
+      scale = scale_rows(*residual_scale, x, "add layer norm");
+      p.residual_scale = scale->values.data_ptr(), p.scale_rows = scale->rows, p.scale_per_row = scale->per_row;
     }
   }
+  const int per_sm = scale.has_value() ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm;
   by_dtype(rows.scalar_type(), "layer norm", [&](auto element) {
-    launch_layer_norm_rows<decltype(element)>(p, row_norm_ctas(M, p.row_threads), c10::cuda::getCurrentCUDAStream());
+    launch_layer_norm_rows<decltype(element)>(p, row_norm_ctas(M, p.row_threads, per_sm),
+                                              c10::cuda::getCurrentCUDAStream());
   });
   return {y, mean, rstd};
 }
 
 // dx and, when affine_grad, the float32 sums over rows of dy * x_hat and of dy as one [2, C] tensor
-// (else [0]) of norm_rows; with residual_scale, also dresidual = dx * residual_scale[row] ([M, C];
-// else undefined).
+// (else [0]) of norm_rows; with residual_scale (broadcasting to x_in), also dresidual = dx *
+// residual_scale ([M, C]; else undefined).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
     const at::Tensor& dy_in, const at::Tensor& x_in, ParamTensor weight, const at::Tensor& mean,
     const at::Tensor& rstd, bool affine_grad, at::ScalarType affine_dtype = at::kFloat,
@@ -211,9 +239,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
   const int ctas = row_norm_ctas(M, row_threads, kRowNormBackwardCtasPerSm);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto affine_options = x.options().dtype(affine_dtype);
-  at::Tensor dresidual, scale;
+  at::Tensor dresidual;
+  std::optional<ScaleRows> scale;
   if (residual_scale.has_value()) {
-    scale = row_scale(*residual_scale, x, M, "add layer norm backward");  // [M]
+    scale = scale_rows(*residual_scale, x_in, "add layer norm backward");
     dresidual = output({M, C}, x.options());
   }
   if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options), dresidual};
@@ -229,7 +258,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
     dsum = as_rows(*dsum_in, C);
     p.dsum = dsum.data_ptr(), p.dsum_stride = M > 1 ? dsum.stride(0) : C;
   }
-  if (scale.defined()) p.residual_scale = scale.data_ptr(), p.dresidual = dresidual.data_ptr(), p.dresidual_stride = C;
+  if (scale.has_value()) {
+    p.residual_scale = scale->values.data_ptr(), p.scale_rows = scale->rows, p.scale_per_row = scale->per_row;
+    p.dresidual = dresidual.data_ptr(), p.dresidual_stride = C;
+  }
   by_dtype(x.scalar_type(), "layer norm backward",
            [&](auto element) { launch_layer_norm_rows_backward<decltype(element)>(p, ctas, stream); });
   return {dx, affine, dresidual};
@@ -261,8 +293,8 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
   return {dx.view(x.sizes()), affine};
 }
 
-// sum = x + residual (residual * residual_scale per row with a scale) and layer_norm(sum), in one
-// pass over the rows (the residual add of a block, its update's row mask, and the layer norm of the
+// sum = x + residual (residual * residual_scale with a scale) and layer_norm(sum), in one pass over
+// the rows (the residual add of a block, its update's mask or dropout, and the layer norm of the
 // module after it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
     const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
@@ -281,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
 
 // The backward of add_layer_norm_fwd: dx = dsum + the layer norm's input gradient (the gradient of
 // x, and of residual without a scale), the weight and bias gradients as layer_norm_bwd returns them,
-// and with residual_scale the residual's gradient dx * residual_scale per row (else an empty tensor).
+// and with residual_scale the residual's gradient dx * residual_scale (else an empty tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
     const at::Tensor& dsum, const at::Tensor& dy, const at::Tensor& sum, const std::optional<at::Tensor>& weight,
     const at::Tensor& mean, const at::Tensor& rstd, bool need_affine, at::ScalarType affine_dtype,

@@ -64,8 +64,12 @@ void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_byt
 
 template <typename T>
 void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t stream) {
-  launch_row_kernel<T>(p, layer_norm_rows_kernel<T, 1>, layer_norm_rows_kernel<T, 2>,
-                       layer_norm_rows_kernel<T, kMaxRowChunks>, n_ctas, 0, stream, "evoformer layer norm");
+  if (p.residual_scale != nullptr)
+    launch_row_kernel<T>(p, layer_norm_rows_kernel<T, 1, true>, layer_norm_rows_kernel<T, 2, true>,
+                         layer_norm_rows_kernel<T, kMaxRowChunks, true>, n_ctas, 0, stream, "evoformer layer norm");
+  else
+    launch_row_kernel<T>(p, layer_norm_rows_kernel<T, 1, false>, layer_norm_rows_kernel<T, 2, false>,
+                         layer_norm_rows_kernel<T, kMaxRowChunks, false>, n_ctas, 0, stream, "evoformer layer norm");
 }
 
 template <typename T>

@@ -44,7 +44,29 @@ constexpr int kMaxRowChunks = 4;
 // CTAs per SM of the row layer norms' grids (grid-stride loops): the forward's, and the backward's
 // (its one-chunk instantiation is compiled for that many).
 constexpr int kRowNormCtasPerSm = 4;
+constexpr int kRowNormScaledCtasPerSm = 3;  // the forward with a residual scale (layer_norm_rows_kernel)
 constexpr int kRowNormBackwardCtasPerSm = 3;
+
+// Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
+// order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
+// m2 * s2 + m1 * s1 + m0 * s0 elements. A matrix with rows `stride` apart is strided(stride).
+struct RowMap {
+  int64_t inner, mid, s0, s1, s2;
+
+  static RowMap strided(int64_t stride) { return RowMap{0, 1, stride, 0, 0}; }
+  __host__ __device__ __forceinline__ int64_t operator()(int64_t m) const {
+    if (inner == 0) return m * s0;
+    const int64_t q = m / inner;
+    return (q / mid) * s2 + (q % mid) * s1 + (m - q * inner) * s0;
+  }
+  // The same for m < 2^31 (the caller's guarantee): 32-bit divisions, where a 64-bit one is a
+  // subroutine call on the GPU (whose calling convention made a row kernel spill registers).
+  __host__ __device__ __forceinline__ int64_t small(int64_t m) const {
+    if (inner == 0) return m * s0;
+    const uint32_t q = uint32_t(m) / uint32_t(inner), q2 = q / uint32_t(mid);
+    return int64_t(q2) * s2 + int64_t(q - q2 * uint32_t(mid)) * s1 + (m - int64_t(q) * inner) * s0;
+  }
+};
 
 struct RowNormParams {
   const void* x;        // [M, C] row-major
@@ -60,9 +82,13 @@ struct RowNormParams {
   const void* residual = nullptr;  // [M, C] row-major or nullptr: normalise x + residual
   void* sum = nullptr;             // [M, C] row-major: x + residual, written when residual is given
   int64_t residual_stride = 0, sum_stride = 0;
-  // [M] contiguous, x's type, or nullptr: the residual's rows are scaled first (x + residual * scale,
-  // each product rounded to the type as a PyTorch multiply would; e.g. a 0/1 row mask)
+  // x's type or nullptr: the residual is scaled first (x + residual * scale, each product rounded to
+  // the type as a PyTorch multiply would): one value per row at scale_rows(m) with scale_per_row (a
+  // 0/1 row mask), else a row of C values there (16-byte aligned; e.g. a dropout mask shared along a
+  // dimension, whose rows repeat)
   const void* residual_scale = nullptr;
+  RowMap scale_rows{0, 1, 0, 0, 0};
+  bool scale_per_row = true;
 };
 
 struct RowNormBackwardParams {
@@ -79,9 +105,11 @@ struct RowNormBackwardParams {
   ColumnTotals totals;   // affine_part's sums: out[0] dweight, out[1] dbias
   const void* dsum = nullptr;  // [M, C] row-major or nullptr: a gradient of x to add to dx
   int64_t dsum_stride = 0;
-  // With residual_scale ([M] contiguous, x's type: the forward's), dresidual ([M, C] row-major) gets
-  // dx * scale per row (dx rounded first, as autograd's multiply would take it).
+  // With residual_scale (the forward's, located as there), dresidual ([M, C] row-major) gets
+  // dx * scale (dx rounded first, as autograd's multiply would take it).
   const void* residual_scale = nullptr;
+  RowMap scale_rows{0, 1, 0, 0, 0};
+  bool scale_per_row = true;
   void* dresidual = nullptr;
   int64_t dresidual_stride = 0;
 };
@@ -217,20 +245,6 @@ struct TriangleOutputBackwardParams {
   int64_t M;
   int C, G;
   bool vector_ok;  // dp's rows can be written 16 bytes at a time (M % 8 == 0, aligned base)
-};
-
-// Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
-// order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
-// m2 * s2 + m1 * s1 + m0 * s0 elements. A matrix with rows `stride` apart is strided(stride).
-struct RowMap {
-  int64_t inner, mid, s0, s1, s2;
-
-  static RowMap strided(int64_t stride) { return RowMap{0, 1, stride, 0, 0}; }
-  __host__ __device__ __forceinline__ int64_t operator()(int64_t m) const {
-    if (inner == 0) return m * s0;
-    const int64_t q = m / inner;
-    return (q / mid) * s2 + (q % mid) * s1 + (m - q * inner) * s0;
-  }
 };
 
 struct SigmoidGateParams {

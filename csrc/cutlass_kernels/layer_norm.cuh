@@ -154,11 +154,44 @@ struct RowChunks {
   template <typename T>
   __device__ __forceinline__ void load(const RowNormThread<T, kChunks>& th, const void* base, int64_t stride,
                                        int64_t row, int64_t M, int C) {
-    if (row >= M) return;
-    const T* src = static_cast<const T*>(base) + row * stride;
+    if (row < M) load_row(th, static_cast<const T*>(base) + row * stride, C);
+  }
+  // the chunks of the row that starts at src
+  template <typename T>
+  __device__ __forceinline__ void load_row(const RowNormThread<T, kChunks>& th, const T* src, int C) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
       if (th.valid(c, C)) raw[c] = *reinterpret_cast<const uint4*>(src + th.col(c));
+  }
+};
+
+// A residual's scale as the row kernels read it (add_layer_norm's residual_scale; RowNormParams and
+// RowNormBackwardParams, read from the kernel parameters where needed): nothing, one value per row,
+// or a row of C values per row, rows located by p.scale_rows. load(p, row) fetches a row's values
+// into registers; values(p, c) unpacks chunk c of the last row loaded (1 where there is no scale,
+// so that r * values is r exactly).
+template <typename T, int kChunks>
+struct ResidualScale {
+  float row_value = 1.f;
+  RowChunks<kChunks> chunks;
+
+  template <typename Params>
+  __device__ __forceinline__ void load(const RowNormThread<T, kChunks>& th, const Params& p, int64_t row) {
+    if (p.residual_scale == nullptr || row >= p.M) return;
+    const T* src = static_cast<const T*>(p.residual_scale) + p.scale_rows.small(row);  // (M < 2^31: the host)
+    if (p.scale_per_row) row_value = float(*src);
+    else chunks.load_row(th, src, p.C);
+  }
+  template <typename Params>
+  __device__ __forceinline__ Vec<T> values(const Params& p, int c) const {
+    Vec<T> v;
+    if (p.residual_scale != nullptr && !p.scale_per_row) {
+      v.unpack(chunks.raw[c]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < Vec<T>::kSize; ++i) v.v[i] = row_value;
+    }
+    return v;
   }
 };
 
@@ -252,13 +285,19 @@ __device__ __forceinline__ void store_cta_column_sums(const RowNormThread<T, kCh
 // Forward: y = (x - mean) * rstd (* weight + bias when given); mean and rstd per row (float32).
 // x, y: [M, C] with rows x_stride / y_stride elements apart (16-byte aligned); weight, bias: [C]
 // or absent. With p.residual, x + residual (rounded to T, as a PyTorch add would) is written to
-// p.sum and normalised instead of x; with p.residual_scale as well, x + residual * scale[row] (the
+// p.sum and normalised instead of x; with p.residual_scale as well, x + residual * scale (the
 // product rounded to T first, and never contracted into an FMA with the add: float32 sums are those
 // of a PyTorch multiply and add, bit for bit). Each thread loads its chunks of the next row group's x (and
 // residual, and scale) before it reduces and stores the current group's, so that two rows per thread
 // are in flight: one row per warp at a time left the kernel waiting on DRAM latency.
-template <typename T, int kChunks>
-__global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNormParams p) {
+//
+// kScaled: the instantiation that reads p.residual_scale. Its registers (the scale's chunks loaded
+// ahead, the row map) would take the plain one past 64 per thread at one chunk per lane, i.e. below
+// the four CTAs per SM its grid is sized for (measured: the block's ten layer norms 0.80 -> 0.92 ms
+// on an H100), so the scale has an instantiation of its own, launched three CTAs per SM.
+template <typename T, int kChunks, bool kScaled>
+__global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm) : 1)
+    layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
   RowSlots<T, kChunks> rs(p.row_threads);
   Th& th = rs.th;
@@ -268,12 +307,11 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
   float weight[kChunks][Th::kVec], bias[kChunks][Th::kVec];  // of the thread's columns, read once
   load_affine(th, p.weight, 1.f, p.C, weight);
   load_affine(th, p.bias, 0.f, p.C, bias);
-  const T* const scale = static_cast<const T*>(p.residual_scale);
-  const auto scale_of = [&](int64_t row) { return scale != nullptr && row < p.M ? float(scale[row]) : 1.f; };
   RowChunks<kChunks> next_x, next_r;  // the next row group's chunks, in flight
+  ResidualScale<T, kChunks> next_s;  // and its scale (kScaled)
   next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
   if (add) next_r.load(th, p.residual, p.residual_stride, rs.first_row(), p.M, p.C);
-  float next_scale = scale_of(rs.first_row());
+  if constexpr (kScaled) next_s.load(th, p, rs.first_row());
   for (int64_t group = blockIdx.x; group * rows_per_cta < p.M; group += gridDim.x) {  // uniform per CTA
     const int64_t row = group * rows_per_cta + slot;
     const bool row_ok = row < p.M;
@@ -283,20 +321,20 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
     for (int c = 0; c < kChunks; ++c) {
       th.x[c].unpack(next_x.raw[c]);
       if (add) r[c].unpack(next_r.raw[c]);
+      if constexpr (kScaled) {
+        const Vec<T> s = next_s.values(p, c);
+#pragma unroll
+        for (int i = 0; i < Th::kVec; ++i) r[c].v[i] = round_to<T>(__fmul_rn(r[c].v[i], s.v[i]));
+      }
     }
-    const float row_scale = next_scale;
     next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
     if (add) next_r.load(th, p.residual, p.residual_stride, row + rs.row_step(), p.M, p.C);
-    next_scale = scale_of(row + rs.row_step());
+    if constexpr (kScaled) next_s.load(th, p, row + rs.row_step());
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       if (row_ok && th.valid(c, p.C)) {
         if (add) {
-          if (scale != nullptr) {
-#pragma unroll
-            for (int i = 0; i < Th::kVec; ++i) r[c].v[i] = round_to<T>(__fmul_rn(r[c].v[i], row_scale));
-          }
 #pragma unroll
           for (int i = 0; i < Th::kVec; ++i) th.x[c].v[i] = round_to<T>(th.x[c].v[i] + r[c].v[i]);
           th.x[c].store(static_cast<T*>(p.sum) + row * p.sum_stride + th.col(c));
@@ -338,7 +376,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) layer_norm_rows_kernel(RowNor
 // Backward: dx from dy, x, the saved mean / rstd and the weight (plus p.dsum where given: the
 // gradient that reaches x by another path, added before the one rounding); with want_affine_grad, each CTA
 // writes its partial sums of dy * x_hat and dy over its rows into affine_part [gridDim.x, 2, C]
-// (float32). With p.dresidual, dx * residual_scale[row] (dx rounded first) is written there too: the
+// (float32). With p.dresidual, dx * residual_scale (dx rounded first) is written there too: the
 // gradient of a scaled residual (add_layer_norm's). The next row group's x and dy are loaded ahead,
 // as in the forward.
 // One chunk per lane (rows up to 256 half-precision values, AF2's widths): registers capped for the
@@ -377,7 +415,8 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
     for (int c = 0; c < kChunks; ++c) th.x[c].unpack(next_x.raw[c]), g[c].unpack(next_dy.raw[c]);
     RowChunks<kChunks> dsum;  // this group's, used last (in flight during the reductions)
     if (has_dsum) dsum.load(th, p.dsum, p.dsum_stride, row, p.M, p.C);
-    const float row_scale = has_dres && row_ok ? float(static_cast<const T*>(p.residual_scale)[row]) : 0.f;
+    ResidualScale<T, kChunks> scale;  // this group's, used last
+    if (has_dres) scale.load(th, p, row);
     next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
     next_dy.load(th, p.dy, p.dy_stride, row + rs.row_step(), p.M, p.C);
     float sum_g = 0.f, sum_gx = 0.f;
@@ -414,8 +453,9 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
       }
       out.store(dx + th.col(c));
       if (has_dres) {
+        const Vec<T> s = scale.values(p, c);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) out.v[i] = round_to<T>(out.v[i]) * row_scale;
+        for (int i = 0; i < kVec; ++i) out.v[i] = round_to<T>(out.v[i]) * s.v[i];
         out.store(static_cast<T*>(p.dresidual) + row * p.dresidual_stride + th.col(c));
       }
     }

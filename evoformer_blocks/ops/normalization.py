@@ -242,7 +242,7 @@ _dispatch.register(EagerLayerNorm(), auto_priority=100)
 @dataclass(frozen=True)
 class AddLayerNormInputs(ValidatedInputs):
     """Validated inputs of :func:`add_layer_norm`: x and residual ``[*, C]``, weight and bias ``[C]``
-    or None, residual_scale ``[*]`` or None."""
+    or None, residual_scale (broadcasting to x's shape) or None."""
 
     x: Tensor
     residual: Tensor
@@ -268,15 +268,22 @@ def validate_add(x, residual, weight=None, bias=None, eps=1e-5, residual_scale=N
         )
     if residual_scale is not None and (
         not isinstance(residual_scale, torch.Tensor)
-        or residual_scale.shape != x.shape[:-1]
+        or not _broadcasts_to(residual_scale.shape, x.shape)
         or residual_scale.dtype != x.dtype
         or residual_scale.device != x.device
     ):
         raise ValueError(
-            "add_layer_norm: invalid `residual_scale`: must be a tensor of x's shape without its last "
-            f"dimension, dtype and device ({list(x.shape[:-1])}, {x.dtype}, {x.device}) or None\n{describe(tensors)}"
+            "add_layer_norm: invalid `residual_scale`: must be a tensor that broadcasts to x's shape, in "
+            f"x's dtype and device ({list(x.shape)}, {x.dtype}, {x.device}), or None\n{describe(tensors)}"
         )
     return AddLayerNormInputs(x, residual, inputs.weight, inputs.bias, inputs.eps, residual_scale)
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` (torch's rules) without growing it."""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
 def add_layer_norm(
@@ -297,10 +304,11 @@ def add_layer_norm(
     normalised, as the PyTorch code ``s = x + residual; y = F.layer_norm(s, (C,), weight, bias, eps)``
     does. x and residual must share shape, dtype and device; weight and bias as :func:`layer_norm`.
 
-    ``residual_scale`` (x's shape without C, x's dtype; e.g. a module's 0/1 row mask) multiplies
-    each row of ``residual`` first: ``s = x + residual * residual_scale[..., None]``, rounded as that
-    PyTorch code rounds it, so a masked update and its residual add take no pass of their own (the
-    residual's gradient is written in the same backward pass).
+    ``residual_scale`` (any shape that broadcasts to x's, x's dtype: a module's 0/1 row mask
+    ``[*, 1]``, a dropout keep-mask shared along a dimension such as ``[*, 1, N, C]``) multiplies
+    ``residual`` first: ``s = x + residual * residual_scale``, rounded as that PyTorch code rounds it,
+    so a masked or dropped-out update and its residual add take no pass of their own (the residual's
+    gradient is written in the same backward pass).
 
     Raises:
         ValueError: an argument breaks a rule above, or the requested backend cannot run it.
@@ -313,7 +321,7 @@ def add_layer_norm(
 
 def _eager_add(inputs: AddLayerNormInputs) -> tuple[Tensor, Tensor]:
     residual, scale = inputs.residual, inputs.residual_scale
-    s = inputs.x + (residual if scale is None else residual * scale.unsqueeze(-1))
+    s = inputs.x + (residual if scale is None else residual * scale)
     return s, _eager(inputs.norm_inputs(s))
 
 
@@ -331,7 +339,7 @@ def add_layer_norm_fwd(
     x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
     residual_scale: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (s = x + residual (* residual_scale per row), y = layer_norm(s), mean [M], rstd [M])."""
+    """Returns (s = x + residual (* residual_scale), y = layer_norm(s), mean [M], rstd [M])."""
     s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps, residual_scale)
     return s, y, mean, rstd
 
@@ -350,7 +358,7 @@ def add_layer_norm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (dx, affine, dresidual): dx = ds + the layer norm's input gradient (the gradient of x,
     and of the residual without a scale); affine as :func:`layer_norm_bwd`; with residual_scale,
-    dresidual = dx * residual_scale per row (else empty)."""
+    dresidual = dx * residual_scale (else empty)."""
     dx, affine, dresidual = _fused.kernels().add_layer_norm_bwd(
         ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale
     )
@@ -384,8 +392,9 @@ def _add_gradients(ctx, ds, dy, backward):
     if scale is None:
         dresidual = dx
     elif ctx.scale_grad and ctx.needs_input_grad[5]:
-        # d(residual * scale) / d scale, summed over the row in float32: the gradient of the product is dx
-        dscale = (dx.float() * residual.float()).sum(-1).to(scale.dtype)
+        # d(residual * scale) / d scale in float32, summed over the dims the scale broadcasts along (the
+        # gradient of the product is dx)
+        dscale = (dx.float() * residual.float()).sum_to_size(scale.shape).to(scale.dtype)
     return (dx, dresidual, *_affine_grads(ctx, weight, affine, want_w, want_b), None, dscale)
 
 
