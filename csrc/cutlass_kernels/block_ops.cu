@@ -75,9 +75,14 @@ void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t str
 template <typename T>
 void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas, cudaStream_t stream) {
   const int smem = p.affine_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
-  launch_row_kernel<T>(p, layer_norm_rows_backward_kernel<T, 1>, layer_norm_rows_backward_kernel<T, 2>,
-                       layer_norm_rows_backward_kernel<T, kMaxRowChunks>, n_ctas, smem, stream,
-                       "evoformer layer norm backward");
+  if (p.dresidual != nullptr)
+    launch_row_kernel<T>(p, layer_norm_rows_backward_kernel<T, 1, true>, layer_norm_rows_backward_kernel<T, 2, true>,
+                         layer_norm_rows_backward_kernel<T, kMaxRowChunks, true>, n_ctas, smem, stream,
+                         "evoformer layer norm backward");
+  else
+    launch_row_kernel<T>(p, layer_norm_rows_backward_kernel<T, 1, false>, layer_norm_rows_backward_kernel<T, 2, false>,
+                         layer_norm_rows_backward_kernel<T, kMaxRowChunks, false>, n_ctas, smem, stream,
+                         "evoformer layer norm backward");
 }
 
 template <typename T>

@@ -380,8 +380,9 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRo
 // gradient of a scaled residual (add_layer_norm's). The next row group's x and dy are loaded ahead,
 // as in the forward.
 // One chunk per lane (rows up to 256 half-precision values, AF2's widths): registers capped for the
-// CTAs per SM the host sizes its grid for (kRowNormBackwardCtasPerSm).
-template <typename T, int kChunks>
+// CTAs per SM the host sizes its grid for (kRowNormBackwardCtasPerSm). kScaled: the instantiation
+// that writes p.dresidual (the scale's registers made the plain one spill at four chunks per lane).
+template <typename T, int kChunks, bool kScaled>
 __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwardCtasPerSm : 1)
     layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
   using Th = RowNormThread<T, kChunks>;
@@ -399,7 +400,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
 #pragma unroll
     for (int i = 0; i < kVec; ++i) dw[c][i] = 0.f, db[c][i] = 0.f;
 
-  const bool has_dsum = p.dsum != nullptr, has_dres = p.dresidual != nullptr;
+  const bool has_dsum = p.dsum != nullptr;
   float weight[kChunks][kVec];  // of the thread's columns, read once
   load_affine(th, p.weight, 1.f, p.C, weight);
   RowChunks<kChunks> next_x, next_dy;  // the next row group's chunks, in flight
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
     RowChunks<kChunks> dsum;  // this group's, used last (in flight during the reductions)
     if (has_dsum) dsum.load(th, p.dsum, p.dsum_stride, row, p.M, p.C);
     ResidualScale<T, kChunks> scale;  // this group's, used last
-    if (has_dres) scale.load(th, p, row);
+    if constexpr (kScaled) scale.load(th, p, row);
     next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
     next_dy.load(th, p.dy, p.dy_stride, row + rs.row_step(), p.M, p.C);
     float sum_g = 0.f, sum_gx = 0.f;
@@ -452,7 +453,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
         for (int i = 0; i < kVec; ++i) out.v[i] += d.v[i];
       }
       out.store(dx + th.col(c));
-      if (has_dres) {
+      if constexpr (kScaled) {
         const Vec<T> s = scale.values(p, c);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) out.v[i] = round_to<T>(out.v[i]) * s.v[i];
