@@ -178,6 +178,47 @@ def test_fresh_block_is_the_identity(cls):
     assert torch.equal(m_out, m) and torch.equal(z_out, z)
 
 
+def _algorithm_6(block, m, z, msa_mask, pair_mask):
+    """One block written with its sub-modules' public forwards, dropout modules and plain residual
+    adds (AF2 supplement Algorithm 6), the order of the block's docstring."""
+    m = m + block.msa_dropout_row(block.msa_att_row(m, z, msa_mask))
+    m = m + block.msa_att_col(m, msa_mask)
+    m = m + block.msa_transition(m, msa_mask)
+    z = z + block.outer_product_mean(m, msa_mask)
+    z = z + block.pair_dropout_row(block.tri_mul_out(z, pair_mask))
+    z = z + block.pair_dropout_row(block.tri_mul_in(z, pair_mask))
+    z = z + block.pair_dropout_row(block.tri_att_start(z, pair_mask))
+    z = z + block.pair_dropout_col(block.tri_att_end(z, pair_mask))
+    z = z + block.pair_transition(z, pair_mask)
+    return m, z
+
+
+@pytest.mark.parametrize("cls", [EvoformerBlock, ExtraMSABlock])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_block_is_algorithm_6(cls, train):
+    """The block's fused glue (residual adds with the next layer norm, masks and dropout masks
+    scaling the update inside that add, shared mask biases) computes the algorithm as written, its
+    gradients too; in training mode with the same dropout masks (one RNG draw per dropout, in the
+    same order)."""
+    block = randomize_(cls(**TINY, backend="eager")).to(F64).train(train)
+    m, z, msa_mask, pair_mask = inputs()
+    outs, grads = [], []
+    for fn in (block, lambda *args: _algorithm_6(block, *args)):
+        leaves = [m.clone().requires_grad_(True), z.clone().requires_grad_(True)]
+        torch.manual_seed(7)
+        out = fn(*leaves, msa_mask, pair_mask)
+        loss = sum((o * torch.linspace(-1, 1, o.shape[-1], dtype=F64)).square().sum() for o in out)
+        grads.append(torch.autograd.grad(loss, leaves + list(block.parameters())))
+        outs.append(out)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    if train:  # the masks did act: eval mode gives another result
+        with torch.no_grad():
+            assert not torch.allclose(block.eval()(m, z, msa_mask, pair_mask)[1], outs[0][1])
+
+
 @pytest.mark.parametrize("make", [evoformer_stack, extra_msa_stack], ids=["evoformer", "extra_msa"])
 def test_padding_does_not_change_real_positions(make):
     """Padded residues and rows (mask 0, filled with garbage) leave the real entries unchanged."""
