@@ -41,8 +41,6 @@ def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: 
     if update.dtype != x.dtype or update.shape != x.shape:  # e.g. autocast: the plain add promotes
         s = x + (update if scale is None else update * scale)
         return s, norm(s)
-    if scale is not None and scale.dtype != x.dtype:
-        scale = scale.to(x.dtype)
     return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=scale, backend=norm.backend)
 
 

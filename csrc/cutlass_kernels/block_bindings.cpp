@@ -171,16 +171,15 @@ ScaleRows scale_rows(const at::Tensor& scale, const at::Tensor& x, const char* o
               scale.sizes(), " ", scale.scalar_type());
   const at::Tensor e = scale.expand(x.sizes());
   const int64_t C = x.size(-1), vec = 16 / x.element_size();
-  ScaleRows out{e, RowMap::strided(C), C == 1 || e.stride(-1) == 0};
-  const bool mapped = row_map_of(e, out.rows);
-  if (out.per_row) {  // one value per row
-    if (!mapped) out.values = e.select(-1, 0).contiguous(), out.rows = RowMap::strided(1);
-  } else if (!mapped || e.stride(-1) != 1 || !aligned16(e) || out.rows.s0 % vec || out.rows.s1 % vec ||
-             out.rows.s2 % vec) {
-    out.values = e.contiguous(), out.rows = RowMap::strided(C);
-  }
-  if (out.rows.mid == 1 && out.rows.s1 == 0 && out.rows.s2 == 0) out.rows = RowMap::strided(out.rows.s0);  // one level
-  if (out.rows.inner != 0 && e.numel() / C > INT32_MAX) {  // the kernels' RowMap::small needs M < 2^31
+  ScaleRows out{e, RowMap{}, C == 1 || e.stride(-1) == 0};
+  bool mapped = row_map_of(e, out.rows);
+  if (mapped && out.rows.mid == 1 && out.rows.s1 == 0 && out.rows.s2 == 0)
+    out.rows = RowMap::strided(out.rows.s0);  // one level: no division
+  mapped = mapped && (out.rows.inner == 0 || e.numel() / C <= INT32_MAX);  // the kernels' RowMap::small
+  if (!out.per_row)  // whole rows of C values, read 16 bytes at a time
+    mapped = mapped && e.stride(-1) == 1 && aligned16(e) && out.rows.s0 % vec == 0 && out.rows.s1 % vec == 0 &&
+             out.rows.s2 % vec == 0;
+  if (!mapped) {  // a copy: one value per row, or whole rows
     out.values = out.per_row ? e.select(-1, 0).contiguous() : e.contiguous();
     out.rows = RowMap::strided(out.per_row ? 1 : C);
   }
