@@ -174,6 +174,73 @@ def test_blocks_compile_fullgraph_on_cutlass(block_cls):
         torch.testing.assert_close(a.float(), e.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("block_cls", [eb.EvoformerBlock, eb.ExtraMSABlock])
+def test_blocks_replay_in_cuda_graphs(block_cls):
+    # torch.cuda.make_graphed_callables (CUDA graphs without torch.compile): the fused ops capture
+    # (no host synchronisation, the current stream, memory from the graph's pool) and every replay
+    # computes the block of that call's inputs, outputs and gradients, as the plain block does
+    sizes = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
+                 no_heads_msa=4, no_heads_pair=2, backend="cutlass")
+    block = randomize(block_cls(**sizes)).cuda().bfloat16().eval()
+    gen = torch.Generator().manual_seed(5)
+
+    def draw():
+        m = torch.randn(6, 21, 32, generator=gen).cuda().bfloat16().requires_grad_(True)
+        z = torch.randn(21, 21, 16, generator=gen).cuda().bfloat16().requires_grad_(True)
+        msa_mask = (torch.rand(6, 21, generator=gen) > 0.1).cuda().bfloat16()
+        pair_mask = (torch.rand(21, 21, generator=gen) > 0.1).cuda().bfloat16()
+        return m, z, msa_mask, pair_mask
+
+    def loss_and_grads(fn, module, args):
+        out_m, out_z = fn(*args)
+        loss = out_m.float().square().mean() + out_z.float().square().mean()
+        return [out_m, out_z, *torch.autograd.grad(loss, (*args[:2], *module.parameters()))]
+
+    graphed_block = copy.deepcopy(block)
+    graphed = torch.cuda.make_graphed_callables(graphed_block, draw())
+    for _ in range(2):  # replays on new inputs, not the captured ones
+        args = draw()
+        expected = loss_and_grads(block, block, args)
+        got = loss_and_grads(graphed, graphed_block, args)
+        for a, e in zip(got, expected):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a.float(), e.float(), atol=2e-2, rtol=2e-2)
+
+    # training mode: every replay draws new dropout masks
+    train_block = torch.cuda.make_graphed_callables(copy.deepcopy(block).train(), draw())
+    args = draw()
+    first = [t.detach().clone() for t in train_block(*args)]
+    second = train_block(*args)
+    assert not torch.equal(first[1], second[1])
+
+
+def test_stack_replays_in_cuda_graphs():
+    # a whole EvoformerStack (blocks run through _update, no checkpointing) in one pair of graphs
+    stack = randomize(eb.EvoformerStack(
+        c_m=32, c_z=16, c_s=24, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
+        no_heads_msa=4, no_heads_pair=2, no_blocks=2, backend="cutlass",
+    )).cuda().bfloat16().eval()
+    gen = torch.Generator().manual_seed(6)
+
+    def draw():
+        return (torch.randn(5, 19, 32, generator=gen).cuda().bfloat16().requires_grad_(True),
+                torch.randn(19, 19, 16, generator=gen).cuda().bfloat16().requires_grad_(True),
+                (torch.rand(5, 19, generator=gen) > 0.1).cuda().bfloat16(),
+                (torch.rand(19, 19, generator=gen) > 0.1).cuda().bfloat16())
+
+    graphed_stack = copy.deepcopy(stack)
+    graphed = torch.cuda.make_graphed_callables(graphed_stack, draw())
+    args = draw()
+    results = []
+    for fn, module in ((stack, stack), (graphed, graphed_stack)):
+        outs = fn(*args)
+        loss = sum(o.float().square().mean() for o in outs)
+        results.append([*outs, *torch.autograd.grad(loss, (*args[:2], *module.parameters()))])
+    for a, e in zip(results[1], results[0]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), e.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_attention_writes_stacked_gradients_bit_for_bit(transposed):
     # q, k, v as slices of one projection output: the backward writes dq, dk, dv into one stacked
