@@ -61,9 +61,12 @@ constexpr int triangle_input_smem_bytes() {
 }
 
 // Edge slot `slot`: its edge (0: a, 1: b; 2: past the last slot) and first channel.
+// Compares instead of an integer division (a long instruction sequence with a runtime divisor);
+// every slot past the last has edge 2.
 struct EdgeSlot {
   int edge, ch0;
-  __device__ __forceinline__ EdgeSlot(int slot, int blocks) : edge(slot / blocks), ch0((slot % blocks) * kTriInSlot) {}
+  __device__ __forceinline__ EdgeSlot(int slot, int blocks)
+      : edge(int(slot >= blocks) + int(slot >= 2 * blocks)), ch0((slot - edge * blocks) * kTriInSlot) {}
 };
 
 __device__ __forceinline__ int edge_blocks(int C) { return (C + kTriInSlot - 1) / kTriInSlot; }

@@ -22,6 +22,17 @@
 // after the product, their latency was a seventh of the kernel's stalls).
 // c_z 128: 106 KB, two CTAs per SM (c_z 256: one). The copies are cp.async (generic proxy): every thread fences
 // its copies and its layer-norm stores to the async proxy before the barrier that precedes a wgmma.
+//
+// The kernel is bound by issue and latency (ncu at N_res 768, c_z 128: 53 % of issue slots used,
+// 0.95 eligible warps per scheduler, integer/logic the busiest pipe), not by DRAM (43 %), so its
+// instructions count: the epilogues stage their results with stmatrix (an edge slot's gated values
+// packed in channel pairs and stored transposed, four instructions instead of 32 two-byte stores; a
+// g pass eight instead of 32), the first k-step of a pass overwrites the accumulators (no zeroing),
+// and the weight rows' swizzled offsets are computed once. 197.6 M -> 173.5 M warp instructions,
+// 0.42 -> 0.37 ms at N_res 768 (H100). A persistent variant (one CTA per SM walking the tiles, the
+// next tile's z and the weights two passes ahead in flight) took 0.62 ms: with eight warps per SM
+// each pass's product, epilogue and stores run back to back; two persistent CTAs per SM matched
+// this kernel (0.43 ms), so the launches and tile prologues cost nothing measurable.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -71,6 +82,64 @@ __device__ __forceinline__ void triangle_input_load_bias(const Params& p, void* 
   }
 }
 
+// Stores four 8 x 8 tiles of 16-bit values from the mma C-fragment layout (register i of lane l:
+// row l / 4, columns 2 (l % 4) and + 1 of tile i), each transposed: lanes 8 i .. 8 i + 7 give the
+// shared-memory addresses of tile i's stored rows (its columns), each of 16 bytes.
+__device__ __forceinline__ void stmatrix_x4_trans(const void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(row))),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The same without the transpose: lanes 8 i .. 8 i + 7 give the addresses of tile i's rows.
+__device__ __forceinline__ void stmatrix_x4(const void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(row))),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// stage_gated_slot for one warpgroup's accumulators (kMTiles = 1), the same values packed in pairs of
+// channels and stored transposed (stmatrix) as 16-byte runs of positions in the channel rows:
+// four instructions per slot instead of 32 two-byte stores. `stage` points at the slot's first
+// staged row and the warp's first position (16 positions per warp).
+template <typename T>
+__device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams& p, const EdgeSlot& slot,
+                                                      const float* bias_proj, const float* bias_gate,
+                                                      const float (*acc)[4], const float (&mask)[1][2], T* stage,
+                                                      int lane) {
+  if (slot.edge >= 2) return;
+  const int t = lane % 4;
+  uint32_t packed[4][2];  // [tile nt][half hh]: channels nt * 8 + 2 t, + 1 at position g + 8 hh
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    float v[2][2];  // [hh][e]
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c
+      const float bp = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
+      const float bg = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 2 * hh + e;
+        const float gate = fast_sigmoid(acc[4 + nt][i] + bg);
+        v[hh][e] = gate * (acc[nt][i] + bp) * mask[0][hh];
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) packed[nt][hh] = pack2<T>(v[hh][0], v[hh][1]);
+  }
+  // lane l addresses stored row l % 8 (channel nt * 8 + l % 8) of tile l / 8 = (nt pair, hh)
+  const int tile = lane / 8, k = lane % 8;
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+    const int nt = 2 * pair + tile / 2, hh = tile % 2;
+    stmatrix_x4_trans(stage + (nt * 8 + k) * kTriInStagePitch + 8 * hh, packed[2 * pair][0], packed[2 * pair][1],
+                      packed[2 * pair + 1][0], packed[2 * pair + 1][1]);
+  }
+}
+
 template <typename T, int kKSteps>
 __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSteps>::kMinBlocksPerSM))
     triangle_input_sm90_kernel(TriangleInputParams p) {
@@ -83,7 +152,16 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   auto buffer = [&](int i) { return reinterpret_cast<T*>(smem + Tile::kXBytes + i * Tile::kBufferBytes); };
   auto bias_of = [&](int i) { return smem + Tile::kXBytes + i * Tile::kBufferBytes + Tile::kBiasOffset; };
   const auto x_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutX, T>(r, c); };
-  const auto w_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutW, T>(r, c); };
+  // The swizzled offsets of the weight rows this thread copies (rows w_row0 + i * kRowStep at its
+  // column chunk: the same for every pass), computed once instead of per pass.
+  constexpr int kRowStep = kTriInThreads / (Tile::kK / 8);
+  const int w_row0 = int(threadIdx.x / unsigned(Tile::kK / 8));
+  int w_offsets[kTriInPassCols / kRowStep];
+#pragma unroll
+  for (int i = 0; i < kTriInPassCols / kRowStep; ++i)
+    w_offsets[i] = sm90::swizzled_offset<typename Tile::LayoutW, T>(w_row0 + i * kRowStep,
+                                                                     int(threadIdx.x % unsigned(Tile::kK / 8)) * 8);
+  const auto w_offset = [&](int r, int) { return w_offsets[(r - w_row0) / kRowStep]; };
   // pass q's weights and biases into buffer q % 2 (one cp.async group)
   const auto load_pass = [&](int q) {
     triangle_input_load_bias<T>(p, bias_of(q % 2), q);
@@ -142,15 +220,15 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
     cutlass::arch::fence_view_async_shared();  // this thread's copies (and x_hat stores) -> tensor cores
     __syncthreads();  // pass q's weights and x_hat are in shared memory, pass q - 1's results staged
 
-#pragma unroll
-    for (int nt = 0; nt < kTriInPassCols / 8; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
     Tensor tWr = thr.partition_fragment_B(make_tensor(make_smem_ptr(wbuf), typename Tile::LayoutW{}));
     warpgroup_fence_operand(tAcc);
     warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;  // the first k-step overwrites the accumulators (no zeroing)
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tXr); ++kk) gemm(mma, tXr(_, _, kk), tWr(_, _, kk), tAcc);
+    for (int kk = 0; kk < size<2>(tXr); ++kk) {
+      gemm(mma, tXr(_, _, kk), tWr(_, _, kk), tAcc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
     warpgroup_commit_batch();
     if (q > 0) store_pass(q - 1);
     warpgroup_wait<0>();
@@ -164,18 +242,25 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
       const float* const bias = reinterpret_cast<const float*>(bias_of(q % 2));  // [h][proj, gate][32]
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        stage_gated_slot<T, 1>(p, EdgeSlot(2 * q + h, blocks), bias + 64 * h, bias + 64 * h + 32, acc + 8 * h, mask,
-                               wbuf + h * kTriInSlot * kTriInStagePitch + row0, t);
+        stage_gated_slot_sm90<T>(p, EdgeSlot(2 * q + h, blocks), bias + 64 * h, bias + 64 * h + 32, acc + 8 * h,
+                                 mask, wbuf + h * kTriInSlot * kTriInStagePitch + (row0 - g), lane);
     } else {
-      // g pass: columns n0.. of g, plus their bias; staged [128 positions, 128 columns]
+      // g pass: columns n0.. of g, plus their bias; staged [128 positions, 128 columns] by stmatrix
+      // (tile (nt, hh): positions g + 8 hh, columns nt * 8 + 2 t, + 1; lane l addresses row l % 8 of
+      // tile l / 8 of each group of four)
       const T* const bias = reinterpret_cast<const T*>(bias_of(q % 2));  // [128] from column n0, zeros past G
-      T* const stage = wbuf + row0 * kTriInStagePitch + 2 * t;
+      T* const stage = wbuf + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * kTriInStagePitch + 8 * (lane / 16);
 #pragma unroll
-      for (int nt = 0; nt < kTriInPassCols / 8; ++nt) {
-        const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
+      for (int pair = 0; pair < kTriInPassCols / 16; ++pair) {
+        uint32_t packed[2][2];  // [nt of the pair][hh]
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          store2<T>(stage + 8 * hh * kTriInStagePitch + nt * 8, acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
+        for (int u = 0; u < 2; ++u) {
+          const int nt = 2 * pair + u;
+          const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) packed[u][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
+        }
+        stmatrix_x4(stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
       }
     }
   }

@@ -147,8 +147,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
       for (int hh = 0; hh < 2; ++hh) {
         const int r = row_group * 32 + mt * 16 + g + 8 * hh;
         T* const gp = gs + r * kSP + n;
-        store2<T>(gp, fast_sigmoid(float(gp[0])) * acc[mt][nt][2 * hh],
-                  fast_sigmoid(float(gp[1])) * acc[mt][nt][2 * hh + 1]);
+        const float2 gv = unpack2<T>(*reinterpret_cast<const uint32_t*>(gp));  // (one 4-byte load)
+        store2<T>(gp, fast_sigmoid(gv.x) * acc[mt][nt][2 * hh], fast_sigmoid(gv.y) * acc[mt][nt][2 * hh + 1]);
       }
   }
   __syncthreads();
