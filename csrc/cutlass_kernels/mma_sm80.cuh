@@ -170,6 +170,25 @@ __device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t& r0, ui
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r0, r1, r2, r3);
 }
 
+// sm_90 and later only (stmatrix; callers guard their use): stores four 8 x 8 tiles of 16-bit values
+// from the mma C-fragment layout (register i of lane l: row l / 4, columns 2 (l % 4) and + 1 of tile
+// i), each transposed: lanes 8 i .. 8 i + 7 give the shared-memory addresses of tile i's stored rows
+// (its columns), each of 16 bytes.
+__device__ __forceinline__ void stsm_x4_trans(const void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(row))),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The same without the transpose: lanes 8 i .. 8 i + 7 give the addresses of tile i's rows.
+__device__ __forceinline__ void stsm_x4(const void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   unsigned(__cvta_generic_to_shared(row))),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // 16-byte global -> shared copy; zero-fills the destination when !pred (a source size of 0: src is
 // then not read, so it may point past the tensor).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {

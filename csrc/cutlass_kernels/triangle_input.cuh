@@ -461,10 +461,14 @@ __device__ __forceinline__ void triangle_gate_backward_load_d(const TriangleGate
 }
 
 // The gates' backward of one slot for the thread's kMTiles m16 row tiles (acc and the rows as in
-// stage_gated_slot): d = mask * the staged da / db value at ds (the slot's first staged row and the
-// thread's first row), overwritten by d_proj, and d_gate written 64 staged rows further. The sums of
-// each channel's d_proj and d_gate over the warp's rows (of the values rounded to T, as the GEMMs
-// that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in the slot).
+// stage_gated_slot): d = mask * the staged da / db value, overwritten by d_proj, and d_gate written
+// 64 staged rows further. `ds` points at the slot's first staged row and the warp's first row. The
+// staged values travel as 8 x 8 tiles (tile (mt, nt, hh): positions mt * 16 + 8 hh.., channels nt *
+// 8..): read with transposing ldmatrix into the accumulators' layout (a register holds channels
+// 2 t, 2 t + 1 of position g), written back with transposing stmatrix on sm_90 (two-byte stores
+// before). The sums of each channel's d_proj and d_gate over the warp's rows (of the values rounded
+// to T, as the GEMMs that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in
+// the slot).
 template <typename T, int kMTiles>
 __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardParams& p, const EdgeSlot& slot,
                                                    const float* bias_proj, const float* bias_gate,
@@ -472,35 +476,80 @@ __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardPar
                                                    float* red_row, int lane) {
   if (slot.edge >= 2) return;
   const int g = lane / 4, t = lane % 4;
+  // lane l addresses stored row l % 8 (channel nt * 8 + l % 8) of tile l / 8 = (nt of the pair, hh)
+  T* const lane_row = ds + (lane / 16 * 8 + lane % 8) * kTriInStagePitch + 8 * (lane / 8 % 2);
+  uint32_t d_in[kMTiles][4][2];  // [mt][nt][hh]: d at channels nt * 8 + 2 t, + 1 of position g + 8 hh
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair)
+      ldsm_x4_trans(lane_row + pair * 16 * kTriInStagePitch + mt * 16, d_in[mt][2 * pair][0], d_in[mt][2 * pair][1],
+                    d_in[mt][2 * pair + 1][0], d_in[mt][2 * pair + 1][1]);
+  uint32_t d_out[2][kMTiles][4][2];  // [proj, gate][mt][nt][hh], packed as d_in
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    float bp[2], bg[2], sum_proj[2] = {0.f, 0.f}, sum_gate[2] = {0.f, 0.f};
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c, staged row c of the slot
-      const float bp = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
-      const float bg = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
-      float sum_proj = 0.f, sum_gate = 0.f;
+      const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c
+      bp[e] = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
+      bg[e] = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
+    }
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
+      for (int hh = 0; hh < 2; ++hh) {
+        const float2 d_pair = unpack2<T>(d_in[mt][nt][hh]);
+        float d_proj[2], d_gate[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
           const int i = 2 * hh + e;
-          T* const cell = ds + c * kTriInStagePitch + mt * 16 + 8 * hh;
-          const float d = float(*cell) * mask[mt][hh];
-          const float sg = fast_sigmoid(acc[8 * mt + 4 + nt][i] + bg);
-          const T d_proj = T(d * sg);
-          const T d_gate = T(d * (acc[8 * mt + nt][i] + bp) * sg * (1.f - sg));
-          sum_proj += float(d_proj), sum_gate += float(d_gate);
-          *cell = d_proj;
-          cell[2 * kTriInSlot * kTriInStagePitch] = d_gate;
+          const float d = (e == 0 ? d_pair.x : d_pair.y) * mask[mt][hh];
+          const float sg = fast_sigmoid(acc[8 * mt + 4 + nt][i] + bg[e]);
+          d_proj[e] = d * sg;
+          d_gate[e] = d * (acc[8 * mt + nt][i] + bp[e]) * sg * (1.f - sg);
         }
+        d_out[0][mt][nt][hh] = pack2<T>(d_proj[0], d_proj[1]);
+        d_out[1][mt][nt][hh] = pack2<T>(d_gate[0], d_gate[1]);
+        const float2 rp = unpack2<T>(d_out[0][mt][nt][hh]), rg = unpack2<T>(d_out[1][mt][nt][hh]);
+        sum_proj[0] += rp.x, sum_proj[1] += rp.y, sum_gate[0] += rg.x, sum_gate[1] += rg.y;
+      }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
 #pragma unroll
       for (int offset = 4; offset < 32; offset *= 2) {  // the eight lanes g of the channel
-        sum_proj += __shfl_xor_sync(0xffffffffu, sum_proj, offset);
-        sum_gate += __shfl_xor_sync(0xffffffffu, sum_gate, offset);
+        sum_proj[e] += __shfl_xor_sync(0xffffffffu, sum_proj[e], offset);
+        sum_gate[e] += __shfl_xor_sync(0xffffffffu, sum_gate[e], offset);
       }
-      if (g == 0) red_row[c] = sum_proj, red_row[2 * kTriInSlot + c] = sum_gate;
+      const int c = nt * 8 + 2 * t + e;
+      if (g == 0) red_row[c] = sum_proj[e], red_row[2 * kTriInSlot + c] = sum_gate[e];
     }
+  }
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind) {  // d_proj over d, d_gate 64 staged rows further
+    T* const rows = ds + kind * 2 * kTriInSlot * kTriInStagePitch;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair)
+        stsm_x4_trans(lane_row + kind * 2 * kTriInSlot * kTriInStagePitch + pair * 16 * kTriInStagePitch + mt * 16,
+                      d_out[kind][mt][2 * pair][0], d_out[kind][mt][2 * pair][1], d_out[kind][mt][2 * pair + 1][0],
+                      d_out[kind][mt][2 * pair + 1][1]);
+#else
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t v = d_out[kind][mt][nt][hh];
+          T* const cell = rows + (nt * 8 + 2 * t) * kTriInStagePitch + mt * 16 + 8 * hh + g;
+          *reinterpret_cast<uint16_t*>(cell) = uint16_t(v & 0xffffu);
+          *reinterpret_cast<uint16_t*>(cell + kTriInStagePitch) = uint16_t(v >> 16);
+        }
+#endif
+  }
 }
 
 // After a pass's gate_backward_slot calls (and a barrier): the CTA's bias sums of the pass's
@@ -577,7 +626,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kerne
     const EdgeSlot slot(2 * q + col_half, blocks);
     const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows + slot.ch0;
     gate_backward_slot<T, 2>(p, slot, bias_proj, bias_proj + p.c_rows, &acc[0][0], mask,
-                             ds + col_half * kTriInSlot * kTriInStagePitch + row_group * 32 + g,
+                             ds + col_half * kTriInSlot * kTriInStagePitch + row_group * 32,
                              red + row_group * kTriInPassCols + col_half * kTriInSlot, lane);
     __syncthreads();
     gate_backward_store<T, 4>(p, ds, red, q, m0, valid_rows);

@@ -82,24 +82,6 @@ __device__ __forceinline__ void triangle_input_load_bias(const Params& p, void* 
   }
 }
 
-// Stores four 8 x 8 tiles of 16-bit values from the mma C-fragment layout (register i of lane l:
-// row l / 4, columns 2 (l % 4) and + 1 of tile i), each transposed: lanes 8 i .. 8 i + 7 give the
-// shared-memory addresses of tile i's stored rows (its columns), each of 16 bytes.
-__device__ __forceinline__ void stmatrix_x4_trans(const void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                   unsigned(__cvta_generic_to_shared(row))),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
-// The same without the transpose: lanes 8 i .. 8 i + 7 give the addresses of tile i's rows.
-__device__ __forceinline__ void stmatrix_x4(const void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                   unsigned(__cvta_generic_to_shared(row))),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
 // stage_gated_slot for one warpgroup's accumulators (kMTiles = 1), the same values packed in pairs of
 // channels and stored transposed (stmatrix) as 16-byte runs of positions in the channel rows:
 // four instructions per slot instead of 32 two-byte stores. `stage` points at the slot's first
@@ -135,7 +117,7 @@ __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams&
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {
     const int nt = 2 * pair + tile / 2, hh = tile % 2;
-    stmatrix_x4_trans(stage + (nt * 8 + k) * kTriInStagePitch + 8 * hh, packed[2 * pair][0], packed[2 * pair][1],
+    stsm_x4_trans(stage + (nt * 8 + k) * kTriInStagePitch + 8 * hh, packed[2 * pair][0], packed[2 * pair][1],
                       packed[2 * pair + 1][0], packed[2 * pair + 1][1]);
   }
 }
@@ -260,7 +242,7 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) packed[u][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
         }
-        stmatrix_x4(stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+        stsm_x4(stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
       }
     }
   }
