@@ -111,9 +111,12 @@ int row_threads_for(int64_t C, int64_t element_size) {
   return t;
 }
 
-// Whether a row of C values fits the row kernels: whole 16-byte chunks, at most kMaxRowChunks per lane.
+// Whether a row of C values fits the row kernels: whole chunks, at most kMaxRowChunks per lane
+// (normalization.py's row_reasons states the same rule from kernel_table.json).
 bool row_fits(int64_t C, int64_t element_size) {
-  return C * element_size % 16 == 0 && C * element_size <= int64_t(32) * kMaxRowChunks * 16;
+  const int64_t bytes = C * element_size;
+  return bytes % limits::kRowChunkBytes == 0 &&
+         bytes <= int64_t(limits::kRowMaxLanes) * kMaxRowChunks * limits::kRowChunkBytes;
 }
 
 // CTAs of a row-kernel launch: one per group of rows, at most per_sm per SM (the backward's affine

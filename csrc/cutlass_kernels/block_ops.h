@@ -10,6 +10,8 @@
 
 #include <cuda_runtime.h>
 
+#include "kernel_limits.h"
+
 namespace evoformer {
 namespace block {
 
@@ -39,8 +41,9 @@ struct ColumnTotals {
   ParamTensor out[2] = {{nullptr, kParamFloat}, {nullptr, kParamFloat}};
 };
 
-// Row layer norm: a row is spread over up to 32 lanes with up to kMaxRowChunks 16-byte chunks each.
-constexpr int kMaxRowChunks = 4;
+// Row kernels: a row is spread over up to limits::kRowMaxLanes lanes with up to kMaxRowChunks chunks
+// of limits::kRowChunkBytes each (kernel_table.json: row_kernels).
+constexpr int kMaxRowChunks = limits::kMaxRowChunks;
 // CTAs per SM of the row layer norms' grids (grid-stride loops): the forward's, and the backward's
 // (its one-chunk instantiation is compiled for that many).
 constexpr int kRowNormCtasPerSm = 4;

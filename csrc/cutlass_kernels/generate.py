@@ -74,6 +74,12 @@ constexpr int kPairGradTileKeys = {pair_k};
 // Rows read with vector copies start on kRowAlignBytes boundaries and are readable to a multiple of it.
 constexpr int kRowAlignBytes = {align};
 
+// Row kernels of the block ops: a row spread over at most kRowMaxLanes lanes, each holding at most
+// kMaxRowChunks chunks of kRowChunkBytes bytes.
+constexpr int kRowMaxLanes = {row_lanes};
+constexpr int kMaxRowChunks = {row_chunks};
+constexpr int kRowChunkBytes = {row_chunk_bytes};
+
 // Compute capability (major * 10 + minor): the least any kernel runs on, and the one the sm90
 // family runs on.
 constexpr int kMinComputeCapability = {min_cc};
@@ -108,6 +114,10 @@ def load_table() -> dict:
         raise ValueError("kernel_table.json: tf32 runs on the sm80 family only (bindings.cpp), up to a bucket")
     if not set(tf32["pair_kinds"]) <= {p["name"] for p in table["pair_kinds"]}:
         raise ValueError("kernel_table.json: tf32.pair_kinds must name pair kinds")
+    rows = table["row_kernels"]
+    if rows["max_lanes"] != 32 or rows["chunk_bytes"] != 16 or rows["max_chunks_per_lane"] != 4:
+        raise ValueError("kernel_table.json: the row kernels use one warp, 16-byte vectors and one "
+                         "instantiation per chunk count up to 4 (block_ops.cu)")
     return table
 
 
@@ -160,6 +170,9 @@ def limits_header(table: dict) -> str:
         pair_q=table["pair_grad_tile"]["queries"],
         pair_k=table["pair_grad_tile"]["keys"],
         align=table["row_align_bytes"]["value"],
+        row_lanes=table["row_kernels"]["max_lanes"],
+        row_chunks=table["row_kernels"]["max_chunks_per_lane"],
+        row_chunk_bytes=table["row_kernels"]["chunk_bytes"],
         min_cc=capability(table["min_compute_capability"]),
         sm90_cc=capability(sm90["compute_capability"]),
         pair_kinds=", ".join(p["enum"] for p in table["pair_kinds"]),

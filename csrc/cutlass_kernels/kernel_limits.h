@@ -35,6 +35,12 @@ constexpr int kPairGradTileKeys = 64;
 // Rows read with vector copies start on kRowAlignBytes boundaries and are readable to a multiple of it.
 constexpr int kRowAlignBytes = 16;
 
+// Row kernels of the block ops: a row spread over at most kRowMaxLanes lanes, each holding at most
+// kMaxRowChunks chunks of kRowChunkBytes bytes.
+constexpr int kRowMaxLanes = 32;
+constexpr int kMaxRowChunks = 4;
+constexpr int kRowChunkBytes = 16;
+
 // Compute capability (major * 10 + minor): the least any kernel runs on, and the one the sm90
 // family runs on.
 constexpr int kMinComputeCapability = 80;

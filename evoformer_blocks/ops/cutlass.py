@@ -58,6 +58,12 @@ def _load_table() -> Optional[dict]:
 
 TABLE = _load_table()
 ROW_ALIGN_BYTES: Optional[int] = TABLE["row_align_bytes"]["value"] if TABLE else None  # None: nothing runs
+# The block ops' row kernels: a row of whole ROW_CHUNK_BYTES chunks, at most MAX_ROW_BYTES (None: no sources)
+ROW_CHUNK_BYTES: Optional[int] = TABLE["row_kernels"]["chunk_bytes"] if TABLE else None
+MAX_ROW_BYTES: Optional[int] = (
+    TABLE["row_kernels"]["max_lanes"] * TABLE["row_kernels"]["max_chunks_per_lane"] * ROW_CHUNK_BYTES
+    if TABLE else None
+)
 # float32 on the TF32 tensor cores: its dtype and largest head dim (None: no kernel sources)
 TF32_DTYPE: Optional[torch.dtype] = getattr(torch, TABLE["tf32"]["dtype"]["torch"]) if TABLE else None
 TF32_MAX_HEAD_DIM: Optional[int] = TABLE["tf32"]["max_head_dim"] if TABLE else None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
 from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
+from .cutlass import MAX_ROW_BYTES, ROW_CHUNK_BYTES
 
 Tensor = torch.Tensor
 OP = "layer_norm"
@@ -30,13 +31,14 @@ ROW_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_KERNEL_CAPABILITIES = Capabilities(
     dtypes=ROW_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
 )
-MAX_ROW_BYTES = 32 * 4 * 16  # a row spread over one warp, four 16-byte chunks per lane
-
-
 def row_reasons(width: int, element_size: int, what: str) -> list[str]:
-    """Why rows of ``width`` elements do not fit the row kernels (empty when they do)."""
-    if (width * element_size) % 16:
-        return [f"{what}={width} channels are not a whole number of 16-byte chunks"]
+    """Why rows of ``width`` elements do not fit the row kernels (empty when they do): the rule of
+    kernel_table.json's ``row_kernels`` (the C++ side's ``row_fits``). Without kernel sources there
+    is no rule to apply; the build reasons say why nothing runs."""
+    if MAX_ROW_BYTES is None:
+        return []
+    if (width * element_size) % ROW_CHUNK_BYTES:
+        return [f"{what}={width} channels are not a whole number of {ROW_CHUNK_BYTES}-byte chunks"]
     if width * element_size > MAX_ROW_BYTES:
         return [f"{what}={width} channels exceed the kernel's {MAX_ROW_BYTES // element_size}"]
     return []

@@ -22,15 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from . import _dispatch, _fused
-from .normalization import MAX_ROW_BYTES
 from ._dispatch import Backend, Capabilities
-from .cutlass import kernel_family
+from .cutlass import MAX_ROW_BYTES, kernel_family
 from ._inputs import FLOAT_DTYPES, LOW_PRECISION, ValidatedInputs, describe
 
 Tensor = torch.Tensor
 OP = "triangle_multiplication"
 DIRECTIONS = ("outgoing", "incoming")
-_MAX_CHANNELS = MAX_ROW_BYTES // 2  # half-precision rows of the layer-norm kernels
+_MAX_CHANNELS = (MAX_ROW_BYTES or 0) // 2  # half-precision rows of the layer-norm kernels (0: no sources, no rule)
 
 _WEIGHTS = (
     "norm_in_weight", "norm_in_bias", "proj_weight", "proj_bias", "gate_weight", "gate_bias",
@@ -302,7 +301,7 @@ class CutlassTriangleMultiplication(Backend):
         reasons = []
         if inputs.c_z % 8 or inputs.c_hidden % 8:
             reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be multiples of 8")
-        if max(inputs.c_z, inputs.c_hidden) > _MAX_CHANNELS:
+        if _MAX_CHANNELS and max(inputs.c_z, inputs.c_hidden) > _MAX_CHANNELS:
             reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be at most {_MAX_CHANNELS}")
         return reasons + _fused.build_reasons()
 
