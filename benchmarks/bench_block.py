@@ -433,14 +433,14 @@ def main() -> None:
         for name in args.impls:
             result = measure(IMPLS[name], (block, m, z, msa_mask, pair_mask), leaves,
                              forward_only=args.forward_only)
-            row["impls"][name] = result.as_dict()
+            row["impls"][name] = cells = result.as_dict()
             if name == "graphed":  # no peak per step: a graph's activations live in its pool, allocated at capture
                 for key in ("peak_mib", "fwd_peak_mib"):
-                    row["impls"][name].pop(key, None)
+                    cells.pop(key, None)
             tf = flops_f / result.fwd_ms / 1e9 if result.ok else float("nan")
             tfb = flops_fb / result.fwdbwd_ms / 1e9 if result.ok else float("nan")
-            peak = result.peak_mib / 1024 if result.ok and name != "graphed" else None
-            table.append([name, result.cell(), fmt(peak, 2),
+            peak = cells.get("peak_mib")
+            table.append([name, result.cell(), fmt(peak / 1024 if peak is not None else None, 2),
                           f"{fmt(tf, 0)} / {fmt(tfb, 0)}",
                           f"{fmt(pct_of_peak(tf), 1)} / {fmt(pct_of_peak(tfb), 1)}"])
             print(f"  {name}: {result.cell()}", flush=True)

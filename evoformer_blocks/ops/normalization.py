@@ -31,6 +31,8 @@ ROW_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_KERNEL_CAPABILITIES = Capabilities(
     dtypes=ROW_KERNEL_DTYPES, device_types=("cuda",), min_compute_capability=(8, 0), deterministic=True
 )
+
+
 def row_reasons(width: int, element_size: int, what: str) -> list[str]:
     """Why rows of ``width`` elements do not fit the row kernels (empty when they do): the rule of
     kernel_table.json's ``row_kernels`` (the C++ side's ``row_fits``). Without kernel sources there
