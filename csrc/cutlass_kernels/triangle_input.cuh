@@ -53,17 +53,17 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
-// The edges' gates, forward and backward, with s = sigmoid(gate + b_g). For bfloat16 s = (1 + tanh((gate +
-// b_g) / 2)) / 2: one MUFU op instead of two, and the halves fold into the multiplies around it (three
-// instructions fewer per value). Its absolute error, about 2^-12, is under a quarter of a bfloat16 ulp
-// at s = 0.5, and the backward recomputes s the same way. float16 (three more significant bits) keeps
-// exp2 and a reciprocal.
+// The triangle kernels' sigmoid gates (the edges' and the output's), forward and backward, with s =
+// sigmoid(gate + b_g). For bfloat16 s = (1 + tanh((gate + b_g) / 2)) / 2: one MUFU op instead of two,
+// and the halves fold into the multiplies around it (up to three instructions fewer per value). Its
+// absolute error, about 2^-12, is under a quarter of a bfloat16 ulp at s = 0.5, and the backward
+// recomputes s the same way. float16 (three more significant bits) keeps exp2 and a reciprocal.
 template <typename T>
 constexpr bool kTanhGates = std::is_same_v<T, cutlass::bfloat16_t>;
 
-// mask * s * proj
+// mask * s * proj (no bias: pass -0.f, which the compiler drops, as it cannot drop + 0.f)
 template <typename T>
-__device__ __forceinline__ float gated_edge(float gate, float bias_gate, float proj, float mask) {
+__device__ __forceinline__ float sigmoid_gated(float gate, float bias_gate, float proj, float mask) {
   if constexpr (kTanhGates<T>) {
     const float half_mask = 0.5f * mask;
     return fmaf(fast_tanh(fmaf(gate, 0.5f, 0.5f * bias_gate)), half_mask, half_mask) * proj;
@@ -74,11 +74,11 @@ __device__ __forceinline__ float gated_edge(float gate, float bias_gate, float p
 
 // d_proj = d * s, d_gate = d * proj * s * (1 - s), for d the masked gradient of the gated value
 template <typename T>
-__device__ __forceinline__ void gated_edge_backward(float d, float gate, float bias_gate, float proj, float& d_proj,
-                                                    float& d_gate) {
+__device__ __forceinline__ void sigmoid_gated_backward(float d, float gate, float bias_gate, float proj,
+                                                       float& d_proj, float& d_gate) {
   if constexpr (kTanhGates<T>) {
     const float t = fast_tanh(fmaf(gate, 0.5f, 0.5f * bias_gate)), half_d = 0.5f * d;
-    d_proj = fmaf(half_d, t, half_d);                      // d (1 + t) / 2
+    d_proj = fmaf(half_d, t, half_d);                   // d (1 + t) / 2
     d_gate = half_d * proj * fmaf(-0.5f * t, t, 0.5f);  // s (1 - s) = (1 - t^2) / 4
   } else {
     const float s = fast_sigmoid(gate + bias_gate);
@@ -325,7 +325,8 @@ __device__ __forceinline__ void stage_gated_slot(const TriangleInputParams& p, c
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = 2 * hh + e;
-          s[mt * 16 + 8 * hh] = T(gated_edge<T>(acc[8 * mt + 4 + nt][i], bg, acc[8 * mt + nt][i] + bp, mask[mt][hh]));
+          s[mt * 16 + 8 * hh] =
+              T(sigmoid_gated<T>(acc[8 * mt + 4 + nt][i], bg, acc[8 * mt + nt][i] + bp, mask[mt][hh]));
         }
     }
 }
@@ -544,7 +545,7 @@ __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardPar
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * hh + e;
-          gated_edge_backward<T>((e == 0 ? d_pair.x : d_pair.y) * mask[mt][hh], acc[8 * mt + 4 + nt][i], bg[e],
+          sigmoid_gated_backward<T>((e == 0 ? d_pair.x : d_pair.y) * mask[mt][hh], acc[8 * mt + 4 + nt][i], bg[e],
                                  acc[8 * mt + nt][i] + bp[e], d_proj[e], d_gate[e]);
         }
         d_out[0][mt][nt][hh] = pack2<T>(d_proj[0], d_proj[1]);

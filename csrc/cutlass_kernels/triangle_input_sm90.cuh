@@ -29,8 +29,8 @@
 // packed in channel pairs and stored transposed, four instructions instead of 32 two-byte stores; a
 // g pass eight instead of 32), the first k-step of a pass overwrites the accumulators (no zeroing),
 // and the weight rows' swizzled offsets are computed once. 197.6 M -> 170.1 M warp instructions,
-// 0.42 -> 0.37 ms at N_res 768 (H100); bfloat16 gates on one tanh each (gated_edge) then took it to
-// 0.35-0.36 ms. A persistent variant (one CTA per SM walking the tiles, the
+// 0.42 -> 0.37 ms at N_res 768 (H100); bfloat16 gates on one tanh each (sigmoid_gated) then took
+// it to 0.35-0.36 ms. A persistent variant (one CTA per SM walking the tiles, the
 // next tile's z and the weights two passes ahead in flight) took 0.62 ms: with eight warps per SM
 // each pass's product, epilogue and stores run back to back; two persistent CTAs per SM matched
 // this kernel (0.43 ms), so the launches and tile prologues cost nothing measurable.
@@ -106,7 +106,7 @@ __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams&
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = 2 * hh + e;
-        v[hh][e] = gated_edge<T>(acc[4 + nt][i], bg, acc[nt][i] + bp, mask[0][hh]);
+        v[hh][e] = sigmoid_gated<T>(acc[4 + nt][i], bg, acc[nt][i] + bp, mask[0][hh]);
       }
     }
 #pragma unroll

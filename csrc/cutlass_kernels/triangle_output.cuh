@@ -6,17 +6,18 @@
 //   out[m, n] = sigmoid(g[m, n]) * y[m, n]
 //
 // out and n_hat (kept for the backward, which recomputes y from it; not written when p.n_hat is
-// nullptr: a forward without a backward) are written row-major, rstd per position. In HBM this reads p and g once and writes out and n_hat once; it replaces the channel
-// layer norm, the y GEMM and the gate kernel (which read n_hat, y and g back).
+// nullptr: a forward without a backward) are written row-major, rstd per position. In HBM this reads
+// p and g once and writes out and n_hat once; it replaces the channel layer norm, the y GEMM and the
+// gate kernel (which read n_hat, y and g back).
 //
 // CTA: 256 threads, 128 positions. The p tile [C, 128] (channel-major, as the triangle products
 // leave it), w_z [G, C] and the g tile [128, G] are copied into shared memory (cp.async). The
-// statistics take two threads per position (channel halves, warp-uniform: conflict-free column
-// reads); the tile is normalised in place and stays channel-major, so it is the GEMM's A operand
-// read with transposing ldmatrix (positions m, channels k), and n_hat goes to HBM straight from
-// those A fragments. Warps as in triangle_input.cuh: 4 row groups of 32 positions x 2 column halves
-// of 64. The epilogue writes out over g (each value by the thread that read g), which goes out as
-// 16-byte rows.
+// statistics take eight lanes of a warp per four positions (every eighth channel each, in
+// registers, summed by shuffles); the tile is normalised in place and stays channel-major, so it is
+// the GEMM's A operand read with transposing ldmatrix (positions m, channels k), and n_hat goes to
+// HBM straight from those A fragments. Warps as in triangle_input.cuh: 4 row groups of 32 positions
+// x 2 column halves of 64. The epilogue writes out over g (each value by the thread that read g),
+// which goes out as 16-byte rows.
 #pragma once
 
 #include <cstdint>
@@ -36,7 +37,7 @@ struct TriangleOutputTile {
   static constexpr int kGElems = kTriInRows * kTriInStagePitch;  // [128 positions, G <= 128]
   template <typename T>
   static constexpr int bytes() {
-    return (kPElems + kWBuffer + kGElems) * int(sizeof(T)) + 4 * kTriInRows * int(sizeof(float));
+    return (kPElems + kWBuffer + kGElems) * int(sizeof(T));
   }
 };
 
@@ -48,7 +49,6 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   T* const ps = reinterpret_cast<T*>(tri_out_smem);  // [kK, kSP]: p, then n_hat (channel-major)
   T* const wb = ps + Tile::kPElems;                   // [128, kPitch]: w_z
   T* const gs = wb + Tile::kWBuffer;                  // [128, kSP]: g, then out
-  float* const red = reinterpret_cast<float*>(gs + Tile::kGElems);  // [2][128] sums, [2][128] squares
   const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
   const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
 
@@ -79,30 +79,57 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   cp_async_wait<2>();
   __syncthreads();
 
-  // Layer norm over the channels of each position: thread = (position, channel half h), channels
-  // h, h + 2, ... (h is warp-uniform), four independent partial sums; the halves meet in `red`.
+  // Layer norm over the channels of each position, from registers: a thread holds four consecutive
+  // positions of every eighth channel (group cg = lane % 8: channels cg, cg + 8, ...), read and
+  // written back 8 bytes at a time (lanes ordered so that a half-warp's reads cover the 32 banks
+  // once); the eight groups of a position are lanes of one warp, so its sums meet by shuffles. Two
+  // passes over the registers (mean, then the centred squares), one over shared memory.
   {
-    const int pos = threadIdx.x % unsigned(kTriInRows), h = threadIdx.x / unsigned(kTriInRows);
-    T* const column = ps + h * kSP + pos;
-    float part[4] = {0.f, 0.f, 0.f, 0.f};
+    constexpr int kGroups = 8, kPerThread = Tile::kK / kGroups;
+    static_assert(kTriInThreads / 32 * (32 / kGroups) * 4 == kTriInRows, "a warp covers 16 positions x 8 groups");
+    const int lane = int(threadIdx.x % 32u), cg = lane % kGroups;
+    const int pos0 = (int(threadIdx.x / 32u) * (32 / kGroups) + lane / kGroups) * 4;
+    uint2 v[kPerThread];  // channel cg + 8 j at positions pos0 .. pos0 + 3 (zeros past C)
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < Tile::kK / 2; ++j) part[j % 4] += float(column[2 * j * kSP]);  // rows past C are zeros
-    red[h * kTriInRows + pos] = (part[0] + part[1]) + (part[2] + part[3]);
-    __syncthreads();
-    const float mean = (red[pos] + red[kTriInRows + pos]) / float(p.C);
-#pragma unroll
-    for (int j = 0; j < Tile::kK / 2; ++j) {
-      const float d = float(column[2 * j * kSP]) - mean;
-      if (2 * j + h < p.C) part[j % 4] = j < 4 ? d * d : fmaf(d, d, part[j % 4]);
-      else if (j < 4) part[j % 4] = 0.f;
+    for (int j = 0; j < kPerThread; ++j) {
+      v[j] = *reinterpret_cast<const uint2*>(ps + (cg + kGroups * j) * kSP + pos0);
+      const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
+      sum[0] += lo.x, sum[1] += lo.y, sum[2] += hi.x, sum[3] += hi.y;
     }
-    red[(2 + h) * kTriInRows + pos] = (part[0] + part[1]) + (part[2] + part[3]);
-    __syncthreads();
-    const float rstd = rsqrtf((red[2 * kTriInRows + pos] + red[3 * kTriInRows + pos]) / float(p.C) + p.eps);
+    const auto add_groups = [](float (&x)[4]) {
 #pragma unroll
-    for (int j = 0; j < Tile::kK / 2; ++j)
-      if (2 * j + h < p.C) column[2 * j * kSP] = T((float(column[2 * j * kSP]) - mean) * rstd);
-    if (h == 0 && pos < valid_rows) p.rstd[m0 + pos] = rstd;
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int offset = 1; offset < kGroups; offset *= 2) x[k] += __shfl_xor_sync(0xffffffffu, x[k], offset);
+    };
+    add_groups(sum);
+    float mean[4], sq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mean[k] = sum[k] / float(p.C);
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      if (cg + kGroups * j >= p.C) continue;
+      const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
+      const float x[4] = {lo.x - mean[0], lo.y - mean[1], hi.x - mean[2], hi.y - mean[3]};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sq[k] = fmaf(x[k], x[k], sq[k]);
+    }
+    add_groups(sq);
+    float rstd[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) rstd[k] = rsqrtf(sq[k] / float(p.C) + p.eps);
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      if (cg + kGroups * j >= p.C) continue;
+      const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
+      const uint2 out{pack2<T>((lo.x - mean[0]) * rstd[0], (lo.y - mean[1]) * rstd[1]),
+                      pack2<T>((hi.x - mean[2]) * rstd[2], (hi.y - mean[3]) * rstd[3])};
+      *reinterpret_cast<uint2*>(ps + (cg + kGroups * j) * kSP + pos0) = out;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // lanes cg = 0 .. 3 write the statistics of positions pos0 + cg
+      if (cg == k && pos0 + k < valid_rows) p.rstd[m0 + pos0 + k] = rstd[k];
   }
   cp_async_wait<0>();
   __syncthreads();  // the normalised tile, w_z and g are in
@@ -148,7 +175,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
         const int r = row_group * 32 + mt * 16 + g + 8 * hh;
         T* const gp = gs + r * kSP + n;
         const float2 gv = unpack2<T>(*reinterpret_cast<const uint32_t*>(gp));  // (one 4-byte load)
-        store2<T>(gp, fast_sigmoid(gv.x) * acc[mt][nt][2 * hh], fast_sigmoid(gv.y) * acc[mt][nt][2 * hh + 1]);
+        store2<T>(gp, sigmoid_gated<T>(gv.x, -0.f, acc[mt][nt][2 * hh], 1.f),
+                  sigmoid_gated<T>(gv.y, -0.f, acc[mt][nt][2 * hh + 1], 1.f));
       }
   }
   __syncthreads();
@@ -247,9 +275,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
         float dy[2], dg[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float sg = fast_sigmoid(float(gp[e])), d = float(dp_[e]);
-          dy[e] = d * sg;
-          dg[e] = d * acc[mt][nt][2 * hh + e] * sg * (1.f - sg);
+          sigmoid_gated_backward<T>(float(dp_[e]), float(gp[e]), -0.f, acc[mt][nt][2 * hh + e], dy[e], dg[e]);
         }
         store2<T>(dp_, dy[0], dy[1]);
         store2<T>(gp, dg[0], dg[1]);
