@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
   T* const as = reinterpret_cast<T*>(tri_out_bwd_smem);  // [128, kP]: n_hat, g -> dg, n_hat
   T* const ws = as + kBuf;                                 // [128, kP]: w_z, w_z^T; [C, kSP]: dp
   T* const ds = ws + kBuf;                                 // [128, kP]: dout -> dy
-  float* const red = reinterpret_cast<float*>(ds + kBuf);  // [2 sums][2 column halves][128 positions]
+  float* const red = reinterpret_cast<float*>(ds + kBuf);  // [8][128]: column sums, then row sums
   const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
   const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
   const T* const n_hat = static_cast<const T*>(p.n_hat) + m0 * p.C;
@@ -260,37 +260,51 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
   cp_async_wait<0>();
   __syncthreads();  // g, dout and w_z^T are in
 
-  // dy over dout, dg over g (rows past the valid ones: dout = g = 0, so dy = dg = 0)
+  // dy over dout, dg over g (rows past the valid ones: dout = g = 0, so dy = dg = 0), and this CTA's
+  // column sums of both as stored: a thread's four rows, the eight lanes g of its columns (shuffles),
+  // then the four row groups in order through `red` [row group][dy, dg][128 columns]
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int n = col_half * 64 + nt * 8 + 2 * t;
     if (n >= p.G) continue;
+    float sum_dy[2] = {0.f, 0.f}, sum_dg[2] = {0.f, 0.f};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-        T* const gp = as + r * kP + n;
-        T* const dp_ = ds + r * kP + n;
+        uint32_t* const gp = reinterpret_cast<uint32_t*>(as + r * kP + n);
+        uint32_t* const dp_ = reinterpret_cast<uint32_t*>(ds + r * kP + n);
+        const float2 gv = unpack2<T>(*gp), dv = unpack2<T>(*dp_);
         float dy[2], dg[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          sigmoid_gated_backward<T>(float(dp_[e]), float(gp[e]), -0.f, acc[mt][nt][2 * hh + e], dy[e], dg[e]);
-        }
-        store2<T>(dp_, dy[0], dy[1]);
-        store2<T>(gp, dg[0], dg[1]);
+        sigmoid_gated_backward<T>(dv.x, gv.x, -0.f, acc[mt][nt][2 * hh], dy[0], dg[0]);
+        sigmoid_gated_backward<T>(dv.y, gv.y, -0.f, acc[mt][nt][2 * hh + 1], dy[1], dg[1]);
+        *dp_ = pack2<T>(dy[0], dy[1]);
+        *gp = pack2<T>(dg[0], dg[1]);
+        const float2 rdy = unpack2<T>(*dp_), rdg = unpack2<T>(*gp);
+        sum_dy[0] += rdy.x, sum_dy[1] += rdy.y, sum_dg[0] += rdg.x, sum_dg[1] += rdg.y;
       }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) {
+        sum_dy[e] += __shfl_xor_sync(0xffffffffu, sum_dy[e], offset);
+        sum_dg[e] += __shfl_xor_sync(0xffffffffu, sum_dg[e], offset);
+      }
+      if (g == 0) {
+        red[(2 * row_group) * kTriInRows + n + e] = sum_dy[e];
+        red[(2 * row_group + 1) * kTriInRows + n + e] = sum_dg[e];
+      }
+    }
   }
   __syncthreads();
-
-  // this CTA's column sums of dy (threads 0-127) and dg (128-255) as stored, in row order
   {
-    const int col = tid % kTriInRows, which = tid / kTriInRows;
+    const int col = tid % kTriInRows, which = tid / kTriInRows;  // which: dy (threads 0-127), dg
     if (col < p.G) {
-      const T* const src = (which == 0 ? ds : as) + col;
-      float part[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int r = 0; r < valid_rows; ++r) part[r % 4] += float(src[r * kP]);
-      (which == 0 ? p.dy_part : p.dg_part)[int64_t(blockIdx.x) * p.G + col] = (part[0] + part[1]) + (part[2] + part[3]);
+      float total = 0.f;
+#pragma unroll
+      for (int rg = 0; rg < 4; ++rg) total += red[(2 * rg + which) * kTriInRows + col];
+      (which == 0 ? p.dy_part : p.dg_part)[int64_t(blockIdx.x) * p.G + col] = total;
     }
   }
   // dy and dg rows [position, G] (G a multiple of 8: whole 16-byte spans)
@@ -390,10 +404,11 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
   if (p.totals.tickets != nullptr) add_partials_in_last_cta<2>(p.totals, part, p.G, p.G);
 }
 
-// Dynamic shared memory of triangle_output_backward_kernel: three buffers and the row sums.
+// Dynamic shared memory of triangle_output_backward_kernel: three buffers and the sums (8 x 128 floats:
+// the column sums' [4 row groups][2], then the layer norm's [2][2 column halves]).
 template <typename T>
 constexpr int triangle_output_backward_smem_bytes() {
-  return 3 * kTriInRows * kTriInStagePitch * int(sizeof(T)) + 4 * kTriInRows * int(sizeof(float));
+  return 3 * kTriInRows * kTriInStagePitch * int(sizeof(T)) + 8 * kTriInRows * int(sizeof(float));
 }
 
 
