@@ -53,6 +53,32 @@ __device__ __forceinline__ float fast_tanh(float x) {
   return y;
 }
 
+// One step of sum_rows_scattered: lanes `offset` apart add their halves v[0 .. kHalf) and v[kHalf ..
+// 2 kHalf), the lane with `offset` set keeping the upper one, into v[0 .. kHalf). The halves are
+// chosen by a bit select (a ?: on the values lets the compiler index the array at run time, in
+// local memory).
+template <int kHalf, int N>
+__device__ __forceinline__ void sum_rows_step(float (&v)[N], int lane, int offset) {
+  const uint32_t upper = (lane & offset) != 0 ? 0xffffffffu : 0u;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const uint32_t lo = __float_as_uint(v[i]), hi = __float_as_uint(v[i + kHalf]);
+    const float send = __uint_as_float((lo & upper) | (hi & ~upper));
+    v[i] = __uint_as_float((hi & upper) | (lo & ~upper)) + __shfl_xor_sync(0xffffffffu, send, offset);
+  }
+}
+
+// Sums v[0 .. N) over the eight lanes g = lane / 4 that share lane % 4 (the rows of an mma.sync
+// accumulator column) by a reduce-scatter: afterwards lane g holds the totals of v[g N / 8 .. (g + 1)
+// N / 8) in v[0 .. N / 8). 7N / 8 shuffles where every lane's totals would take 3N; one fixed order.
+template <int N>
+__device__ __forceinline__ void sum_rows_scattered(float (&v)[N], int lane) {
+  static_assert(N % 8 == 0, "eight lanes take N / 8 totals each");
+  sum_rows_step<N / 2>(v, lane, 16);  // lane bit 4: bit 2 of g
+  sum_rows_step<N / 4>(v, lane, 8);
+  sum_rows_step<N / 8>(v, lane, 4);
+}
+
 // The triangle kernels' sigmoid gates (the edges' and the output's), forward and backward, with s =
 // sigmoid(gate + b_g). For bfloat16 s = (1 + tanh((gate + b_g) / 2)) / 2: one MUFU op instead of two,
 // and the halves fold into the multiplies around it (up to three instructions fewer per value). Its
@@ -527,9 +553,10 @@ __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardPar
       ldsm_x4_trans(lane_row + pair * 16 * kTriInStagePitch + mt * 16, d_in[mt][2 * pair][0], d_in[mt][2 * pair][1],
                     d_in[mt][2 * pair + 1][0], d_in[mt][2 * pair + 1][1]);
   uint32_t d_out[2][kMTiles][4][2];  // [proj, gate][mt][nt][hh], packed as d_in
+  float sums[16] = {};               // [proj, gate][nt][e]: the thread's rows of channel nt * 8 + 2 t + e
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
-    float bp[2], bg[2], sum_proj[2] = {0.f, 0.f}, sum_gate[2] = {0.f, 0.f};
+    float bp[2], bg[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c
@@ -546,24 +573,18 @@ __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardPar
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * hh + e;
           sigmoid_gated_backward<T>((e == 0 ? d_pair.x : d_pair.y) * mask[mt][hh], acc[8 * mt + 4 + nt][i], bg[e],
-                                 acc[8 * mt + nt][i] + bp[e], d_proj[e], d_gate[e]);
+                                    acc[8 * mt + nt][i] + bp[e], d_proj[e], d_gate[e]);
         }
         d_out[0][mt][nt][hh] = pack2<T>(d_proj[0], d_proj[1]);
         d_out[1][mt][nt][hh] = pack2<T>(d_gate[0], d_gate[1]);
         const float2 rp = unpack2<T>(d_out[0][mt][nt][hh]), rg = unpack2<T>(d_out[1][mt][nt][hh]);
-        sum_proj[0] += rp.x, sum_proj[1] += rp.y, sum_gate[0] += rg.x, sum_gate[1] += rg.y;
+        sums[2 * nt] += rp.x, sums[2 * nt + 1] += rp.y, sums[8 + 2 * nt] += rg.x, sums[8 + 2 * nt + 1] += rg.y;
       }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#pragma unroll
-      for (int offset = 4; offset < 32; offset *= 2) {  // the eight lanes g of the channel
-        sum_proj[e] += __shfl_xor_sync(0xffffffffu, sum_proj[e], offset);
-        sum_gate[e] += __shfl_xor_sync(0xffffffffu, sum_gate[e], offset);
-      }
-      const int c = nt * 8 + 2 * t + e;
-      if (g == 0) red_row[c] = sum_proj[e], red_row[2 * kTriInSlot + c] = sum_gate[e];
-    }
   }
+  // over the eight lanes g of each channel: lane g ends with kind g / 4, tile nt = g % 4, e = 0, 1
+  sum_rows_scattered(sums, lane);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) red_row[(g / 4) * 2 * kTriInSlot + (g % 4) * 8 + 2 * t + e] = sums[e];
 #pragma unroll
   for (int kind = 0; kind < 2; ++kind) {  // d_proj over d, d_gate 64 staged rows further
     T* const rows = ds + kind * 2 * kTriInSlot * kTriInStagePitch;

@@ -261,41 +261,38 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
   __syncthreads();  // g, dout and w_z^T are in
 
   // dy over dout, dg over g (rows past the valid ones: dout = g = 0, so dy = dg = 0), and this CTA's
-  // column sums of both as stored: a thread's four rows, the eight lanes g of its columns (shuffles),
-  // then the four row groups in order through `red` [row group][dy, dg][128 columns]
+  // column sums of both as stored: a thread's four rows, the eight lanes g of its columns (a
+  // reduce-scatter per pair of tiles nt), then the four row groups in order through `red` [row
+  // group][dy, dg][128 columns]
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int n = col_half * 64 + nt * 8 + 2 * t;
-    if (n >= p.G) continue;
-    float sum_dy[2] = {0.f, 0.f}, sum_dg[2] = {0.f, 0.f};
+  for (int pair = 0; pair < 4; ++pair) {
+    float col_sums[8] = {};  // [dy, dg][nt of the pair][e]: the thread's rows of column n + e
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int u = 0; u < 2; ++u) {
+      const int nt = 2 * pair + u, n = col_half * 64 + nt * 8 + 2 * t;
+      if (n >= p.G) continue;
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-        uint32_t* const gp = reinterpret_cast<uint32_t*>(as + r * kP + n);
-        uint32_t* const dp_ = reinterpret_cast<uint32_t*>(ds + r * kP + n);
-        const float2 gv = unpack2<T>(*gp), dv = unpack2<T>(*dp_);
-        float dy[2], dg[2];
-        sigmoid_gated_backward<T>(dv.x, gv.x, -0.f, acc[mt][nt][2 * hh], dy[0], dg[0]);
-        sigmoid_gated_backward<T>(dv.y, gv.y, -0.f, acc[mt][nt][2 * hh + 1], dy[1], dg[1]);
-        *dp_ = pack2<T>(dy[0], dy[1]);
-        *gp = pack2<T>(dg[0], dg[1]);
-        const float2 rdy = unpack2<T>(*dp_), rdg = unpack2<T>(*gp);
-        sum_dy[0] += rdy.x, sum_dy[1] += rdy.y, sum_dg[0] += rdg.x, sum_dg[1] += rdg.y;
-      }
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#pragma unroll
-      for (int offset = 4; offset < 32; offset *= 2) {
-        sum_dy[e] += __shfl_xor_sync(0xffffffffu, sum_dy[e], offset);
-        sum_dg[e] += __shfl_xor_sync(0xffffffffu, sum_dg[e], offset);
-      }
-      if (g == 0) {
-        red[(2 * row_group) * kTriInRows + n + e] = sum_dy[e];
-        red[(2 * row_group + 1) * kTriInRows + n + e] = sum_dg[e];
-      }
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+          uint32_t* const gp = reinterpret_cast<uint32_t*>(as + r * kP + n);
+          uint32_t* const dp_ = reinterpret_cast<uint32_t*>(ds + r * kP + n);
+          const float2 gv = unpack2<T>(*gp), dv = unpack2<T>(*dp_);
+          float dy[2], dg[2];
+          sigmoid_gated_backward<T>(dv.x, gv.x, -0.f, acc[mt][nt][2 * hh], dy[0], dg[0]);
+          sigmoid_gated_backward<T>(dv.y, gv.y, -0.f, acc[mt][nt][2 * hh + 1], dy[1], dg[1]);
+          *dp_ = pack2<T>(dy[0], dy[1]);
+          *gp = pack2<T>(dg[0], dg[1]);
+          const float2 rdy = unpack2<T>(*dp_), rdg = unpack2<T>(*gp);
+          col_sums[2 * u] += rdy.x, col_sums[2 * u + 1] += rdy.y, col_sums[4 + 2 * u] += rdg.x;
+          col_sums[4 + 2 * u + 1] += rdg.y;
+        }
     }
+    // lane g ends with kind g / 4 (dy, dg), tile 2 pair + g % 4 / 2, e = g % 2 (past G: zeros, not read)
+    sum_rows_scattered(col_sums, lane);
+    red[(2 * row_group + g / 4) * kTriInRows + col_half * 64 + (2 * pair + g % 4 / 2) * 8 + 2 * t + g % 2] =
+        col_sums[0];
   }
   __syncthreads();
   {
