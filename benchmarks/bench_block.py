@@ -217,7 +217,10 @@ def run_graphed(block, m, z, msa_mask, pair_mask):
         copy = deepcopy(block)
         for p in copy.parameters():
             p.requires_grad_(needs_grad)
-        args = (m, z, msa_mask, pair_mask)
+        # fresh leaves as the capture's samples: the callers' m and z may carry autograd state of an
+        # earlier implementation in this process (torch.compile's CUDA graphs run their backward on
+        # another stream, and the capture then fails on their gradient-accumulation nodes)
+        args = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in (m, z, msa_mask, pair_mask))
         if needs_grad or m.requires_grad or z.requires_grad:
             _graphed[key] = torch.cuda.make_graphed_callables(copy, args)
         else:
