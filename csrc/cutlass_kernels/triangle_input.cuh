@@ -98,6 +98,12 @@ __device__ __forceinline__ float sigmoid_gated(float gate, float bias_gate, floa
   }
 }
 
+// s * proj: a gate without bias or mask (the output gate)
+template <typename T>
+__device__ __forceinline__ float sigmoid_gated(float gate, float proj) {
+  return sigmoid_gated<T>(gate, -0.f, proj, 1.f);
+}
+
 // d_proj = d * s, d_gate = d * proj * s * (1 - s), for d the masked gradient of the gated value
 template <typename T>
 __device__ __forceinline__ void sigmoid_gated_backward(float d, float gate, float bias_gate, float proj,
@@ -111,6 +117,11 @@ __device__ __forceinline__ void sigmoid_gated_backward(float d, float gate, floa
     d_proj = d * s;
     d_gate = d * proj * s * (1.f - s);
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void sigmoid_gated_backward(float d, float gate, float proj, float& d_proj, float& d_gate) {
+  sigmoid_gated_backward<T>(d, gate, -0.f, proj, d_proj, d_gate);
 }
 
 template <int kKSteps>

@@ -97,13 +97,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
       const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
       sum[0] += lo.x, sum[1] += lo.y, sum[2] += hi.x, sum[3] += hi.y;
     }
-    const auto add_groups = [](float (&x)[4]) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int offset = 1; offset < kGroups; offset *= 2) x[k] += __shfl_xor_sync(0xffffffffu, x[k], offset);
-    };
-    add_groups(sum);
+    for (int k = 0; k < 4; ++k) sum[k] = segment_sum(sum[k], kGroups);
     float mean[4], sq[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < 4; ++k) mean[k] = sum[k] / float(p.C);
@@ -115,7 +110,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 #pragma unroll
       for (int k = 0; k < 4; ++k) sq[k] = fmaf(x[k], x[k], sq[k]);
     }
-    add_groups(sq);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sq[k] = segment_sum(sq[k], kGroups);
     float rstd[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) rstd[k] = rsqrtf(sq[k] / float(p.C) + p.eps);
@@ -175,8 +171,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
         const int r = row_group * 32 + mt * 16 + g + 8 * hh;
         T* const gp = gs + r * kSP + n;
         const float2 gv = unpack2<T>(*reinterpret_cast<const uint32_t*>(gp));  // (one 4-byte load)
-        store2<T>(gp, sigmoid_gated<T>(gv.x, -0.f, acc[mt][nt][2 * hh], 1.f),
-                  sigmoid_gated<T>(gv.y, -0.f, acc[mt][nt][2 * hh + 1], 1.f));
+        store2<T>(gp, sigmoid_gated<T>(gv.x, acc[mt][nt][2 * hh]),
+                  sigmoid_gated<T>(gv.y, acc[mt][nt][2 * hh + 1]));
       }
   }
   __syncthreads();
@@ -280,8 +276,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
           uint32_t* const dp_ = reinterpret_cast<uint32_t*>(ds + r * kP + n);
           const float2 gv = unpack2<T>(*gp), dv = unpack2<T>(*dp_);
           float dy[2], dg[2];
-          sigmoid_gated_backward<T>(dv.x, gv.x, -0.f, acc[mt][nt][2 * hh], dy[0], dg[0]);
-          sigmoid_gated_backward<T>(dv.y, gv.y, -0.f, acc[mt][nt][2 * hh + 1], dy[1], dg[1]);
+          sigmoid_gated_backward<T>(dv.x, gv.x, acc[mt][nt][2 * hh], dy[0], dg[0]);
+          sigmoid_gated_backward<T>(dv.y, gv.y, acc[mt][nt][2 * hh + 1], dy[1], dg[1]);
           *dp_ = pack2<T>(dy[0], dy[1]);
           *gp = pack2<T>(dg[0], dg[1]);
           const float2 rdy = unpack2<T>(*dp_), rdg = unpack2<T>(*gp);
