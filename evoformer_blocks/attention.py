@@ -4,9 +4,10 @@ Each module returns the *update* of its input (add it to the residual stream you
 the same weights computes what OpenFold's module of the same name computes (load OpenFold weights
 with :func:`evoformer_blocks.compat.load_openfold_state_dict`).
 
-The attention core of the first four modules goes through one op,
-:func:`evoformer_blocks.ops.evoformer_attention`, so the backend (``"eager"``, ``"cutlass"`` or
-``"auto"``) is chosen in one place; :class:`MSAColumnGlobalAttention` (Algorithm 19) pools its
+The attention core of the first four modules and its sigmoid gate go through one op,
+:func:`evoformer_blocks.ops.gated_evoformer_attention` (:func:`evoformer_blocks.ops.evoformer_attention`
+and :func:`evoformer_blocks.ops.sigmoid_gate` on the stacked q/k/v/g projection), so the backend
+(``"eager"``, ``"cutlass"`` or ``"auto"``) is chosen in one place; :class:`MSAColumnGlobalAttention` (Algorithm 19) pools its
 queries and is written in plain PyTorch.
 
 Shape legend: ``*`` batch dims (any number, including none), ``N_seq`` MSA sequences, ``N_res``
@@ -32,7 +33,7 @@ from einops import rearrange
 from torch import nn
 
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
-from .ops import evoformer_attention, sigmoid_gate
+from .ops import gated_evoformer_attention
 from .ops.gating import bias_gradient, fused_bias_gradient
 from .ops._inputs import as_dtype, compute_dtype
 from .primitives import LayerNorm, Linear, mask_to_bias
@@ -54,14 +55,11 @@ def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) 
 
 
 class _StackedProjection(torch.autograd.Function):
-    """``x [..., c_in] -> (x W_1^T, ..., x W_k^T + bias)``: several projections of one input, only
-    the last with a bias, as ONE GEMM (x is read once); the outputs are views of its result.
-
-    The backward accumulates dx with one GEMM per projection into one buffer and computes each
-    weight's gradient on its own, so the per-projection gradients are never concatenated (autograd's
-    backward of a split would copy them all into one tensor first). When the gradients of the first
-    three outputs arrive as column slices of one ``[rows, 3 * width]`` matrix (the cutlass attention
-    writes dq, dk, dv so), that matrix takes one GEMM for dx and one for the three weights.
+    """``x [..., c_in] -> [x W_1^T, ..., x W_k^T + bias]`` side by side in one ``[..., k * width]``
+    tensor: several projections of one input, only the last with a bias, as ONE GEMM (x is read
+    once). Its gradient arrives as one dense tensor (ops.gated_evoformer_attention writes the
+    gradients of q, k, v and g so, or autograd gathers those of the views), so the backward takes
+    one GEMM for dx and one for every weight, and the bias gradient from the last ``width`` columns.
     """
 
     @staticmethod
@@ -69,105 +67,37 @@ class _StackedProjection(torch.autograd.Function):
         width = weights[0].shape[0]
         stacked = torch.cat(weights)  # [k * width, c_in]
         stacked_bias = torch.cat([bias.new_zeros((len(weights) - 1) * width), bias])  # [k * width]
-        y = F.linear(x, stacked, stacked_bias)  # [..., k * width]
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x, stacked)
+        ctx.weight_dtypes = [w.dtype for w in weights]
         ctx.bias_dtype = bias.dtype
         ctx.fused_bias_grad = fused_bias_grad
-        return y.split(width, dim=-1)
+        return F.linear(x, stacked, stacked_bias)  # [..., k * width]
 
     @staticmethod
-    def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        dx, dweights = None, []
-        x2 = None
-        if torch.compiler.is_compiling() and all(g is not None for g in grads):
-            return _concatenated_backward(ctx, x, weights, grads)
-        qkv = _one_matrix(grads[:3])  # [rows, 3 * width] when the attention wrote them so
-        if qkv is not None and any(ctx.needs_input_grad[3:6]):
-            w = as_dtype(torch.cat(weights[:3]), qkv.dtype)  # [3 * width, c_in]
-            dx = torch.mm(qkv, w)  # [rows, c_in]
-            x2 = as_dtype(x.reshape(-1, x.shape[-1]), qkv.dtype)
-            dw = torch.mm(qkv.t(), x2).split(weights[0].shape[0])  # 3 x [width, c_in]
-            dweights = [as_dtype(d, t.dtype) if ctx.needs_input_grad[3 + i] else None
-                        for i, (d, t) in enumerate(zip(dw, weights))]
-            grads, weights = grads[3:], weights[3:]
-        for i, (grad, weight) in enumerate(zip(grads, weights), start=len(dweights)):
-            if grad is None:
-                dweights.append(None)
-                continue
-            g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
-            w = as_dtype(weight, g2.dtype)
-            dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)  # [rows, c_in]
-            if ctx.needs_input_grad[3 + i]:
-                x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype) if x2 is None else x2
-                dweights.append(as_dtype(torch.mm(g2.t(), x2), weight.dtype))  # [width, c_in]
-            else:
-                dweights.append(None)
-        dx = None if dx is None else as_dtype(dx.view(x.shape), x.dtype)
-        return (dx, _bias_grad(ctx, grads[-1]), None, *dweights)
-
-
-def _bias_grad(ctx, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The gradient of _StackedProjection's bias from its output's gradient ``grad [..., width]``."""
-    if not ctx.needs_input_grad[1] or grad is None:
-        return None
-    g2 = grad.reshape(-1, grad.shape[-1])  # [rows, width]
-    return bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
-
-
-def _concatenated_backward(ctx, x, weights, grads):
-    """_StackedProjection's backward under torch.compile, where the attention's gradients arrive as
-    separate tensors: one GEMM for dx and one for the weights over the concatenated gradients.
-    (The eager path's accumulation ``dx.addmm_`` runs out of place in inductor, which copies dx once
-    per projection first.)"""
-    g2 = torch.cat([g.reshape(-1, g.shape[-1]) for g in grads], dim=1)  # [rows, k * width]
-    dx = torch.mm(g2, as_dtype(torch.cat(weights), g2.dtype))  # [rows, c_in]
-    dweights = [None] * len(weights)
-    if any(ctx.needs_input_grad[3:]):
-        x2 = as_dtype(x.reshape(-1, x.shape[-1]), g2.dtype)  # [rows, c_in]
-        dw = torch.mm(g2.t(), x2).split(weights[0].shape[0])  # k x [width, c_in]
-        dweights = [as_dtype(d, t.dtype) if need else None for d, t, need in zip(dw, weights, ctx.needs_input_grad[3:])]
-    return (as_dtype(dx.view(x.shape), x.dtype), _bias_grad(ctx, grads[-1]), None, *dweights)
+    def backward(ctx, dy):
+        x, stacked = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, k * width]
+        width = stacked.shape[0] // len(ctx.weight_dtypes)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = as_dtype(torch.mm(dy2, as_dtype(stacked, dy2.dtype)).view(x.shape), x.dtype)  # [..., c_in]
+        dweights = [None] * len(ctx.weight_dtypes)
+        if any(ctx.needs_input_grad[3:]):
+            x2 = as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)  # [rows, c_in]
+            dw = torch.mm(dy2.t(), x2).split(width)  # k x [width, c_in]
+            dweights = [as_dtype(d, dtype) if need else None
+                        for d, dtype, need in zip(dw, ctx.weight_dtypes, ctx.needs_input_grad[3:])]
+        db = None
+        if ctx.needs_input_grad[1]:
+            g2 = dy2[:, -width:]  # [rows, width], the biased projection's columns
+            db = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
+        return (dx, db, None, *dweights)
 
 
 def _flatten_batch(t: torch.Tensor, keep: int) -> torch.Tensor:
     """``t [*, d_1..d_keep] -> [B, d_1..d_keep]`` with B the product of the batch dims (1 for none; a
     view wherever the batch dims allow one, as for einops' ``"... -> (...)"``)."""
     return t.reshape(math.prod(t.shape[:-keep]), *t.shape[-keep:])
-
-
-def _row_pitch(t: torch.Tensor) -> Optional[int]:
-    """Elements between consecutive rows of ``t [..., w]`` seen as a ``[rows, w]`` matrix (0 for at
-    most one row); None when its leading dims do not flatten into one strided dim."""
-    pitch = expected = None
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size == 1:
-            continue
-        if pitch is not None and stride != expected:
-            return None
-        pitch = stride if pitch is None else pitch
-        expected = stride * size
-    return 0 if pitch is None else pitch
-
-
-def _one_matrix(grads) -> Optional[torch.Tensor]:
-    """The ``[rows, 3 * width]`` matrix whose column slices hold the rows of the three gradients
-    ``[..., width]``, when they are laid out so (the cutlass attention's backward writes dq, dk, dv
-    that way for the stacked projection: ops.cutlass.stacked_gradients); else None."""
-    if any(g is None for g in grads):
-        return None
-    q, k, v = grads
-    width = q.shape[-1]
-    pitch = _row_pitch(q)
-    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
-        return None
-    if pitch not in (0, 3 * width) or q.dtype != k.dtype or q.dtype != v.dtype:
-        return None
-    step = width * q.element_size()
-    if k.data_ptr() != q.data_ptr() + step or v.data_ptr() != q.data_ptr() + 2 * step:
-        return None
-    rows = q.numel() // width
-    return q.as_strided((rows, 3 * width), (3 * width, 1))  # [rows, 3 * width]
 
 
 class _GatedAttention(nn.Module):
@@ -233,26 +163,21 @@ class _GatedAttention(nn.Module):
         """
         batch_shape = x.shape[:-3]
         x = _flatten_batch(x, 3)  # [B, A, B', c_in] in x's layout
-        heads = self.no_heads
         fused_bias_grad = fused_bias_gradient(x, self.linear_g.weight, self.linear_g.bias, self.backend)
-        q, k, v, g = _StackedProjection.apply(
+        qkvg = _StackedProjection.apply(
             x, self.linear_g.bias, fused_bias_grad,
             self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight,
-        )  # views [B, A, B', H * C] of one GEMM's output
-        q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))  # [B, A, B', H, C]
-        if transposed:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # strided views [B, N, L, H, C]
+        )  # [B, A, B', 4 * H * C]: q, k, v, g side by side, one GEMM's output
 
         if mask_bias is not None:
             mask_bias = _flatten_batch(mask_bias, 2)[:, :, None, None, :]  # [B, N, 1, 1, L]
 
-        o = evoformer_attention(
-            q, k, v, mask_bias, pair_bias, backend=self.backend, chunk_size=chunk_size
-        )  # [B, N, L, H, C]
-        if transposed:
-            o = o.transpose(1, 2)  # [B, L, N, H, C]: a view in x's layout
-        # the gate reads o where it lies
-        o = sigmoid_gate(g, o.flatten(-2), backend=self.backend)  # [B, A, B', H * C]
+        # sigmoid(g) * attention: q, k, v seen as [B, N, L, H, C] (strided views, N and L swapped
+        # with `transposed`), the result in x's layout
+        o = gated_evoformer_attention(
+            qkvg, self.no_heads, mask_bias, pair_bias, transposed=transposed, backend=self.backend,
+            chunk_size=chunk_size,
+        )  # [B, A, B', H * C]
         out = self.linear_o(o)  # [B, A, B', c_in]
         return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
 

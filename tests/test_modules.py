@@ -9,6 +9,7 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from evoformer_blocks import (
@@ -540,33 +541,88 @@ def test_linear_rejects_unknown_init():
         Linear(3, 2, init="lecun")
 
 
-# ---- the stacked projection's gradients written as one matrix ---------------------------------------
+# ---- the stacked q/k/v/g projection and the gated attention on it -----------------------------------
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_stacked_gradients_follow_the_projection_layout(transposed):
-    # the attention's q, k, v as the modules make them: slices of one [B, A, B', 4 * H * C] output
+def test_gated_views_follow_the_projection_layout(transposed):
     from einops import rearrange
 
-    from evoformer_blocks.attention import _one_matrix
-    from evoformer_blocks.ops.cutlass import stacked_gradients
+    from evoformer_blocks.ops._inputs import gated_output_view, gated_views
 
     heads, c = 2, 8
     y = torch.randn(2, 5, 7, 4 * heads * c, dtype=torch.float64)
+    q, k, v, g = gated_views(y, heads, transposed)
     to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
-    q, k, v, _ = (rearrange(t, to_heads, h=heads) for t in y.split(heads * c, dim=-1))
-    dq, dk, dv = stacked_gradients(q, k, v)
-    for g, t in zip((dq, dk, dv), (q, k, v)):
-        assert g.shape == t.shape
-        g.copy_(torch.randn_like(t))
+    for view, block in zip((q, k, v), y.split(heads * c, dim=-1)):
+        assert view.data_ptr() >= y.data_ptr()  # a view, no copy
+        assert torch.equal(view, rearrange(block, to_heads, h=heads))
+    assert torch.equal(g, y[..., 3 * heads * c:])
+    out = torch.randn_like(q)  # [B, N, L, H, C]
     back = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
-    grads = [rearrange(g, back) for g in (dq, dk, dv)]  # what the projection's backward receives
-    matrix = _one_matrix(grads)
-    assert matrix is not None and matrix.shape == (2 * 5 * 7, 3 * heads * c)
-    for slot, g in enumerate(grads):
-        torch.testing.assert_close(matrix[:, slot * heads * c:(slot + 1) * heads * c], g.reshape(-1, heads * c))
-    assert _one_matrix([g.contiguous() for g in grads]) is None  # separate tensors: the per-slice path
-    assert stacked_gradients(q.contiguous(), k.contiguous(), v.contiguous()) is None
+    assert torch.equal(gated_output_view(out, transposed), rearrange(out, back))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gated_attention_is_the_gate_times_the_attention(transposed):
+    from evoformer_blocks.ops import evoformer_attention, gated_evoformer_attention, sigmoid_gate
+    from evoformer_blocks.ops._inputs import gated_output_view, gated_views
+
+    heads, c = 2, 8
+    qkvg = torch.randn(2, 5, 7, 4 * heads * c, dtype=torch.float64, requires_grad=True)
+    n, length = (7, 5) if transposed else (5, 7)
+    mask_bias = (1e9 * (torch.rand(2, n, 1, 1, length, dtype=torch.float64) > 0.2) - 1e9).requires_grad_(True)
+    pair_bias = torch.randn(2, 1, heads, length, length, dtype=torch.float64, requires_grad=True)
+    out = gated_evoformer_attention(qkvg, heads, mask_bias, pair_bias, transposed=transposed, backend="eager")
+    q, k, v, g = gated_views(qkvg, heads, transposed)
+    o = evoformer_attention(q, k, v, mask_bias, pair_bias, backend="eager")
+    ref = sigmoid_gate(g, gated_output_view(o, transposed), backend="eager")
+    assert out.shape == (2, 5, 7, heads * c)
+    torch.testing.assert_close(out, ref)
+    cot = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qkvg, pair_bias), cot)
+    ref_grads = torch.autograd.grad(ref, (qkvg, pair_bias), cot)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "qkvg, heads, match",
+    [
+        (torch.randn(2, 5, 64), 2, "rank 4"),
+        (torch.randn(1, 2, 5, 60), 2, "4 \\* H \\* D"),
+        (torch.randn(1, 2, 5, 64), True, "`heads`"),
+        (torch.randn(1, 2, 5, 64), 0, "`heads`"),
+        (torch.randn(1, 2, 5, 64).int(), 2, "`qkvg`"),
+    ],
+)
+def test_gated_attention_rejects_bad_inputs(qkvg, heads, match):
+    from evoformer_blocks.ops import gated_evoformer_attention
+
+    with pytest.raises(ValueError, match=match):
+        gated_evoformer_attention(qkvg, heads)
+
+
+def test_gated_attention_rejects_a_bad_mask_bias():
+    from evoformer_blocks.ops import gated_evoformer_attention
+
+    with pytest.raises(ValueError, match="`mask_bias`"):
+        gated_evoformer_attention(torch.randn(1, 2, 5, 64), 2, torch.zeros(1, 2, 1, 1, 4))
+
+
+def test_stacked_projection_is_the_separate_linears():
+    from evoformer_blocks.attention import _StackedProjection
+
+    x = torch.randn(3, 4, 6, 16, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(12, 16, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    bias = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    y = _StackedProjection.apply(x, bias, False, *weights)  # [3, 4, 6, 48]
+    ref = torch.cat([F.linear(x, w) for w in weights[:3]] + [F.linear(x, weights[3], bias)], dim=-1)
+    torch.testing.assert_close(y, ref)
+    cot = torch.randn_like(y)
+    leaves = (x, bias, *weights)
+    for a, b in zip(torch.autograd.grad(y, leaves, cot), torch.autograd.grad(ref, leaves, cot)):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -589,25 +645,3 @@ def test_separate_gradients_follow_the_input_layout(transposed):
     assert rows.is_contiguous() and rows.view(-1, heads * c).data_ptr() == dq.data_ptr()
 
 
-def test_stacked_projection_backward_is_the_same_either_way():
-    from types import SimpleNamespace
-
-    from evoformer_blocks.attention import _one_matrix, _StackedProjection
-    from evoformer_blocks.ops.cutlass import stacked_gradients
-
-    x = torch.randn(3, 4, 6, 16, dtype=torch.float64)
-    weights = [torch.randn(12, 16, dtype=torch.float64) for _ in range(4)]
-    ctx = SimpleNamespace(saved_tensors=(x, *weights), needs_input_grad=(True,) * 7, bias_dtype=torch.float64,
-                          fused_bias_grad=False)
-    views = torch.randn(3, 4, 6, 48, dtype=torch.float64).split(12, dim=-1)
-    stacked = stacked_gradients(*(t.unflatten(-1, (3, 4)) for t in views[:3]))
-    grads = [g.flatten(-2) for g in stacked] + [torch.randn(3, 4, 6, 12, dtype=torch.float64)]
-    for g in grads[:3]:
-        g.copy_(torch.randn_like(g))
-    assert _one_matrix(grads[:3]) is not None  # the one-matrix path runs
-    fast = _StackedProjection.backward(ctx, *grads)
-    slow = _StackedProjection.backward(ctx, *[g.contiguous() for g in grads])
-    for a, b in zip(fast, slow):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b)

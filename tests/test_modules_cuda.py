@@ -241,29 +241,46 @@ def test_stack_replays_in_cuda_graphs():
         torch.testing.assert_close(a.float(), e.float(), atol=2e-2, rtol=2e-2)
 
 
+def _gated_inputs(transposed, dtype, heads=4, c=32, a=24, a2=40):
+    qkvg = torch.randn(1, a, a2, 4 * heads * c, device="cuda").to(dtype).requires_grad_(True)
+    n, length = (a2, a) if transposed else (a, a2)
+    mask = torch.where(torch.rand(1, n, 1, 1, length, device="cuda") > 0.1, 0.0, -1e9).to(dtype)
+    pair = torch.randn(1, 1, heads, length, length, device="cuda").to(dtype).requires_grad_(True)
+    return qkvg, heads, mask, pair
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_attention_writes_stacked_gradients_bit_for_bit(transposed):
-    # q, k, v as slices of one projection output: the backward writes dq, dk, dv into one stacked
-    # buffer (ops.cutlass.stacked_gradients); they must equal the contiguous path's bit for bit
-    from einops import rearrange
-
+def test_gated_attention_is_the_composed_ops_bit_for_bit(transposed, dtype):
+    # the one-node path (gate and attention kernels, the gradients written into one tensor) against
+    # the attention op and the gate op on the views, both on the cutlass kernels: the same bits
     from evoformer_blocks import ops
-    from evoformer_blocks.ops.cutlass import stacked_gradients
+    from evoformer_blocks.ops._inputs import gated_output_view, gated_views
 
-    heads, c = 4, 32
-    y = torch.randn(1, 24, 40, 4 * heads * c, device="cuda").bfloat16().requires_grad_(True)
-    to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
-    q, k, v, _ = (rearrange(t, to_heads, h=heads) for t in y.split(heads * c, dim=-1))
-    assert stacked_gradients(q, k, v) is not None
-    n, length = q.shape[1], q.shape[2]
-    mask = torch.where(torch.rand(1, n, 1, 1, length, device="cuda") > 0.1, 0.0, -1e9)
-    pair = torch.randn(1, 1, heads, length, length, device="cuda").bfloat16().requires_grad_(True)
-    dout = torch.randn(q.shape, device="cuda").bfloat16()
-    out = ops.evoformer_attention(q, k, v, mask, pair, backend="cutlass")
-    stacked = torch.autograd.grad(out, (q, k, v, pair), dout)
-    leaves = [t.detach().contiguous().requires_grad_(True) for t in (q, k, v)]
-    out_c = ops.evoformer_attention(*leaves, mask, pair, backend="cutlass")
-    plain = torch.autograd.grad(out_c, (*leaves, pair), dout)
-    assert torch.equal(out, out_c)
-    for a, b in zip(stacked, plain):
-        assert torch.equal(a, b)
+    qkvg, heads, mask, pair = _gated_inputs(transposed, dtype)
+    out = ops.gated_evoformer_attention(qkvg, heads, mask, pair, transposed=transposed, backend="cutlass")
+    q, k, v, g = gated_views(qkvg, heads, transposed)
+    o = ops.evoformer_attention(q, k, v, mask, pair, backend="cutlass")
+    ref = ops.sigmoid_gate(g, gated_output_view(o, transposed), backend="cutlass")
+    assert out.is_contiguous() and torch.equal(out, ref)
+    cot = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (qkvg, pair), cot)
+    ref_grads = torch.autograd.grad(ref, (qkvg, pair), cot)
+    assert grads[0].is_contiguous()
+    for a, b in zip(grads, ref_grads):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_gated_attention_custom_ops_pass_opcheck():
+    from evoformer_blocks.ops import cutlass
+
+    for transposed in (False, True):
+        qkvg, heads, mask, pair = _gated_inputs(transposed, torch.bfloat16, heads=2, c=16, a=6, a2=20)
+        family = cutlass.kernel_family(qkvg.device, qkvg.dtype)
+        args = (qkvg, mask, pair, heads, transposed, 0.25, family)
+        torch.library.opcheck(cutlass.gated_attention_fwd, args)
+        y, out, stats, mask_prepared, pair_prepared = cutlass.gated_attention_fwd(
+            qkvg.detach(), mask, pair.detach(), heads, transposed, 0.25, family)
+        bwd_args = (torch.randn_like(y), qkvg.detach(), out, stats, mask_prepared, pair.detach(), pair_prepared,
+                    heads, transposed, 0.25, family, None, True)
+        torch.library.opcheck(cutlass.gated_attention_bwd, bwd_args)

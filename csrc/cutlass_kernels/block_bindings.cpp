@@ -25,6 +25,7 @@
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
 //   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
+//   sigmoid_gate_bwd_into(dout, g, y, dg) -> dy in y's layout; dg written into the given rows
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
 //   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted
@@ -781,34 +782,58 @@ at::Tensor sigmoid_gate_fwd(const at::Tensor& g_in, const at::Tensor& y_in) {
   return out;
 }
 
-// (dg in g's shape, contiguous; dy in y's layout when y is dense, else contiguous: empty_like(y))
-std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd(const at::Tensor& dout_in, const at::Tensor& g_in,
-                                                    const at::Tensor& y_in) {
-  const char* op = "sigmoid gate backward";
-  const int64_t C = gate_shape(g_in, y_in, op);
+// The gate's backward into dg_rows ([M, C] rows of g's order, any 16-byte aligned row stride);
+// returns dy in y_in's layout (empty_like: its strides when it is dense, else contiguous; the kernel
+// writes it through y's row map, so through a copy when y had to be made contiguous).
+at::Tensor gate_backward(const at::Tensor& dout_in, const at::Tensor& g_in, const at::Tensor& y_in,
+                         const at::Tensor& dg_rows, int64_t C, const char* op) {
   TORCH_CHECK(dout_in.sizes() == g_in.sizes() && dout_in.scalar_type() == g_in.scalar_type(), op,
               ": `dout` must match g, got ", dout_in.sizes());
   const c10::cuda::CUDAGuard guard(g_in.device());
   const at::Tensor g = as_rows(g_in, C), dout = as_rows(dout_in, C);
   RowMap y_rows;
   const at::Tensor y = rows_in_map(y_in, y_rows);
-  at::Tensor dg = output(g_in.sizes(), g_in.options());
-  // dy in y_in's layout (empty_like: its strides when it is dense, else contiguous); the kernel
-  // writes it through y's row map, so through a copy when y had to be made contiguous
   at::Tensor dy_out = at::empty_like(y_in);
   at::Tensor dy = dy_out.strides() == y.strides() ? dy_out : at::empty_like(y);
   maybe_poison(dy);
   const int64_t M = g.size(0);
   const int row_threads = row_threads_for(C, g.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
-  const SigmoidGateBackwardParams p{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
-                                    nullptr, nullptr, M, M > 1 ? g.stride(0) : C, M > 1 ? dout.stride(0) : C, C,
-                                    y_rows, int(C), row_threads};
+  const SigmoidGateBackwardParams p{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg_rows.data_ptr(), dy.data_ptr(),
+                                    nullptr, nullptr, M, M > 1 ? g.stride(0) : C, M > 1 ? dout.stride(0) : C,
+                                    M > 1 ? dg_rows.stride(0) : C, y_rows, int(C), row_threads};
   by_dtype(g.scalar_type(), op, [&](auto e) {
     launch_sigmoid_gate_backward<decltype(e)>(p, ctas, c10::cuda::getCurrentCUDAStream());
   });
   if (!dy.is_same(dy_out)) dy_out.copy_(dy);
-  return {dg, dy_out};
+  return dy_out;
+}
+
+// (dg in g's shape, contiguous; dy in y's layout when y is dense, else contiguous: empty_like(y))
+std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd(const at::Tensor& dout_in, const at::Tensor& g_in,
+                                                    const at::Tensor& y_in) {
+  const char* op = "sigmoid gate backward";
+  const int64_t C = gate_shape(g_in, y_in, op);
+  at::Tensor dg = output(g_in.sizes(), g_in.options());
+  at::Tensor dy = gate_backward(dout_in, g_in, y_in, dg.view({-1, C}), C, op);
+  return {dg, dy};
+}
+
+// dy as sigmoid_gate_bwd's; dg written into `dg` (g's shape, rows of one 16-byte aligned stride, C
+// contiguous: a column block of a wider matrix, e.g. the gate's slice of a stacked projection's
+// gradient).
+at::Tensor sigmoid_gate_bwd_into(const at::Tensor& dout_in, const at::Tensor& g_in, const at::Tensor& y_in,
+                                 at::Tensor& dg) {
+  const char* op = "sigmoid gate backward";
+  const int64_t C = gate_shape(g_in, y_in, op);
+  TORCH_CHECK(dg.sizes() == g_in.sizes() && dg.scalar_type() == g_in.scalar_type() && dg.device() == g_in.device(),
+              op, ": `dg` must match g, got ", dg.sizes(), " ", dg.scalar_type());
+  const at::Tensor rows = dg.view({-1, C});  // (raises where the rows share no one stride)
+  const int64_t vec = 16 / rows.element_size();
+  TORCH_CHECK(rows.stride(1) == 1 && aligned16(rows) && (rows.size(0) <= 1 || rows.stride(0) % vec == 0), op,
+              ": `dg` must have contiguous rows of one 16-byte aligned stride, got strides ", dg.strides());
+  maybe_poison(dg);
+  return gate_backward(dout_in, g_in, y_in, rows, C, op);
 }
 
 // The sums over rows of x [..., C] (a projection's bias gradient) in float32, in a fixed order, then
@@ -911,6 +936,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "float eps, bool outgoing) -> Tensor[]");
   m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
   m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
+  m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg) -> Tensor");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
         "ScalarType bias_dtype) -> (Tensor, Tensor, Tensor)");
@@ -927,6 +953,7 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("triangle_multiplication_bwd", &evoformer::block::triangle_multiplication_bwd);
   m.impl("sigmoid_gate_fwd", &evoformer::block::sigmoid_gate_fwd);
   m.impl("sigmoid_gate_bwd", &evoformer::block::sigmoid_gate_bwd);
+  m.impl("sigmoid_gate_bwd_into", &evoformer::block::sigmoid_gate_bwd_into);
   m.impl("column_sum", &evoformer::block::column_sum);
   m.impl("linear_bwd", &evoformer::block::linear_bwd);
   m.impl("add_layer_norm_fwd", &evoformer::block::add_layer_norm_fwd);

@@ -1,5 +1,6 @@
 """The functional ops and their backends: ``evoformer_attention`` (the attention core of every
-Evoformer attention module), ``triangle_multiplication`` (the triangle multiplicative update) and
+Evoformer attention module; ``gated_evoformer_attention``, the same with its sigmoid gate on one
+stacked q/k/v/g projection), ``triangle_multiplication`` (the triangle multiplicative update) and
 ``layer_norm`` (``add_layer_norm``: with the residual add in front of it), and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
 ``linear`` (whose backward sums the bias gradient with a kernel).
 
@@ -21,13 +22,14 @@ from ._dispatch import (
     set_backend,
 )
 from ._inputs import AttentionInputs, validate
-from .functional import DS4Sci_EvoformerAttention, evoformer_attention
+from .functional import DS4Sci_EvoformerAttention, evoformer_attention, gated_evoformer_attention
 from .gating import linear, sigmoid_gate
 from .normalization import add_layer_norm, layer_norm
 from .triangle import triangle_multiplication
 
 __all__ = [
     "evoformer_attention",
+    "gated_evoformer_attention",
     "DS4Sci_EvoformerAttention",
     "triangle_multiplication",
     "layer_norm",

@@ -1,4 +1,4 @@
-"""Validation of the attention op's inputs: the one place where user input is checked.
+"""Validation of the attention ops' inputs: the one place where user input is checked.
 
 Every rule raises ``ValueError`` naming the argument, the rule, and the shape, dtype, device and
 stride of every tensor involved, so a caller can see at once what was passed.
@@ -182,3 +182,47 @@ def validate(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> AttentionIn
     elif not (math.isfinite(scale) and scale > 0):
         _fail("scale", f"must be positive and finite, got {scale}", tensors)
     return AttentionInputs(q, k, v, mask_bias, pair_bias, float(scale))
+
+
+def gated_views(qkvg: torch.Tensor, heads: int, transposed: bool):
+    """The four column blocks of a stacked projection ``qkvg [B, A, A', 4 * H * D]`` as views:
+    q, k, v ``[B, N, L, H, D]`` in the attention's orientation (N = A, L = A'; with ``transposed``
+    N = A', L = A, so attention runs along dim 1) and the gate g ``[B, A, A', H * D]``."""
+    q, k, v, g = qkvg.chunk(4, dim=-1)  # [B, A, A', H * D] each
+    q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))  # [B, A, A', H, D]
+    if transposed:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, A', A, H, D]
+    return q, k, v, g
+
+
+def gated_output_view(out: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The attention output ``[B, N, L, H, D]`` seen in the stacked projection's layout
+    ``[B, A, A', H * D]`` (a view; the inverse orientation of :func:`gated_views`)."""
+    return (out.transpose(1, 2) if transposed else out).flatten(-2)
+
+
+def validate_gated(qkvg, heads, mask_bias=None, pair_bias=None, scale=None, transposed=False):
+    """Checks ``gated_evoformer_attention``'s arguments; returns the attention's validated inputs
+    (q, k, v as views of ``qkvg``, see :func:`gated_views`) and the gate g.
+
+    Rules: ``qkvg`` is a float16, bfloat16, float32 or float64 tensor ``[B, A, A', 4 * H * D]``
+    with D >= 1 for H = ``heads`` (a positive int); ``transposed`` is a bool; the biases and
+    ``scale`` as :func:`validate` says, in the attention's orientation.
+    """
+    tensors = {"qkvg": qkvg, "mask_bias": mask_bias, "pair_bias": pair_bias}
+
+    def fail(argument: str, rule: str) -> None:
+        raise ValueError(f"gated_evoformer_attention: invalid `{argument}`: {rule}\n{describe(tensors)}")
+
+    if not isinstance(qkvg, torch.Tensor) or qkvg.dtype not in FLOAT_DTYPES:
+        fail("qkvg", "must be a float16, bfloat16, float32 or float64 torch.Tensor [B, A, A', 4 * H * D]")
+    if qkvg.dim() != 4:
+        fail("qkvg", f"must have rank 4 [B, A, A', 4 * H * D], got rank {qkvg.dim()}")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        fail("heads", f"must be a positive int, got {heads!r}")
+    if qkvg.shape[-1] == 0 or qkvg.shape[-1] % (4 * heads):
+        fail("qkvg", f"its last dim must be 4 * H * D with H = heads = {heads} and D >= 1, got {qkvg.shape[-1]}")
+    if not isinstance(transposed, bool):
+        fail("transposed", f"must be a bool, got {type(transposed).__name__}")
+    q, k, v, g = gated_views(qkvg, heads, transposed)
+    return validate(q, k, v, mask_bias, pair_bias, scale), g

@@ -6,7 +6,10 @@ query row (max score and log2 row sum) and the biases as the kernels read them;
 gradients of q, k, v and of each bias that needs one. Both have fake (meta) implementations, and
 autograd connects them, so the op works under torch.compile(fullgraph=True). Outside torch.compile
 :class:`_CutlassAttentionFunction` calls the same kernels directly, for less host time per call; both
-paths share one save and one gradient function.
+paths share one save and one gradient function. ``cutlass_gated_attention_fwd`` / ``_bwd`` (and
+:class:`_CutlassGatedAttentionFunction`) are the same pair for ``ops.gated_evoformer_attention``:
+the attention and its sigmoid gate on a stacked q/k/v/g projection as one node, whose backward
+writes every gradient of the projection into one tensor.
 
 Kernel families: ``"sm80"``, the portable kernels (any GPU of compute capability >= 8.0), and
 ``"sm90"``, the Hopper kernels (a 9.0 GPU and a build holding sm_90a code). :func:`kernel_family` is
@@ -40,7 +43,7 @@ import torch
 
 from . import _build, _fused
 from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
-from ._inputs import AttentionInputs
+from ._inputs import AttentionInputs, gated_output_view, gated_views
 
 Tensor = torch.Tensor
 
@@ -139,8 +142,8 @@ def attention_fwd(
     return out, stats, mask_prepared, pair_prepared
 
 
-@attention_fwd.register_fake
-def _(q, k, v, mask_bias, pair_bias, scale, family):
+def _forward_like(q: Tensor, k: Tensor, mask_bias: Optional[Tensor], pair_bias: Optional[Tensor]):
+    """The forward's outputs (out, stats, mask_prepared, pair_prepared) as new empty tensors."""
     batch, rows, len_q, heads, _ = q.shape
     return (
         q.new_empty(q.shape),
@@ -148,6 +151,11 @@ def _(q, k, v, mask_bias, pair_bias, scale, family):
         _mask_prepared_like(q, mask_bias, k.shape[2]),
         _pair_prepared_like(q, pair_bias),
     )
+
+
+@attention_fwd.register_fake
+def _(q, k, v, mask_bias, pair_bias, scale, family):
+    return _forward_like(q, k, mask_bias, pair_bias)
 
 
 @torch.library.custom_op("evoformer_blocks::cutlass_attention_bwd", mutates_args=(), device_types="cuda")
@@ -187,13 +195,19 @@ def empty_in_memory_order(t: Tensor) -> Tensor:
     return torch.empty_permuted(t.shape, memory_order(t), dtype=t.dtype, device=t.device)
 
 
-@attention_bwd.register_fake
-def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair):
+def _bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair) -> tuple[Tensor, Tensor]:
+    """The backward's bias gradients (an empty tensor where not wanted) as new empty tensors."""
     if dmask_dtype is not None and mask_prepared.numel() > 0:
         dmask = q.new_empty((mask_prepared.shape[0], mask_prepared.shape[1], 1, 1, k.shape[2]), dtype=dmask_dtype)
     else:
         dmask = q.new_empty(0)
     dpair = pair_bias.new_empty(pair_bias.shape) if need_dpair and pair_bias is not None else q.new_empty(0)
+    return dmask, dpair
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair):
+    dmask, dpair = _bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair)
     return empty_in_memory_order(q), empty_in_memory_order(k), empty_in_memory_order(v), dmask, dpair
 
 
@@ -227,33 +241,6 @@ attention_fwd.register_autograd(
 )
 
 
-def stacked_gradients(q: Tensor, k: Tensor, v: Tensor) -> Optional[tuple[Tensor, Tensor, Tensor]]:
-    """dq, dk, dv as column slices of the rows of one new ``[rows, 3 * H * D]`` tensor, in q, k and v's
-    own row order, when q, k, v are the first three ``H * D``-wide column slices of the rows of one
-    tensor (the modules' stacked projection ``[..., 4 * H * D]``, seen as ``[B, N, L, H, D]``, also
-    permuted): the projection's backward then reads the three gradients as one matrix, and the
-    permuted views of column attention and the ending node need no copy. None for other layouts."""
-    hd = q.shape[3] * q.shape[4]
-    if not (q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()):
-        return None
-    if q.stride(4) != 1 or (q.shape[3] > 1 and q.stride(3) != q.shape[4]) or hd % 2:
-        return None
-    if k.storage_offset() - q.storage_offset() != hd or v.storage_offset() - q.storage_offset() != 2 * hd:
-        return None
-    storage = q.untyped_storage().data_ptr()
-    if k.untyped_storage().data_ptr() != storage or v.untyped_storage().data_ptr() != storage:
-        return None
-    row_dims = [d for d in range(3) if q.shape[d] > 1]
-    pitch = min((q.stride(d) for d in row_dims), default=3 * hd)  # elements between q's nearest rows
-    if pitch < 3 * hd or any(q.stride(d) % pitch for d in row_dims):
-        return None
-    width = 3 * hd
-    rows = 1 + sum((q.shape[d] - 1) * (q.stride(d) // pitch) for d in row_dims)  # the span of q's rows
-    buffer = q.new_empty(rows, width)  # [rows, 3 * H * D]
-    strides = [q.stride(d) // pitch * width if q.shape[d] > 1 else width for d in range(3)] + [q.shape[4], 1]
-    return tuple(buffer.as_strided(q.shape, strides, slot * hd) for slot in range(3))  # [B, N, L, H, D] each
-
-
 class _CutlassAttentionFunction(torch.autograd.Function):
     """The autograd.Function that calls the cutlass kernels without the custom-op layers: the same
     kernels, save and gradients as the custom ops above.
@@ -273,23 +260,152 @@ class _CutlassAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        buffers = stacked_gradients(*ctx.saved_tensors[:3])
-        if buffers is None:
-            return _gradients(ctx, dout, _kernels().backward)
+        return _gradients(ctx, dout, _kernels().backward)
 
-        def into(*args):  # the kernels write dq, dk, dv into the stacked buffer
-            dmask, dpair = _kernels().backward_into(*args, *buffers)
-            return (*buffers, dmask, dpair)
 
-        return _gradients(ctx, dout, into)
+def _family_of(t: Tensor) -> str:
+    return TF32_FAMILY if t.dtype == TF32_DTYPE else _family(t.device.index)
 
 
 def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     """The fused attention output, differentiable in q, k, v and both biases."""
-    family = TF32_FAMILY if q.dtype == TF32_DTYPE else _family(q.device.index)
+    family = _family_of(q)
     if torch.compiler.is_compiling():
         return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family)[0]
     return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)
+
+
+# ---- gated attention of a stacked projection (ops.gated_evoformer_attention) -------------------
+# One node for the attention and its sigmoid gate: forward, the attention kernels on the q, k, v
+# views of qkvg [B, A, A', 4 H D], then the gate kernel on g and the output; backward, the gate's
+# backward writes dg into qkvg's gradient and dO, and the attention's backward writes dq, dk, dv
+# into the same tensor (backward_into), so the gradient of qkvg leaves as one dense tensor.
+
+
+def _gated_forward(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, scale: float, family: str):
+    q, k, v, g = gated_views(qkvg, heads, transposed)
+    out, stats, mask_prepared, pair_prepared = _kernels().forward(
+        q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias)
+    )  # out [B, N, L, H, D]
+    y = _kernels().sigmoid_gate_fwd(g, gated_output_view(out, transposed))  # [B, A, A', H D]
+    return y, out, stats, mask_prepared, pair_prepared
+
+
+def _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads: int, transposed: bool,
+                    scale: float, family: str, dmask_dtype, need_dpair: bool):
+    q, k, v, g = gated_views(qkvg, heads, transposed)
+    dqkvg = torch.empty_like(qkvg)  # [B, A, A', 4 H D]; the kernels write all of it
+    dq, dk, dv, dg = gated_views(dqkvg, heads, transposed)
+    # dO in out's layout: [B, A, A', H D] seen as [B, N, L, H, D]
+    do = _kernels().sigmoid_gate_bwd_into(dy, g, gated_output_view(out, transposed), dg).unflatten(-1, (heads, -1))
+    dout = do.transpose(1, 2) if transposed else do
+    dmask, dpair = _kernels().backward_into(
+        dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair,
+        dq, dk, dv,
+    )
+    return dqkvg, dmask, dpair
+
+
+@torch.library.custom_op("evoformer_blocks::cutlass_gated_attention_fwd", mutates_args=(), device_types="cuda")
+def gated_attention_fwd(
+    qkvg: Tensor,
+    mask_bias: Optional[Tensor],
+    pair_bias: Optional[Tensor],
+    heads: int,
+    transposed: bool,
+    scale: float,
+    family: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y [B, A, A', H D] = sigmoid(g) * the attention output in qkvg's layout, then the
+    attention's out, stats, mask_prepared, pair_prepared as ``cutlass_attention_fwd`` returns them)."""
+    _check_family(family, qkvg.device)
+    return _gated_forward(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
+
+
+@gated_attention_fwd.register_fake
+def _(qkvg, mask_bias, pair_bias, heads, transposed, scale, family):
+    q, k, _, g = gated_views(qkvg, heads, transposed)
+    return (g.new_empty(g.shape), *_forward_like(q, k, mask_bias, pair_bias))
+
+
+@torch.library.custom_op("evoformer_blocks::cutlass_gated_attention_bwd", mutates_args=(), device_types="cuda")
+def gated_attention_bwd(
+    dy: Tensor,
+    qkvg: Tensor,
+    out: Tensor,
+    stats: Tensor,
+    mask_prepared: Tensor,
+    pair_bias: Optional[Tensor],
+    pair_prepared: Tensor,
+    heads: int,
+    transposed: bool,
+    scale: float,
+    family: str,
+    dmask_dtype: Optional[torch.dtype],
+    need_dpair: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (d qkvg as ``torch.empty_like(qkvg)``, d mask_bias, d pair_bias), the bias gradients as
+    ``cutlass_attention_bwd`` returns them."""
+    _check_family(family, qkvg.device)
+    return _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, transposed, scale,
+                           family, dmask_dtype, need_dpair)
+
+
+@gated_attention_bwd.register_fake
+def _(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, transposed, scale, family, dmask_dtype,
+      need_dpair):
+    q, k, _, _ = gated_views(qkvg, heads, transposed)
+    return (torch.empty_like(qkvg), *_bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair))
+
+
+def _gated_save(ctx, inputs, outputs) -> None:
+    qkvg, mask_bias, pair_bias, heads, transposed, scale, family = inputs
+    _, out, stats, mask_prepared, pair_prepared = outputs
+    ctx.save_for_backward(qkvg, pair_bias, out, stats, mask_prepared, pair_prepared)
+    ctx.heads, ctx.transposed, ctx.scale, ctx.family = heads, transposed, scale, family
+    ctx.mask_dtype = None if mask_bias is None else mask_bias.dtype
+
+
+def _gated_gradients(ctx, dy, backward):
+    qkvg, pair_bias, out, stats, mask_prepared, pair_prepared = ctx.saved_tensors
+    need_dmask = ctx.mask_dtype is not None and ctx.needs_input_grad[1]
+    need_dpair = pair_bias is not None and ctx.needs_input_grad[2]
+    dqkvg, dmask, dpair = backward(
+        dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, ctx.heads, ctx.transposed, ctx.scale,
+        ctx.family, ctx.mask_dtype if need_dmask else None, need_dpair,
+    )
+    # one gradient per forward input: qkvg, mask_bias, pair_bias, heads, transposed, scale, family
+    return dqkvg, dmask if need_dmask else None, dpair if need_dpair else None, None, None, None, None
+
+
+gated_attention_fwd.register_autograd(
+    lambda ctx, dy, *_unused: _gated_gradients(ctx, dy, gated_attention_bwd),
+    setup_context=lambda ctx, inputs, output: _gated_save(ctx, inputs, output),
+)
+
+
+class _CutlassGatedAttentionFunction(torch.autograd.Function):
+    """The gated attention's node outside torch.compile: the same kernels, save and gradients as the
+    custom ops above, without their layers (as :class:`_CutlassAttentionFunction`)."""
+
+    @staticmethod
+    def forward(ctx, qkvg, mask_bias, pair_bias, heads, transposed, scale, family):
+        outputs = _gated_forward(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
+        _gated_save(ctx, (qkvg, mask_bias, pair_bias, heads, transposed, scale, family), outputs)
+        return outputs[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gated_gradients(ctx, dy, _gated_backward)
+
+
+def gated_attention(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, scale: float) -> Tensor:
+    """sigmoid(g) * attention(q, k, v) of the stacked projection qkvg (ops.gated_evoformer_attention),
+    differentiable in qkvg and both biases."""
+    family = _family_of(qkvg)
+    if torch.compiler.is_compiling():
+        return gated_attention_fwd(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)[0]
+    return _CutlassGatedAttentionFunction.apply(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
 
 
 _available: dict[int, tuple[str, ...]] = {}
@@ -371,6 +487,11 @@ class CutlassBackend(Backend):
 
     def forward(self, inputs: AttentionInputs, chunk_size: Optional[int]) -> Tensor:
         return attention(inputs.q, inputs.k, inputs.v, inputs.mask_bias, inputs.pair_bias, inputs.scale)
+
+    def gated_forward(self, inputs: AttentionInputs, qkvg: Tensor, heads: int, transposed: bool) -> Tensor:
+        """ops.gated_evoformer_attention where this backend runs the attention and the gate
+        (``inputs``: the attention's, q, k, v being views of ``qkvg``)."""
+        return gated_attention(qkvg, inputs.mask_bias, inputs.pair_bias, heads, transposed, inputs.scale)
 
 
 register(CutlassBackend(), auto_priority=10)

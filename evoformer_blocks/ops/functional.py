@@ -1,4 +1,5 @@
-"""The public functional op and the DeepSpeed-compatible entry point."""
+"""The public functional attention ops (``evoformer_attention``; ``gated_evoformer_attention``, the
+gated attention of a stacked projection) and the DeepSpeed-compatible entry point."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import _dispatch
-from ._inputs import AttentionInputs, describe, validate
+from ._inputs import AttentionInputs, describe, gated_output_view, validate, validate_gated
+from .gating import GATE_OP, GateInputs, sigmoid_gate, validate_gate
 
 OP = _dispatch.ATTENTION_OP
 
@@ -97,16 +99,74 @@ def evoformer_attention(
             inputs (the message lists why).
     """
     inputs = validate(q, k, v, mask_bias, pair_bias, scale)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(
-            f"evoformer_attention: invalid `chunk_size`: must be a positive int or None, got {chunk_size!r}\n"
-            + describe(inputs.tensors())
-        )
+    _check_chunk_size("evoformer_attention", chunk_size, inputs)
     if inputs.is_empty:
         _dispatch.REGISTRY.resolve(OP, backend)  # an unknown name still raises
         return _empty_result(inputs)
     impl = _dispatch.select(OP, inputs, backend)
     return impl.forward(inputs, chunk_size)
+
+
+def _check_chunk_size(op: str, chunk_size, inputs: AttentionInputs) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(
+            f"{op}: invalid `chunk_size`: must be a positive int or None, got {chunk_size!r}\n"
+            + describe(inputs.tensors())
+        )
+
+
+def gated_evoformer_attention(
+    qkvg: torch.Tensor,
+    heads: int,
+    mask_bias: Optional[torch.Tensor] = None,
+    pair_bias: Optional[torch.Tensor] = None,
+    *,
+    transposed: bool = False,
+    scale: Optional[float] = None,
+    backend: Optional[str] = None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """The gated attention of AF2's attention modules from one stacked projection:
+    ``sigmoid(g) * evoformer_attention(q, k, v, mask_bias, pair_bias)``.
+
+    Arguments:
+        qkvg: ``[B, A, A', 4 * H * D]``, the projections q, k, v and g side by side in the last
+            dim (one GEMM's output, as the modules compute it). Row ``a`` of dim 1 attends over its
+            ``A'`` positions along dim 2: q, k, v are seen as ``[B, N=A, L=A', H, D]``. With
+            ``transposed=True`` attention runs along dim 1 instead (``[B, N=A', L=A, H, D]``: MSA
+            column attention and the ending-node triangle attention on their input's own layout).
+        heads: H.
+        mask_bias, pair_bias, scale, backend, chunk_size: as :func:`evoformer_attention`, in the
+            attention's orientation (``mask_bias [B|1, N|1, 1, 1, L]``, ``pair_bias
+            [B|1, 1, H|1, L, L]``).
+
+    Returns:
+        ``[B, A, A', H * D]`` in qkvg's dtype, contiguous: ``sigmoid(g)`` times the attention output
+        seen in qkvg's layout.
+
+    Where the cutlass backend runs both the attention and the gate, they run as one autograd node
+    whose backward writes the gradients of q, k, v and g straight into one ``[B, A, A', 4 * H * D]``
+    tensor, the gradient of ``qkvg`` (the projection's backward then reads it as one matrix, with no
+    concatenation, also under torch.compile); otherwise the attention and :func:`sigmoid_gate` run
+    on the views, each on its selected backend. Results are the same either way.
+
+    Raises:
+        ValueError: an argument breaks a rule (see :func:`evoformer_attention`; ``qkvg`` must be a
+            floating tensor of rank 4 whose last dim is a multiple of ``4 * heads``), or the
+            requested backend cannot run the inputs.
+    """
+    inputs, g = validate_gated(qkvg, heads, mask_bias, pair_bias, scale, transposed)
+    _check_chunk_size("gated_evoformer_attention", chunk_size, inputs)
+    if inputs.is_empty:
+        _dispatch.REGISTRY.resolve(OP, backend)  # an unknown name still raises
+        return sigmoid_gate(g, gated_output_view(_empty_result(inputs), transposed), backend=backend)
+    impl = _dispatch.select(OP, inputs, backend)
+    gate = _dispatch.select(GATE_OP, validate_gate(g, g), backend)  # (selection reads g's shape, dtype, device)
+    fused = getattr(impl, "gated_forward", None)
+    if fused is not None and gate.name == impl.name:
+        return fused(inputs, qkvg, heads, transposed)
+    o = impl.forward(inputs, chunk_size)  # [B, N, L, H, D]
+    return gate.forward(GateInputs(g, gated_output_view(o, transposed)), None)  # [B, A, A', H * D]
 
 
 def DS4Sci_EvoformerAttention(
