@@ -7,8 +7,8 @@ with :func:`evoformer_blocks.compat.load_openfold_state_dict`).
 The attention core of the first four modules and its sigmoid gate go through one op,
 :func:`evoformer_blocks.ops.gated_evoformer_attention` (:func:`evoformer_blocks.ops.evoformer_attention`
 and :func:`evoformer_blocks.ops.sigmoid_gate` on the stacked q/k/v/g projection), so the backend
-(``"eager"``, ``"cutlass"`` or ``"auto"``) is chosen in one place; :class:`MSAColumnGlobalAttention` (Algorithm 19) pools its
-queries and is written in plain PyTorch.
+(``"eager"``, ``"cutlass"`` or ``"auto"``) is chosen in one place;
+:class:`MSAColumnGlobalAttention` (Algorithm 19) pools its queries and is written in plain PyTorch.
 
 Shape legend: ``*`` batch dims (any number, including none), ``N_seq`` MSA sequences, ``N_res``
 residues, ``H`` heads (``no_heads``), ``C`` = ``c_hidden`` channels PER HEAD, ``B`` all batch dims

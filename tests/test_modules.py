@@ -603,6 +603,17 @@ def test_gated_attention_rejects_bad_inputs(qkvg, heads, match):
         gated_evoformer_attention(qkvg, heads)
 
 
+@pytest.mark.parametrize("shape", [(0, 3, 5, 32), (2, 0, 5, 32), (2, 3, 0, 32)])
+def test_gated_attention_of_empty_inputs(shape):
+    from evoformer_blocks.ops import gated_evoformer_attention
+
+    qkvg = torch.randn(shape, requires_grad=True)
+    out = gated_evoformer_attention(qkvg, 2)
+    assert out.shape == (*shape[:3], 8) and not out.any()
+    (grad,) = torch.autograd.grad(out.sum(), qkvg)
+    assert grad.shape == qkvg.shape
+
+
 def test_gated_attention_rejects_a_bad_mask_bias():
     from evoformer_blocks.ops import gated_evoformer_attention
 

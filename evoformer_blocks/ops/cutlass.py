@@ -294,7 +294,7 @@ def _gated_forward(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, sca
 def _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads: int, transposed: bool,
                     scale: float, family: str, dmask_dtype, need_dpair: bool):
     q, k, v, g = gated_views(qkvg, heads, transposed)
-    dqkvg = torch.empty_like(qkvg)  # [B, A, A', 4 H D]; the kernels write all of it
+    dqkvg = qkvg.new_empty(qkvg.shape)  # [B, A, A', 4 H D] contiguous (rows of one stride); the kernels write all of it
     dq, dk, dv, dg = gated_views(dqkvg, heads, transposed)
     # dO in out's layout: [B, A, A', H D] seen as [B, N, L, H, D]
     do = _kernels().sigmoid_gate_bwd_into(dy, g, gated_output_view(out, transposed), dg).unflatten(-1, (heads, -1))
@@ -344,7 +344,7 @@ def gated_attention_bwd(
     dmask_dtype: Optional[torch.dtype],
     need_dpair: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (d qkvg as ``torch.empty_like(qkvg)``, d mask_bias, d pair_bias), the bias gradients as
+    """Returns (d qkvg, contiguous, d mask_bias, d pair_bias), the bias gradients as
     ``cutlass_attention_bwd`` returns them."""
     _check_family(family, qkvg.device)
     return _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, transposed, scale,
@@ -355,7 +355,7 @@ def gated_attention_bwd(
 def _(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, transposed, scale, family, dmask_dtype,
       need_dpair):
     q, k, _, _ = gated_views(qkvg, heads, transposed)
-    return (torch.empty_like(qkvg), *_bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair))
+    return (qkvg.new_empty(qkvg.shape), *_bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair))
 
 
 def _gated_save(ctx, inputs, outputs) -> None:
