@@ -95,12 +95,17 @@ struct PartialSums {
   float* data() { return part.data_ptr<float>(); }
 };
 
+// Whether a [M, C] matrix has the row kernels' layout: C contiguous, every row 16-byte aligned.
+bool aligned_rows(const at::Tensor& rows) {
+  const int64_t vec = 16 / rows.element_size();
+  return rows.stride(1) == 1 && (rows.size(0) <= 1 || rows.stride(0) % vec == 0) && aligned16(rows) &&
+         rows.size(1) % vec == 0;
+}
+
 // x as [M, C] rows with C contiguous and 16-byte aligned rows (a copy only when the layout is not).
 at::Tensor as_rows(const at::Tensor& x, int64_t C) {
   at::Tensor rows = x.reshape({-1, C});
-  const int64_t vec = 16 / rows.element_size();
-  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) % vec != 0) || !aligned16(rows) || C % vec != 0)
-    rows = rows.contiguous();
+  if (!aligned_rows(rows)) rows = rows.contiguous();
   return rows;
 }
 
@@ -829,9 +834,8 @@ at::Tensor sigmoid_gate_bwd_into(const at::Tensor& dout_in, const at::Tensor& g_
   TORCH_CHECK(dg.sizes() == g_in.sizes() && dg.scalar_type() == g_in.scalar_type() && dg.device() == g_in.device(),
               op, ": `dg` must match g, got ", dg.sizes(), " ", dg.scalar_type());
   const at::Tensor rows = dg.view({-1, C});  // (raises where the rows share no one stride)
-  const int64_t vec = 16 / rows.element_size();
-  TORCH_CHECK(rows.stride(1) == 1 && aligned16(rows) && (rows.size(0) <= 1 || rows.stride(0) % vec == 0), op,
-              ": `dg` must have contiguous rows of one 16-byte aligned stride, got strides ", dg.strides());
+  TORCH_CHECK(aligned_rows(rows), op, ": `dg` must have contiguous rows of one 16-byte aligned stride, got strides ",
+              dg.strides());
   maybe_poison(dg);
   return gate_backward(dout_in, g_in, y_in, rows, C, op);
 }
