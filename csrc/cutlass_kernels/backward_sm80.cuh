@@ -562,7 +562,7 @@ int pair_grad_blocks_per_sm_sm80() {
 template <typename Element, int kHeadDim, int kPair>
 void launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm80::BackwardConfig<Element, kHeadDim, kPair>;
-  launch_backward_delta<Element>(p, stream);
+  if (!p.delta_ready) launch_backward_delta<Element>(p, stream);
   launch_on_row_tiles<Cfg::kBlockKV>(sm80::backward_sm80_dkdv_kernel<Cfg>, p, p.Lk, Cfg::kThreads,
                                      Cfg::kDkdvSmemBytes, stream, "evoformer backward dK/dV sm80");
   launch_on_row_tiles<Cfg::kBlockQ2>(sm80::backward_sm80_dq_kernel<Cfg>, p, p.Lq, Cfg::kThreads, Cfg::kDqSmemBytes,

@@ -654,7 +654,7 @@ void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Dkdv = sm90::DkdvConfig<Element, kHeadDim, kPair>;
   using Dq = sm90::DqConfig<Element, kHeadDim, kPair>;
   constexpr const char* kDqName = "evoformer backward dQ sm90";
-  launch_backward_delta<Element>(p, stream);
+  if (!p.delta_ready) launch_backward_delta<Element>(p, stream);
   launch_on_row_tiles<Dkdv::kBlockN>(sm90::backward_sm90_dkdv_kernel<Dkdv>, p, p.Lk, Dkdv::kThreads, Dkdv::kSmemBytes,
                                      stream, "evoformer backward dK/dV sm90");
   sm90::KeyBlockMaps dq_maps{};

@@ -19,7 +19,8 @@
 //       [0]); dmask_dtype: the mask bias's dtype when its gradient is wanted, else None. dq, dk, dv
 //       are dense and laid out like q, k, v (empty_in_memory_order). The bias gradients come in
 //       their biases' broadcast shapes and dtypes; one not asked for is [0].
-//   backward_into(the same arguments, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> (dmask_bias, dpair_bias)
+//   backward_into(the same arguments, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? delta=None)
+//       -> (dmask_bias, dpair_bias); delta: rowsum(dout * out) [B, N, H, Lq] float32 when the caller has it
 //       writes dq, dk, dv into the caller's tensors (any layout with D contiguous and even row
 //       strides: e.g. rows of one buffer laid out as the caller's projection) instead of new ones.
 #include <ATen/ATen.h>
@@ -422,14 +423,15 @@ int choose_n_chunk_size(const AttentionParams& p, int blocks_per_sm) {
 }
 
 // The backward of both entry points below; dq_out, dk_out, dv_out: the caller's gradient tensors, or
-// absent (new contiguous ones).
+// absent (new contiguous ones); delta_in: rowsum(dout * out) [B, N, H, Lq] float32 contiguous, summed
+// by the caller (the gated attention's gate backward), or absent (the delta pass runs).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& stats_in, const at::Tensor& mask_prepared,
     const std::optional<at::Tensor>& pair_bias, const at::Tensor& pair_prepared, double scale,
     const std::string& family, std::optional<at::ScalarType> dmask_dtype, bool need_dpair,
     const std::optional<at::Tensor>& dq_out, const std::optional<at::Tensor>& dk_out,
-    const std::optional<at::Tensor>& dv_out) {
+    const std::optional<at::Tensor>& dv_out, const std::optional<at::Tensor>& delta_in = std::nullopt) {
   guard_qkv(q_in, k_in, v_in);
   guard_gradient_out("dq_out", dq_out, q_in);
   guard_gradient_out("dk_out", dk_out, k_in);
@@ -484,7 +486,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
 
   const Kernels kernels = kernels_for(fam, q.scalar_type(), p.D, pair_kind);
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor delta = at::empty({p.B, p.N, p.H, p.Lq}, f32);
+  p.delta_ready = delta_in.has_value() && delta_in->defined();
+  if (p.delta_ready) {
+    TORCH_CHECK(delta_in->device() == q.device() && delta_in->scalar_type() == at::kFloat && delta_in->is_contiguous() &&
+                    delta_in->sizes() == at::IntArrayRef({p.B, p.N, p.H, p.Lq}),
+                "evoformer attention backward: `delta` must be float32 [B, N, H, Lq] contiguous on q's device; ",
+                describe("delta", *delta_in));
+  }
+  at::Tensor delta = p.delta_ready ? *delta_in : at::empty({p.B, p.N, p.H, p.Lq}, f32);
   // dq, dk, dv in the layouts q, k, v came in (not the kernel-layout copies: the fake sees those)
   at::Tensor dq = dq_out.value_or(empty_in_memory_order(q_in));
   at::Tensor dk = dk_out.value_or(empty_in_memory_order(k_in));
@@ -493,7 +502,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
   at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();  // [chunks, B, H, Lq, Lk]
-  for (at::Tensor* t : {&delta, &dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
+  for (at::Tensor* t : {&dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
+  if (!p.delta_ready) maybe_poison(delta);
   p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
   p.dq_strides = row_strides(dq), p.dk_strides = row_strides(dk), p.dv_strides = row_strides(dv);
@@ -532,9 +542,10 @@ std::tuple<at::Tensor, at::Tensor> backward_into(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& stats, const at::Tensor& mask_prepared, const std::optional<at::Tensor>& pair_bias,
     const at::Tensor& pair_prepared, double scale, const std::string& family,
-    std::optional<at::ScalarType> dmask_dtype, bool need_dpair, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+    std::optional<at::ScalarType> dmask_dtype, bool need_dpair, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+    const std::optional<at::Tensor>& delta) {
   auto grads = run_backward(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family,
-                            dmask_dtype, need_dpair, dq, dk, dv);
+                            dmask_dtype, need_dpair, dq, dk, dv, delta);
   return {std::get<3>(grads), std::get<4>(grads)};
 }
 
@@ -553,7 +564,7 @@ TORCH_LIBRARY(evoformer_blocks_cuda, m) {
   m.def(
       "backward_into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
       "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> (Tensor, Tensor)");
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? delta=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

@@ -25,7 +25,10 @@
 //       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
 //   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
-//   sigmoid_gate_bwd_into(dout, g, y, dg) -> dy in y's layout; dg written into the given rows
+//   sigmoid_gate_bwd_into(dout, g, y, dg, delta_heads=0, delta_len=0) -> (dy in y's layout, delta);
+//       dg written into the given rows; with delta_heads (y the attention output [B, N, Lq, H, D]
+//       seen in g's order), delta [B * N * H * Lq] = rowsum(dy * y) per head, or empty where the
+//       kernel cannot sum it
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
 //   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted
@@ -789,9 +792,15 @@ at::Tensor sigmoid_gate_fwd(const at::Tensor& g_in, const at::Tensor& y_in) {
 
 // The gate's backward into dg_rows ([M, C] rows of g's order, any 16-byte aligned row stride);
 // returns dy in y_in's layout (empty_like: its strides when it is dense, else contiguous; the kernel
-// writes it through y's row map, so through a copy when y had to be made contiguous).
-at::Tensor gate_backward(const at::Tensor& dout_in, const at::Tensor& g_in, const at::Tensor& y_in,
-                         const at::Tensor& dg_rows, int64_t C, const char* op) {
+// writes it through y's row map, so through a copy when y had to be made contiguous). With
+// delta_heads > 0, y_in is taken to be the attention output [B, N, Lq, H, D] (contiguous, H =
+// delta_heads, Lq = delta_len) seen in g's row order, and the second result is the attention
+// backward's delta [B * N * H * Lq] = the sum over each head of dy * y (SigmoidGateBackwardParams),
+// where the kernel can sum it (a head a power-of-two number of lanes' chunks, y read in place);
+// else it is an empty tensor.
+std::tuple<at::Tensor, at::Tensor> gate_backward(const at::Tensor& dout_in, const at::Tensor& g_in,
+                                                 const at::Tensor& y_in, const at::Tensor& dg_rows, int64_t C,
+                                                 const char* op, int64_t delta_heads = 0, int64_t delta_len = 0) {
   TORCH_CHECK(dout_in.sizes() == g_in.sizes() && dout_in.scalar_type() == g_in.scalar_type(), op,
               ": `dout` must match g, got ", dout_in.sizes());
   const c10::cuda::CUDAGuard guard(g_in.device());
@@ -804,14 +813,28 @@ at::Tensor gate_backward(const at::Tensor& dout_in, const at::Tensor& g_in, cons
   const int64_t M = g.size(0);
   const int row_threads = row_threads_for(C, g.element_size());
   const int ctas = row_norm_ctas(M, row_threads);
-  const SigmoidGateBackwardParams p{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg_rows.data_ptr(), dy.data_ptr(),
-                                    nullptr, nullptr, M, M > 1 ? g.stride(0) : C, M > 1 ? dout.stride(0) : C,
-                                    M > 1 ? dg_rows.stride(0) : C, y_rows, int(C), row_threads};
+  SigmoidGateBackwardParams p{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg_rows.data_ptr(), dy.data_ptr(),
+                              nullptr, nullptr, M, M > 1 ? g.stride(0) : C, M > 1 ? dout.stride(0) : C,
+                              M > 1 ? dg_rows.stride(0) : C, y_rows, int(C), row_threads};
+  at::Tensor delta = at::empty({0}, g.options().dtype(at::kFloat));
+  if (delta_heads > 0 && delta_len > 0 && C % delta_heads == 0 && M % delta_len == 0 && M < (int64_t(1) << 31) &&
+      y.is_same(y_in)) {
+    const int64_t head_bytes = C / delta_heads * g.element_size(), lanes = head_bytes / 16;
+    const RowMap& m = y_rows;
+    if (head_bytes % 16 == 0 && (lanes & (lanes - 1)) == 0 && lanes <= row_threads && m.s0 % C == 0 &&
+        m.s1 % C == 0 && m.s2 % C == 0) {
+      delta = output({M * delta_heads}, g.options().dtype(at::kFloat));
+      p.delta = delta.data_ptr<float>();
+      p.o_rows = RowMap{m.inner, m.mid, m.s0 / C, m.s1 / C, m.s2 / C};
+      p.delta_len = int(delta_len), p.delta_heads = int(delta_heads);
+      while ((int64_t(1) << p.delta_lanes_log2) < lanes) ++p.delta_lanes_log2;
+    }
+  }
   by_dtype(g.scalar_type(), op, [&](auto e) {
     launch_sigmoid_gate_backward<decltype(e)>(p, ctas, c10::cuda::getCurrentCUDAStream());
   });
   if (!dy.is_same(dy_out)) dy_out.copy_(dy);
-  return dy_out;
+  return {dy_out, delta};
 }
 
 // (dg in g's shape, contiguous; dy in y's layout when y is dense, else contiguous: empty_like(y))
@@ -820,15 +843,16 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd(const at::Tensor& dout_in, c
   const char* op = "sigmoid gate backward";
   const int64_t C = gate_shape(g_in, y_in, op);
   at::Tensor dg = output(g_in.sizes(), g_in.options());
-  at::Tensor dy = gate_backward(dout_in, g_in, y_in, dg.view({-1, C}), C, op);
+  at::Tensor dy = std::get<0>(gate_backward(dout_in, g_in, y_in, dg.view({-1, C}), C, op));
   return {dg, dy};
 }
 
-// dy as sigmoid_gate_bwd's; dg written into `dg` (g's shape, rows of one 16-byte aligned stride, C
-// contiguous: a column block of a wider matrix, e.g. the gate's slice of a stacked projection's
-// gradient).
-at::Tensor sigmoid_gate_bwd_into(const at::Tensor& dout_in, const at::Tensor& g_in, const at::Tensor& y_in,
-                                 at::Tensor& dg) {
+// (dy as sigmoid_gate_bwd's, delta as gate_backward's); dg written into `dg` (g's shape, rows of one
+// 16-byte aligned stride, C contiguous: a column block of a wider matrix, e.g. the gate's slice of a
+// stacked projection's gradient).
+std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd_into(const at::Tensor& dout_in, const at::Tensor& g_in,
+                                                         const at::Tensor& y_in, at::Tensor& dg, int64_t delta_heads,
+                                                         int64_t delta_len) {
   const char* op = "sigmoid gate backward";
   const int64_t C = gate_shape(g_in, y_in, op);
   TORCH_CHECK(dg.sizes() == g_in.sizes() && dg.scalar_type() == g_in.scalar_type() && dg.device() == g_in.device(),
@@ -837,7 +861,7 @@ at::Tensor sigmoid_gate_bwd_into(const at::Tensor& dout_in, const at::Tensor& g_
   TORCH_CHECK(aligned_rows(rows), op, ": `dg` must have contiguous rows of one 16-byte aligned stride, got strides ",
               dg.strides());
   maybe_poison(dg);
-  return gate_backward(dout_in, g_in, y_in, rows, C, op);
+  return gate_backward(dout_in, g_in, y_in, rows, C, op, delta_heads, delta_len);
 }
 
 // The sums over rows of x [..., C] (a projection's bias gradient) in float32, in a fixed order, then
@@ -940,7 +964,8 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "float eps, bool outgoing) -> Tensor[]");
   m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
   m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
-  m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg) -> Tensor");
+  m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
+        "-> (Tensor, Tensor)");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
         "ScalarType bias_dtype) -> (Tensor, Tensor, Tensor)");

@@ -122,9 +122,15 @@ void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
 
 template <typename T>
 void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream) {
-  launch_row_kernel<T>(p, sigmoid_gate_backward_kernel<T, 1>, sigmoid_gate_backward_kernel<T, 2>,
-                       sigmoid_gate_backward_kernel<T, kMaxRowChunks>, n_ctas,
-                       (kBlockOpThreads / p.row_threads) * 2 * p.C * 4, stream, "evoformer sigmoid gate backward");
+  const int smem = (kBlockOpThreads / p.row_threads) * 2 * p.C * 4;
+  if (p.delta != nullptr)
+    launch_row_kernel<T>(p, sigmoid_gate_backward_kernel<T, 1, true>, sigmoid_gate_backward_kernel<T, 2, true>,
+                         sigmoid_gate_backward_kernel<T, kMaxRowChunks, true>, n_ctas, smem, stream,
+                         "evoformer sigmoid gate backward");
+  else
+    launch_row_kernel<T>(p, sigmoid_gate_backward_kernel<T, 1, false>, sigmoid_gate_backward_kernel<T, 2, false>,
+                         sigmoid_gate_backward_kernel<T, kMaxRowChunks, false>, n_ctas, smem, stream,
+                         "evoformer sigmoid gate backward");
 }
 
 template <typename T>

@@ -49,6 +49,9 @@ constexpr int kMaxRowChunks = limits::kMaxRowChunks;
 constexpr int kRowNormCtasPerSm = 4;
 constexpr int kRowNormScaledCtasPerSm = 3;  // the forward with a residual scale (layer_norm_rows_kernel)
 constexpr int kRowNormBackwardCtasPerSm = 3;
+// CTAs per SM of the gate backward that also sums the attention's delta (its one-chunk
+// instantiation is compiled for that many; the plain one fits four without a bound).
+constexpr int kGateDeltaCtasPerSm = 4;
 
 // Where row m of an [M, C] operand starts when the operand is a permuted view (rows in another
 // order than its memory): m = (m2 * mid + m1) * inner + m0 with m0 < inner and m1 < mid starts at
@@ -273,6 +276,14 @@ struct SigmoidGateBackwardParams {
   int C;
   int row_threads;   // lanes per row, as RowNormParams::row_threads
   ColumnTotals totals;  // out[0] the sum of dy_part, out[1] of dg_part
+  // With delta (the gated attention's backward: y is the attention output [B, N, Lq, H, D] seen in
+  // g's row order): delta [B, N, H, Lq] float32 = the sum over each head's D values of dy * y, dy
+  // as stored (float: rounded to TF32, as the attention's products take it), for the attention's
+  // backward. A head's values are the same chunk of 1 << delta_lanes_log2 consecutive lanes;
+  // o_rows maps g's row m to y's row index (b N + n) Lq + i (m < 2^31).
+  float* delta = nullptr;
+  RowMap o_rows{};
+  int delta_len = 0, delta_heads = 0, delta_lanes_log2 = 0;  // Lq, H
 };
 
 // Column sums of x [M, C] (rows x_stride elements apart, 16-byte aligned): part [n_ctas, C] float32,

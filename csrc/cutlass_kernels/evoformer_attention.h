@@ -68,6 +68,7 @@ struct AttentionParams {
   const void* dout;  // [B, N, Lq, H, D]
   RowStrides do_strides;
   float* delta;      // [B, N, H, Lq] contiguous: rowsum(dout * out)
+  bool delta_ready;  // delta holds it already (the gate's backward summed it): no delta pass
   void* dq;          // [B, N, Lq, H, D], rows at dq_strides (D contiguous, every row 4-byte aligned)
   void* dk;          // [B, N, Lk, H, D], rows at dk_strides
   void* dv;          // [B, N, Lk, H, D], rows at dv_strides
@@ -113,7 +114,8 @@ int pair_grad_blocks_per_sm_sm80();
 template <typename Element, int kHeadDim, int kPair>
 int pair_grad_blocks_per_sm_sm90();
 
-// delta = rowsum(dout * out) in float32 (common.cu; the first pass of every backward launcher).
+// delta = rowsum(dout * out) in float32 (common.cu; the first pass of every backward launcher,
+// skipped where params.delta_ready).
 template <typename Element>
 void launch_backward_delta(const AttentionParams& params, cudaStream_t stream);
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "layer_norm.cuh"
+#include "mma_sm80.cuh"  // to_tf32
 
 namespace evoformer {
 namespace block {
@@ -155,12 +156,46 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_kernel(SigmoidGa
   });
 }
 
+// The gate backward's share of the attention's delta (SigmoidGateBackwardParams::delta): the dot
+// product of this lane's chunk c of row `row`, dy as stored times y, summed over the head's lanes
+// (which hold the same chunk of this row: a head is 1 << delta_lanes_log2 aligned lanes), written by
+// the head's first lane.
+template <typename T, int kChunks>
+__device__ __forceinline__ void add_head_delta(const SigmoidGateBackwardParams& p, const RowNormThread<T, kChunks>& th,
+                                               int c, int64_t row, const Vec<T>& dy, const Vec<T>& y) {
+  float dot = 0.f;
+#pragma unroll
+  for (int e = 0; e < Vec<T>::kSize; ++e) {
+    const float stored = float(T(dy.v[e]));
+    if constexpr (std::is_same_v<T, float>) {
+      dot = fmaf(__uint_as_float(to_tf32(stored)), y.v[e], dot);  // dO as the TF32 products take it
+    } else {
+      dot = fmaf(stored, y.v[e], dot);
+    }
+  }
+  const int head_lanes = 1 << p.delta_lanes_log2;
+  const unsigned lane = threadIdx.x % 32u, first = lane & ~unsigned(head_lanes - 1);
+  const unsigned mask = head_lanes == 32 ? 0xffffffffu : ((1u << head_lanes) - 1u) << first;
+  for (int offset = head_lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(mask, dot, offset);
+  if (lane != first) return;
+  // y's row (b N + n) Lq + i; delta [B, N, H, Lq] at ((b N + n) H + h) Lq + i
+  const uint32_t r = uint32_t(p.o_rows.small(row)), i = r % uint32_t(p.delta_len);
+  const int head = (th.sub + c * th.row_threads) >> p.delta_lanes_log2;
+  p.delta[int64_t(r - i) * p.delta_heads + int64_t(head) * p.delta_len + i] = dot;
+}
+
 // dy = dout * sigmoid(g), dg = dout * y * sigmoid'(g), and the per-CTA column sums of both
 // (dy_part, dg_part [n_ctas, C] float32, each optional: the gradients of the biases of the
 // projections that made y and g). The sums add what was stored (rounded to T), as the GEMMs that
-// follow see it.
-template <typename T, int kChunks>
-__global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(SigmoidGateBackwardParams p) {
+// follow see it. With p.delta, also the attention backward's delta (SigmoidGateBackwardParams):
+// each lane's dot product of its chunk, then a shuffle sum over the head's lanes, which hold the
+// same chunk of one row (whole heads are valid or not together: C is a whole number of heads).
+//
+// kDelta: the instantiation that sums delta (p.delta set); its row-to-head arithmetic would cost the
+// plain one registers, so it has an instantiation of its own.
+template <typename T, int kChunks, bool kDelta>
+__global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 && kDelta ? kGateDeltaCtasPerSm : 0)
+    sigmoid_gate_backward_kernel(SigmoidGateBackwardParams p) {
   constexpr int kVec = Vec<T>::kSize;
   extern __shared__ float gate_sums[];  // [rows_per_cta][2][C]
   const RowSlots<T, kChunks> rs(p.row_threads);
@@ -190,6 +225,7 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_backward_kernel(
       }
       dy.store(static_cast<T*>(p.dy) + y_row + col);
       dg.store(static_cast<T*>(p.dg) + row * p.dg_stride + col);
+      if constexpr (kDelta) add_head_delta(p, th, c, row, dy, y);
     }
   }
   float* const part[2] = {p.dy_part, p.dg_part};

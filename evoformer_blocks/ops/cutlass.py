@@ -296,12 +296,16 @@ def _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepare
     q, k, v, g = gated_views(qkvg, heads, transposed)
     dqkvg = qkvg.new_empty(qkvg.shape)  # [B, A, A', 4 H D] contiguous (rows of one stride); the kernels write all of it
     dq, dk, dv, dg = gated_views(dqkvg, heads, transposed)
-    # dO in out's layout: [B, A, A', H D] seen as [B, N, L, H, D]
-    do = _kernels().sigmoid_gate_bwd_into(dy, g, gated_output_view(out, transposed), dg).unflatten(-1, (heads, -1))
+    # dO in out's layout ([B, A, A', H D] seen as [B, N, L, H, D]) and, where the gate kernel can sum
+    # it, the attention backward's delta = rowsum(dO * out) per head (else the attention sums it)
+    batch, rows, length = out.shape[:3]
+    do, delta = _kernels().sigmoid_gate_bwd_into(dy, g, gated_output_view(out, transposed), dg, heads, length)
+    do = do.unflatten(-1, (heads, -1))
     dout = do.transpose(1, 2) if transposed else do
+    delta = delta.view(batch, rows, heads, length) if delta.numel() else None  # [B, N, H, L]
     dmask, dpair = _kernels().backward_into(
         dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair,
-        dq, dk, dv,
+        dq, dk, dv, delta,
     )
     return dqkvg, dmask, dpair
 
