@@ -28,15 +28,13 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
 from .ops import gated_evoformer_attention
-from .ops.gating import bias_gradient, fused_bias_gradient
-from .ops._inputs import as_dtype, compute_dtype
-from .primitives import LayerNorm, Linear, mask_to_bias
+from .ops._inputs import compute_dtype
+from .primitives import LayerNorm, Linear, mask_to_bias, stacked_projection
 
 __all__ = [
     "MSARowAttentionWithPairBias",
@@ -52,46 +50,6 @@ def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) 
     if isinstance(inf, bool) or not isinstance(inf, (int, float)) or not (0 < inf < math.inf):
         raise ValueError(f"{owner}: `inf` must be a positive finite number (e.g. 1e9), got {inf!r}")
     check_backend(owner, backend)
-
-
-class _StackedProjection(torch.autograd.Function):
-    """``x [..., c_in] -> [x W_1^T, ..., x W_k^T + bias]`` side by side in one ``[..., k * width]``
-    tensor: several projections of one input, only the last with a bias, as ONE GEMM (x is read
-    once). Its gradient arrives as one dense tensor (ops.gated_evoformer_attention writes the
-    gradients of q, k, v and g so, or autograd gathers those of the views), so the backward takes
-    one GEMM for dx and one for every weight, and the bias gradient from the last ``width`` columns.
-    """
-
-    @staticmethod
-    def forward(ctx, x, bias, fused_bias_grad, *weights):
-        width = weights[0].shape[0]
-        stacked = torch.cat(weights)  # [k * width, c_in]
-        stacked_bias = torch.cat([bias.new_zeros((len(weights) - 1) * width), bias])  # [k * width]
-        ctx.save_for_backward(x, stacked)
-        ctx.weight_dtypes = [w.dtype for w in weights]
-        ctx.bias_dtype = bias.dtype
-        ctx.fused_bias_grad = fused_bias_grad
-        return F.linear(x, stacked, stacked_bias)  # [..., k * width]
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, stacked = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, k * width]
-        width = stacked.shape[0] // len(ctx.weight_dtypes)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = as_dtype(torch.mm(dy2, as_dtype(stacked, dy2.dtype)).view(x.shape), x.dtype)  # [..., c_in]
-        dweights = [None] * len(ctx.weight_dtypes)
-        if any(ctx.needs_input_grad[3:]):
-            x2 = as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)  # [rows, c_in]
-            dw = torch.mm(dy2.t(), x2).split(width)  # k x [width, c_in]
-            dweights = [as_dtype(d, dtype) if need else None
-                        for d, dtype, need in zip(dw, ctx.weight_dtypes, ctx.needs_input_grad[3:])]
-        db = None
-        if ctx.needs_input_grad[1]:
-            g2 = dy2[:, -width:]  # [rows, width], the biased projection's columns
-            db = bias_gradient(g2, ctx.bias_dtype) if ctx.fused_bias_grad else as_dtype(g2.sum(0), ctx.bias_dtype)
-        return (dx, db, None, *dweights)
 
 
 def _flatten_batch(t: torch.Tensor, keep: int) -> torch.Tensor:
@@ -163,10 +121,8 @@ class _GatedAttention(nn.Module):
         """
         batch_shape = x.shape[:-3]
         x = _flatten_batch(x, 3)  # [B, A, B', c_in] in x's layout
-        fused_bias_grad = fused_bias_gradient(x, self.linear_g.weight, self.linear_g.bias, self.backend)
-        qkvg = _StackedProjection.apply(
-            x, self.linear_g.bias, fused_bias_grad,
-            self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight,
+        qkvg = stacked_projection(
+            x, (self.linear_q, self.linear_k, self.linear_v, self.linear_g)
         )  # [B, A, B', 4 * H * C]: q, k, v, g side by side, one GEMM's output
 
         if mask_bias is not None:

@@ -171,7 +171,7 @@ class _MSABlock(nn.Module):
         m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
         update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
         m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, msa_mask.unsqueeze(-1))
-        z = z + self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size)
+        z = self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size, residual=z)
         z = z + self.pair_dropout_row(self.tri_mul_out(z, pair_mask))
         update = self.tri_mul_in(z, pair_mask)
         z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, self.pair_dropout_row.keep_mask(update))

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
-from .primitives import LayerNorm, Linear
+from .primitives import LayerNorm, Linear, stacked_projection
 
 
 class _SwapMiddle(torch.autograd.Function):
@@ -86,12 +86,18 @@ class OuterProductMean(nn.Module):
         mask = as_mask(name, "mask", mask, m, "[*, N_seq, N_res]")  # [*, N_seq, N_res]
         return self._normalized(self.layer_norm(m), mask, chunk_size)
 
-    def _normalized(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
+    def _normalized(
+        self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The update from ``m = layer_norm(m)`` (checked inputs, mask [*, N_seq, N_res]; the block
-        passes its fused residual add and layer norm's output here)."""
+        passes its fused residual add and layer norm's output here), or with ``residual`` ([*, N_res,
+        N_res, c_z]) ``residual + update`` in one elementwise pass."""
         mask_c = mask.unsqueeze(-1)  # [*, N_seq, N_res, 1]
-        a = self.linear_1(m) * mask_c  # [*, N_seq, N_res, c_hidden]
-        b = self.linear_2(m) * mask_c  # [*, N_seq, N_res, c_hidden]
+        # linear_1 and linear_2 as one GEMM (m read once, one dm), each half masked into a
+        # contiguous tensor (unbind's backward stacks the halves' gradients into one)
+        ab = stacked_projection(m, (self.linear_1, self.linear_2))  # [*, N_seq, N_res, 2 c_hidden]
+        a, b = ab.unflatten(-1, (2, self.c_hidden)).unbind(-2)  # 2 x [*, N_seq, N_res, c_hidden], strided
+        a, b = a * mask_c, b * mask_c  # [*, N_seq, N_res, c_hidden] each, contiguous
         n_res = m.shape[-2]
         if chunk_size is None or chunk_size >= n_res:
             out = self._outer(a, b)  # [*, N_res, N_res, c_z]
@@ -99,4 +105,6 @@ class OuterProductMean(nn.Module):
             parts = [self._outer(a[..., i : i + chunk_size, :], b) for i in range(0, n_res, chunk_size)]
             out = torch.cat(parts, dim=-3)  # [*, N_res, N_res, c_z]
         norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
+        if residual is not None:
+            return torch.addcdiv(residual, out, self.eps + norm)  # [*, N_res, N_res, c_z]
         return out / (self.eps + norm)  # [*, N_res, N_res, c_z]

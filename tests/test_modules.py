@@ -621,17 +621,21 @@ def test_gated_attention_rejects_a_bad_mask_bias():
         gated_evoformer_attention(torch.randn(1, 2, 5, 64), 2, torch.zeros(1, 2, 1, 1, 4))
 
 
-def test_stacked_projection_is_the_separate_linears():
-    from evoformer_blocks.attention import _StackedProjection
+@pytest.mark.parametrize("biased", [(False, False, False, True), (True, True), (False, True, False), (False, False)])
+def test_stacked_projection_is_the_separate_linears(biased):
+    from evoformer_blocks.primitives import Linear, stacked_projection
 
     x = torch.randn(3, 4, 6, 16, dtype=torch.float64, requires_grad=True)
-    weights = [torch.randn(12, 16, dtype=torch.float64, requires_grad=True) for _ in range(4)]
-    bias = torch.randn(12, dtype=torch.float64, requires_grad=True)
-    y = _StackedProjection.apply(x, bias, False, *weights)  # [3, 4, 6, 48]
-    ref = torch.cat([F.linear(x, w) for w in weights[:3]] + [F.linear(x, weights[3], bias)], dim=-1)
+    linears = [Linear(16, 12, bias=b, dtype=torch.float64) for b in biased]
+    for lin in linears:  # weights and biases away from their initialization (zero biases, "final" weights)
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.normal_()
+    y = stacked_projection(x, linears)  # [3, 4, 6, 12 k]
+    ref = torch.cat([F.linear(x, lin.weight, lin.bias) for lin in linears], dim=-1)
     torch.testing.assert_close(y, ref)
     cot = torch.randn_like(y)
-    leaves = (x, bias, *weights)
+    leaves = (x, *[p for lin in linears for p in lin.parameters()])
     for a, b in zip(torch.autograd.grad(y, leaves, cot), torch.autograd.grad(ref, leaves, cot)):
         torch.testing.assert_close(a, b)
 

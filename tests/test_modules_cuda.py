@@ -103,14 +103,15 @@ def test_blocks_cutlass_match_eager(block_cls):
     # a whole block (fused residual add + layer norm, attention, triangle multiplication, gates and
     # projections) in bfloat16 on cutlass and on eager against float32 eager: outputs and the
     # gradients of m, z and every parameter within 2x eager bfloat16's error, errors averaged over
-    # four draws of inputs and weights. One draw is not enough: some gradients are sums that cancel
+    # twelve draws of inputs and weights. Fewer are not enough: some gradients are sums that cancel
     # (the pair-bias projections' weights: their cotangent sums to zero over the keys), so eager
-    # bfloat16 is already 3 % off there and a single draw's ratio swings with the rounding of
-    # everything upstream (0.5-1.2 of the bar over eight seeds, for either triangle multiplication).
+    # bfloat16 is already 2-3 % off there and one draw's ratio swings with the rounding of
+    # everything upstream (the ending node's linear_z.weight in ExtraMSABlock: 0.4-1.4 of the bar
+    # per draw; averaged over four draws 0.9-1.1, over these twelve 0.70).
     sizes = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
                  no_heads_msa=4, no_heads_pair=2)
     errors = {}  # name -> [(fused error, eager error)] over the draws
-    for seed in range(4, 8):
+    for seed in range(4, 16):
         template = randomize(block_cls(**sizes)).eval()
         gen = torch.Generator().manual_seed(seed)
         m, z = torch.randn(6, 21, 32, generator=gen), torch.randn(21, 21, 16, generator=gen)
