@@ -217,8 +217,14 @@ class MSARowAttentionWithPairBias(_GatedAttention):
     ) -> torch.Tensor:
         """The update from checked inputs and the MSA mask's bias ``mask_to_bias(mask)``
         [*, N_seq, N_res] or None (the block computes it once for both MSA attentions)."""
-        m = self.layer_norm_m(m)  # [*, N_seq, N_res, c_m]
-        pair_bias = self._pair_bias(self.layer_norm_z(z))  # [B, 1, H, N_res, N_res]
+        return self._normalized(self.layer_norm_m(m), self.layer_norm_z(z), mask_bias, chunk_size)
+
+    def _normalized(
+        self, m: torch.Tensor, z: torch.Tensor, mask_bias: Optional[torch.Tensor], chunk_size: Optional[int]
+    ) -> torch.Tensor:
+        """The update from ``m = layer_norm_m(m)`` and ``z = layer_norm_z(z)`` (the block normalises
+        both with the residual streams kept, :func:`ops.layer_norm_keeping_input`)."""
+        pair_bias = self._pair_bias(z)  # [B, 1, H, N_res, N_res]
         return self._attend(m, mask_bias, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
 
 

@@ -27,7 +27,7 @@ from .attention import (
 )
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
-from .ops import add_layer_norm
+from .ops import add_layer_norm, layer_norm_keeping_input
 from .primitives import LayerNorm, Linear
 from .transitions import MSATransition, PairTransition
 from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
@@ -42,6 +42,12 @@ def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: 
         s = x + (update if scale is None else update * scale)
         return s, norm(s)
     return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=scale, backend=norm.backend)
+
+
+def keep_and_norm(x: torch.Tensor, norm: LayerNorm):
+    """(x, norm(x)) by :func:`ops.layer_norm_keeping_input`, for an x used again later (the residual
+    stream): the backward adds the residual's gradient inside the layer norm's backward pass."""
+    return layer_norm_keeping_input(x, norm.weight, norm.bias, norm.eps, backend=norm.backend)
 
 
 def _shared(mask_bias: torch.Tensor, owner: nn.Module, other: nn.Module) -> Optional[torch.Tensor]:
@@ -155,6 +161,9 @@ class _MSABlock(nn.Module):
         # (add_and_norm) and the module goes on from the normalised rows (its _normalized):
         # `m = m + update; module(m)` becomes `m, m_ln = add_and_norm(m, norm, update);
         # module._normalized(m_ln)`. The triangle multiplications normalise inside their own op.
+        # The block's inputs feed the row attention's layer norms and the residual adds after it:
+        # keep_and_norm makes each one node, so that their two gradients are added in the layer
+        # norm's backward pass and not by autograd in a pass of its own.
         # The mask biases inf * (mask - 1) are computed once per mask and shared by the two attentions
         # over that representation (the second reads the first's as a transposed view).
         # The MSA transition's mask and the dropouts in front of a layer norm scale their update in
@@ -162,7 +171,9 @@ class _MSABlock(nn.Module):
         # drawn where the dropout modules would draw them), the pair transition's mask in its residual
         # add (torch.addcmul): the values of the multiply then the add.
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
-        update = self.msa_att_row._update(m, z, msa_bias, chunk_size)
+        m, m_ln = keep_and_norm(m, self.msa_att_row.layer_norm_m)
+        z, z_ln = keep_and_norm(z, self.msa_att_row.layer_norm_z)
+        update = self.msa_att_row._normalized(m_ln, z_ln, msa_bias, chunk_size)
         m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, self.msa_dropout_row.keep_mask(update))
         update = self.msa_att_col._normalized(
             m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)

@@ -229,6 +229,21 @@ def test_add_layer_norm_cutlass_on_cpu_lists_reasons():
         ops.add_layer_norm(torch.randn(3, 8), torch.randn(3, 8), backend="cutlass")
 
 
+def test_layer_norm_keeping_input_is_the_input_and_its_norm():
+    x = (torch.randn(2, 5, 16, dtype=torch.float64) * 3 + 1).requires_grad_(True)
+    w, b = torch.randn(16, dtype=torch.float64, requires_grad=True), torch.randn(16, dtype=torch.float64, requires_grad=True)
+    kept, y = ops.layer_norm_keeping_input(x, w, b, 1e-5)
+    assert kept is x
+    torch.testing.assert_close(y, F.layer_norm(x, (16,), w, b, 1e-5))
+    with pytest.raises(ValueError, match="`weight`"):
+        ops.layer_norm_keeping_input(x, torch.randn(5))
+    with pytest.raises(ValueError, match="device type"):
+        ops.layer_norm_keeping_input(torch.randn(3, 8), backend="cutlass")
+    empty = torch.randn(0, 8)
+    kept, y = ops.layer_norm_keeping_input(empty)
+    assert kept is empty and y.shape == (0, 8)
+
+
 # ---- the fused ops' fake implementations (meta tensors: no GPU) ---------------------------------
 
 

@@ -82,6 +82,46 @@ def test_layer_norm_strided_rows_and_determinism():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 8), (3, 37, 128), (1000, 256)])
+@pytest.mark.parametrize("params", ["affine", "none", "float32 weight"])
+def test_layer_norm_keeping_input_matches_reference(dtype, shape, params):
+    # x used twice (passed on and normalised): one node whose backward adds the passed-on gradient in
+    # the layer norm's pass; x's gradient (the sum of both) and every other one against float64 with
+    # the 2x rule, the outputs x itself (a view of it) and the layer norm op's bits
+    c = shape[-1]
+    x = (torch.randn(shape, device=DEV) * 2 + 0.5).to(dtype).requires_grad_(True)
+    w = b = None
+    if params != "none":
+        w = (1 + 0.5 * torch.randn(c, device=DEV)).to(torch.float32 if params == "float32 weight" else dtype)
+        w.requires_grad_(True)
+        b = torch.randn(c, device=DEV).to(dtype).requires_grad_(True)
+    leaves = [t for t in (x, w, b) if t is not None]
+    d_kept, dy = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
+
+    def run(backend):
+        kept, y = ops.layer_norm_keeping_input(x, w, b, backend=backend)
+        return [kept.detach(), y.detach(), *torch.autograd.grad((kept, y), leaves, (d_kept, dy))]
+
+    fused, eager = run("cutlass"), run("eager")
+    assert fused[0].data_ptr() == x.data_ptr() and torch.equal(fused[0], x)
+    assert torch.equal(fused[1], ops.layer_norm(x, w, b, backend="cutlass"))
+    x64 = x.detach().double().requires_grad_(True)
+    ref_leaves = [x64] + [t.detach().double().requires_grad_(True) for t in leaves[1:]]
+    w64, b64 = (ref_leaves[1], ref_leaves[2]) if w is not None else (None, None)
+    y64 = F.layer_norm(x64, (c,), w64, b64, 1e-5)
+    ref = [x64.detach(), y64.detach(), *torch.autograd.grad((x64, y64), ref_leaves, (d_kept.double(), dy.double()))]
+    for name, f, e, r in zip(("kept", "y", "dx", "dw", "db"), fused, eager, ref):
+        check(name, f, e, r, dtype)
+    # only the layer norm's gradient (the passed-on x unused) and only the passed-on one
+    for outputs, grads in (((1,), (dy,)), ((0,), (d_kept,))):
+        kept, y = ops.layer_norm_keeping_input(x, w, b, backend="cutlass")
+        got = torch.autograd.grad([(kept, y)[i] for i in outputs], x, grads)[0]
+        kept, y = ops.layer_norm_keeping_input(x, w, b, backend="eager")
+        want = torch.autograd.grad([(kept, y)[i] for i in outputs], x, grads)[0]
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 8), (7, 64), (3, 37, 128), (1000, 256), (5, 1024)])
 @pytest.mark.parametrize("params", ["affine", "none", "float32 weight"])
 @pytest.mark.parametrize("scale", ["none", "mask", "random", "dropout rows", "dropout columns", "strided"])

@@ -278,9 +278,10 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
           float dy[2], dg[2];
           sigmoid_gated_backward<T>(dv.x, gv.x, acc[mt][nt][2 * hh], dy[0], dg[0]);
           sigmoid_gated_backward<T>(dv.y, gv.y, acc[mt][nt][2 * hh + 1], dy[1], dg[1]);
-          *dp_ = pack2<T>(dy[0], dy[1]);
-          *gp = pack2<T>(dg[0], dg[1]);
-          const float2 rdy = unpack2<T>(*dp_), rdg = unpack2<T>(*gp);
+          const uint32_t packed_dy = pack2<T>(dy[0], dy[1]), packed_dg = pack2<T>(dg[0], dg[1]);
+          *dp_ = packed_dy;
+          *gp = packed_dg;
+          const float2 rdy = unpack2<T>(packed_dy), rdg = unpack2<T>(packed_dg);  // as stored
           col_sums[2 * u] += rdy.x, col_sums[2 * u + 1] += rdy.y, col_sums[4 + 2 * u] += rdg.x;
           col_sums[4 + 2 * u + 1] += rdg.y;
         }

@@ -1,7 +1,8 @@
 """The functional ops and their backends: ``evoformer_attention`` (the attention core of every
 Evoformer attention module; ``gated_evoformer_attention``, the same with its sigmoid gate on one
 stacked q/k/v/g projection), ``triangle_multiplication`` (the triangle multiplicative update) and
-``layer_norm`` (``add_layer_norm``: with the residual add in front of it), and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
+``layer_norm`` (``add_layer_norm``: with the residual add in front of it; ``layer_norm_keeping_input``:
+with the input passed on, its two gradients added in one pass), and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
 ``linear`` (whose backward sums the bias gradient with a kernel).
 
 Backends, one setting for every op: ``"eager"`` (plain PyTorch, any device and float dtype),
@@ -24,7 +25,7 @@ from ._dispatch import (
 from ._inputs import AttentionInputs, validate
 from .functional import DS4Sci_EvoformerAttention, evoformer_attention, gated_evoformer_attention
 from .gating import linear, sigmoid_gate
-from .normalization import add_layer_norm, layer_norm
+from .normalization import add_layer_norm, layer_norm, layer_norm_keeping_input
 from .triangle import triangle_multiplication
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "triangle_multiplication",
     "layer_norm",
     "add_layer_norm",
+    "layer_norm_keeping_input",
     "sigmoid_gate",
     "linear",
     "set_backend",

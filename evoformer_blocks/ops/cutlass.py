@@ -211,33 +211,40 @@ def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale,
     return empty_in_memory_order(q), empty_in_memory_order(k), empty_in_memory_order(v), dmask, dpair
 
 
-def _save(ctx, inputs, outputs) -> None:
-    """What both paths keep for the backward: the forward's inputs less the caller's mask bias (its
-    prepared form and dtype stand in for it), its outputs and its family."""
-    q, k, v, mask_bias, pair_bias, scale, family = inputs
-    out, stats, mask_prepared, pair_prepared = outputs
-    ctx.save_for_backward(q, k, v, pair_bias, out, stats, mask_prepared, pair_prepared)
-    ctx.scale = scale
-    ctx.family = family
+def _save(ctx, inputs, outputs, operands: int) -> None:
+    """What every cutlass attention node keeps for its backward: the forward's first ``operands``
+    inputs (q, k, v, or the stacked qkvg), its pair bias and its trailing arguments (scale, family,
+    or heads, transposed, scale, family), less the caller's mask bias (its prepared form and dtype
+    stand in for it), and the attention's outputs (out, stats, mask_prepared, pair_prepared: the
+    last four of ``outputs``)."""
+    mask_bias, pair_bias = inputs[operands : operands + 2]
+    ctx.save_for_backward(*inputs[:operands], pair_bias, *outputs[-4:])
+    ctx.operands = operands
+    ctx.options = tuple(inputs[operands + 2 :])
+    ctx.family = inputs[-1]  # (every node's last argument: the family its backward runs)
     ctx.mask_dtype = None if mask_bias is None else mask_bias.dtype
 
 
 def _gradients(ctx, dout, backward):
-    """The autograd backward of both paths; ``backward`` runs the backward kernels."""
-    q, k, v, pair_bias, out, stats, mask_prepared, pair_prepared = ctx.saved_tensors
-    need_dmask = ctx.mask_dtype is not None and ctx.needs_input_grad[3]
-    need_dpair = pair_bias is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dmask, dpair = backward(
-        dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, ctx.scale, ctx.family,
+    """The autograd backward of every node saved by :func:`_save`. ``backward(dout, *operands, out,
+    stats, mask_prepared, pair_bias, pair_prepared, *options, dmask_dtype, need_dpair)`` runs the
+    kernels and returns the operands' gradients, then the two bias gradients."""
+    n = ctx.operands
+    saved = ctx.saved_tensors
+    operands, pair_bias, (out, stats, mask_prepared, pair_prepared) = saved[:n], saved[n], saved[n + 1 :]
+    need_dmask = ctx.mask_dtype is not None and ctx.needs_input_grad[n]
+    need_dpair = pair_bias is not None and ctx.needs_input_grad[n + 1]
+    *d_operands, dmask, dpair = backward(
+        dout, *operands, out, stats, mask_prepared, pair_bias, pair_prepared, *ctx.options,
         ctx.mask_dtype if need_dmask else None, need_dpair,
     )
-    # one gradient per forward input: q, k, v, mask_bias, pair_bias, scale, family
-    return dq, dk, dv, dmask if need_dmask else None, dpair if need_dpair else None, None, None
+    # one gradient per forward input: the operands, mask_bias, pair_bias, none for the options
+    return (*d_operands, dmask if need_dmask else None, dpair if need_dpair else None, *([None] * len(ctx.options)))
 
 
 attention_fwd.register_autograd(
     lambda ctx, dout, *_unused: _gradients(ctx, dout, attention_bwd),
-    setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output),
+    setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output, operands=3),
 )
 
 
@@ -253,7 +260,7 @@ class _CutlassAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family):
         outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias))
-        _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs)
+        _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs, operands=3)
         # Only the output leaves the Function: the statistics and prepared biases are saved
         # intermediates, so autograd has no gradients of them to materialize as zeros.
         return outputs[0]
@@ -362,29 +369,9 @@ def _(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, tran
     return (qkvg.new_empty(qkvg.shape), *_bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair))
 
 
-def _gated_save(ctx, inputs, outputs) -> None:
-    qkvg, mask_bias, pair_bias, heads, transposed, scale, family = inputs
-    _, out, stats, mask_prepared, pair_prepared = outputs
-    ctx.save_for_backward(qkvg, pair_bias, out, stats, mask_prepared, pair_prepared)
-    ctx.heads, ctx.transposed, ctx.scale, ctx.family = heads, transposed, scale, family
-    ctx.mask_dtype = None if mask_bias is None else mask_bias.dtype
-
-
-def _gated_gradients(ctx, dy, backward):
-    qkvg, pair_bias, out, stats, mask_prepared, pair_prepared = ctx.saved_tensors
-    need_dmask = ctx.mask_dtype is not None and ctx.needs_input_grad[1]
-    need_dpair = pair_bias is not None and ctx.needs_input_grad[2]
-    dqkvg, dmask, dpair = backward(
-        dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, ctx.heads, ctx.transposed, ctx.scale,
-        ctx.family, ctx.mask_dtype if need_dmask else None, need_dpair,
-    )
-    # one gradient per forward input: qkvg, mask_bias, pair_bias, heads, transposed, scale, family
-    return dqkvg, dmask if need_dmask else None, dpair if need_dpair else None, None, None, None, None
-
-
 gated_attention_fwd.register_autograd(
-    lambda ctx, dy, *_unused: _gated_gradients(ctx, dy, gated_attention_bwd),
-    setup_context=lambda ctx, inputs, output: _gated_save(ctx, inputs, output),
+    lambda ctx, dy, *_unused: _gradients(ctx, dy, gated_attention_bwd),
+    setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output, operands=1),
 )
 
 
@@ -395,12 +382,12 @@ class _CutlassGatedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkvg, mask_bias, pair_bias, heads, transposed, scale, family):
         outputs = _gated_forward(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
-        _gated_save(ctx, (qkvg, mask_bias, pair_bias, heads, transposed, scale, family), outputs)
+        _save(ctx, (qkvg, mask_bias, pair_bias, heads, transposed, scale, family), outputs, operands=1)
         return outputs[0]
 
     @staticmethod
     def backward(ctx, dy):
-        return _gated_gradients(ctx, dy, _gated_backward)
+        return _gradients(ctx, dy, _gated_backward)
 
 
 def gated_attention(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, scale: float) -> Tensor:
