@@ -293,6 +293,25 @@ def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_layer_norm_keeping_input_compile_fullgraph_traces_the_fakes(param_dtype):
+    # the node that returns x itself (a view) beside its layer norm traces with the custom ops'
+    # fakes, and x's gradient arrives from both outputs
+    from evoformer_blocks.ops import normalization
+
+    x, weight, bias = _meta_leaf(3, 5, 32), _meta_leaf(32, dtype=param_dtype), _meta_leaf(32, dtype=param_dtype)
+
+    def run(x, weight, bias):
+        kept, y = normalization._LayerNormKeepingInputFunction.apply(x, weight, bias, 1e-5)
+        return kept * 3 + y * 2
+
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x, weight, bias)
+    out.float().sum().backward()
+    assert out.shape == x.shape and out.dtype == x.dtype
+    for t in (x, weight, bias):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype, scaled):
     from evoformer_blocks.ops import normalization

@@ -240,11 +240,13 @@ class _LayerNormKeepingInputFunction(torch.autograd.Function):
     """``(x, layer_norm(x))`` as one node, for an x that the caller uses again (a residual stream):
     the backward adds the gradient of the passed-on x to the layer norm's input gradient in the
     kernel's one pass (the add + layer norm backward, with the passed-on gradient as the sum's),
-    where autograd would add the two gradients of x in a pass of its own."""
+    where autograd would add the two gradients of x in a pass of its own. Under torch.compile it
+    calls the custom ops (with their fakes), else the extension directly."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = _fused.kernels().layer_norm_fwd(x, weight, bias, eps)
+        forward = layer_norm_fwd if torch.compiler.is_compiling() else _fused.kernels().layer_norm_fwd
+        y, mean, rstd = forward(x, weight, bias, eps)
         _save(ctx, x, weight, bias, eps, mean, rstd)
         return x.view_as(x), y
 
@@ -254,9 +256,8 @@ class _LayerNormKeepingInputFunction(torch.autograd.Function):
         ds = torch.zeros_like(x) if dx_kept is None else dx_kept.contiguous()
         dy = torch.zeros_like(x) if dy is None else dy.contiguous()
         want_w, want_b, affine_dtype = _affine_request(ctx, weight, 1)
-        dx, affine, _ = _fused.kernels().add_layer_norm_bwd(
-            ds, dy, x, weight, mean, rstd, want_w or want_b, affine_dtype, None
-        )
+        backward = add_layer_norm_bwd if torch.compiler.is_compiling() else _fused.kernels().add_layer_norm_bwd
+        dx, affine, _ = backward(ds, dy, x, weight, mean, rstd, want_w or want_b, affine_dtype, None)
         return (dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
 
 
@@ -272,15 +273,14 @@ def layer_norm_keeping_input(
     stream in front of a module that starts with a layer norm). The values are ``x`` itself (a view)
     and :func:`layer_norm`'s. On the cutlass backend, with gradients recorded and ``x`` contiguous,
     the two are one autograd node whose backward adds the gradient of the returned ``x`` to the
-    layer norm's input gradient in the same pass; otherwise ``x`` is returned as it is and autograd
-    adds the two gradients. (Under torch.compile the plain form: the compiler fuses the add.)"""
+    layer norm's input gradient in the same pass (under torch.compile too); otherwise ``x`` is
+    returned as it is and autograd adds the two gradients."""
     inputs = validate(x, weight, bias, eps)
     if x.numel() == 0:
         return x, _eager(inputs)
     impl = _dispatch.select(OP, inputs, backend)
     if (
-        not isinstance(impl, CutlassLayerNorm) or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-        or not x.is_contiguous()
+        not isinstance(impl, CutlassLayerNorm) or not torch.is_grad_enabled() or not x.is_contiguous()
     ):
         return x, impl.forward(inputs, None)
     return _LayerNormKeepingInputFunction.apply(x, *impl.kernel_parameters(inputs), eps)
