@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
-from .ops import triangle_multiplication
+from .ops import triangle_multiplication, triangle_multiplication_keeping_input
 from .primitives import LayerNorm, Linear
 
 
@@ -59,10 +59,12 @@ class TriangleMultiplicativeUpdate(nn.Module):
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
         if mask is not None:
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
+        return triangle_multiplication(z, mask, **self._op_arguments())  # [*, N_res, N_res, c_z]
+
+    def _op_arguments(self) -> dict:
+        """The op's keyword arguments from this module's parameters."""
         projections = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
-        return triangle_multiplication(
-            z,
-            mask,
+        return dict(
             direction="outgoing" if self.outgoing else "incoming",
             norm_in_weight=self.layer_norm_in.weight,
             norm_in_bias=self.layer_norm_in.bias,
@@ -76,7 +78,12 @@ class TriangleMultiplicativeUpdate(nn.Module):
             out_bias=self.linear_z.bias,
             eps=self.layer_norm_in.eps,
             backend=self.backend,
-        )  # [*, N_res, N_res, c_z]
+        )
+
+    def _keeping_input(self, z: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z, self(z, mask))`` from checked inputs, as one node where the op allows
+        (:func:`ops.triangle_multiplication_keeping_input`: the block adds the update to z)."""
+        return triangle_multiplication_keeping_input(z, mask, **self._op_arguments())
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):

@@ -276,6 +276,44 @@ def test_triangle_compile_fullgraph_traces_the_fakes(norm_dtype, with_mask):
         assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
 
 
+def test_triangle_keeping_input_compile_fullgraph_traces_the_fakes():
+    # the node that returns z itself beside the update traces with the custom ops' fakes, and z's
+    # gradient arrives from both outputs
+    from evoformer_blocks.ops import triangle
+
+    z = _meta_leaf(2, 6, 6, 16)
+    w = {name: _meta_leaf(*t.shape) for name, t in triangle_weights(16, 8).items()}
+
+    def run(z, *params):
+        inputs = triangle.validate(z, None, dict(zip(w, params)), "outgoing", 1e-5)
+        kept, out = triangle.fused_triangle_multiplication(inputs, keep_input=True)
+        return kept * 3 + out * 2
+
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(z, *w.values())
+    out.float().sum().backward()
+    assert out.shape == z.shape and out.dtype == z.dtype
+    for t in (z, *w.values()):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+def test_triangle_keeping_input_is_the_input_and_the_update():
+    z = torch.randn(2, 5, 5, 16, dtype=torch.float64)
+    mask = (torch.rand(2, 5, 5) > 0.3).double()
+    w = triangle_weights(16, 8)
+    kept, out = ops.triangle_multiplication_keeping_input(z, mask, direction="incoming", **w)
+    assert kept is z
+    torch.testing.assert_close(out, call_triangle(z, mask, w, "incoming"))
+    with pytest.raises(TypeError, match="missing arguments \\['direction'\\]"):
+        ops.triangle_multiplication_keeping_input(z, mask, **w)
+    with pytest.raises(TypeError, match="unknown \\['chunk'\\]"):
+        ops.triangle_multiplication_keeping_input(z, mask, direction="incoming", chunk=2, **w)
+    with pytest.raises(ValueError, match="`direction`"):
+        ops.triangle_multiplication_keeping_input(z, mask, direction="sideways", **w)
+    empty = torch.randn(0, 5, 5, 16, dtype=torch.float64)
+    kept, out = ops.triangle_multiplication_keeping_input(empty, direction="outgoing", **w)
+    assert kept is empty and out.shape == empty.shape
+
+
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
     from evoformer_blocks.ops import normalization

@@ -242,6 +242,36 @@ def test_triangle_matches_reference(dtype, direction, batch, n, c_z, c, kernel_f
         check(name, f, e, r, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+@pytest.mark.parametrize("batch, n, c_z, c", [((), 7, 32, 16), ((2,), 37, 64, 32), ((), 100, 128, 128)])
+def test_triangle_keeping_input_adds_the_kept_gradient(dtype, direction, batch, n, c_z, c, kernel_family):
+    # z used twice (kept and updated): the fused node adds the kept z's gradient in its last pass;
+    # the update is the op's bit for bit, the kept z is z's memory, and dz and every weight's
+    # gradient pass the 2x rule against float64 (the eager op with z used twice as the bar)
+    z = torch.randn(*batch, n, n, c_z, device=DEV).to(dtype).requires_grad_(True)
+    mask = (torch.rand(*batch, n, n, device=DEV) > 0.2).to(dtype)
+    w = {k: v.to(DEV).detach().requires_grad_(True) for k, v in triangle_weights(c_z, c, dtype, scale=0.2).items()}
+    scale = 1e-3 if dtype == torch.float16 else 1.0
+    d_kept, dout = (torch.randn(*batch, n, n, c_z, device=DEV) * scale for _ in range(2))
+    leaves = [z, *w.values()]
+
+    def run(z_in, weights, backend):
+        kept, out = ops.triangle_multiplication_keeping_input(z_in, mask.to(z_in.dtype), direction=direction,
+                                                              backend=backend, **weights)
+        grads = torch.autograd.grad((kept, out), [z_in, *weights.values()], (d_kept.to(z_in.dtype), dout.to(z_in.dtype)))
+        return kept, [out.detach(), *grads]
+
+    kept, fused = run(z, w, "cutlass")
+    assert kept.data_ptr() == z.data_ptr() and torch.equal(kept, z)
+    assert torch.equal(fused[0], _triangle(z, mask, w, direction, "cutlass"))
+    _, eager = run(z, w, "eager")
+    z64 = z.detach().double().requires_grad_(True)
+    _, ref = run(z64, {k: v.detach().double().requires_grad_(True) for k, v in w.items()}, "eager")
+    for name, f, e, r in zip(["out", "dz", *w], fused, eager, ref):
+        check(name, f, e, r, dtype)
+
+
 def _peak_bytes(fn):
     """(fn()'s result, the allocator's peak above what was allocated before the call)."""
     torch.cuda.synchronize()

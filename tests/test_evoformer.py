@@ -277,7 +277,7 @@ def test_activation_checkpointing_gives_same_gradients(make, blocks_per_ckpt):
     stack = make(no_blocks=3).train()  # 3 blocks: groups of 2 leave a group of 1
     reference = _grads(stack, seed=7)
     calls = []
-    stack.blocks[0].tri_mul_out.register_forward_hook(lambda *args: calls.append(1))
+    stack.blocks[0].outer_product_mean.linear_out.register_forward_hook(lambda *args: calls.append(1))
     stack.blocks_per_ckpt = blocks_per_ckpt
     checkpointed = _grads(stack, seed=7)
     assert len(calls) == 2, "checkpointing recomputes the first block in the backward pass"
@@ -292,7 +292,7 @@ def test_activation_checkpointing_gives_same_gradients(make, blocks_per_ckpt):
 def test_no_checkpointing_without_grad():
     stack = evoformer_stack(blocks_per_ckpt=1).eval()
     calls = []
-    stack.blocks[0].tri_mul_out.register_forward_hook(lambda *args: calls.append(1))
+    stack.blocks[0].outer_product_mean.linear_out.register_forward_hook(lambda *args: calls.append(1))
     m, z, msa_mask, pair_mask = inputs()
     with torch.no_grad():
         stack(m, z, msa_mask, pair_mask)

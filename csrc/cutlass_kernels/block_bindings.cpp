@@ -22,7 +22,9 @@
 //       for_backward=False (a forward no backward follows): n_hat, which only the backward reads, is
 //       an empty tensor where the fused output kernel runs (it is not written)
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
-//       eps, outgoing) -> [dz, one gradient per weight, in that weight's dtype]
+//       eps, outgoing, dz_add?) -> [dz, one gradient per weight, in that weight's dtype]; dz_add (z's
+//       shape and dtype: another gradient of z, e.g. of the residual stream it also feeds) is added
+//       to dz in the input layer norm's backward pass, before its one rounding
 //   sigmoid_gate_fwd(g [..., C], y [..., C]) -> sigmoid(g) * y (contiguous; y may be a permuted view)
 //   sigmoid_gate_bwd(dout, g, y) -> (dg contiguous, dy in y's layout)
 //   sigmoid_gate_bwd_into(dout, g, y, dg, delta_heads=0, delta_len=0) -> (dy in y's layout, delta);
@@ -483,7 +485,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                             const at::Tensor& w_z, const at::Tensor& b_z, const at::Tensor& mean_in,
                             const at::Tensor& rstd_in, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& n_hat, const at::Tensor& rstd_out, const at::Tensor& g, double eps,
-                            bool outgoing) {
+                            bool outgoing, const std::optional<at::Tensor>& dz_add) {
   const char* op = "triangle multiplication backward";
   const TriangleShape s = triangle_shape(z, w_ab, op);
   TORCH_CHECK(dout_in.sizes() == z.sizes() && dout_in.scalar_type() == z.scalar_type(), op,
@@ -609,7 +611,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   dp.reset();
 
   // x_hat = normalised z
-  at::Tensor dz = std::get<0>(norm_rows_backward(dx, z, kNoParam, mean_in, rstd_in, false));
+  at::Tensor dz = std::get<0>(norm_rows_backward(dx, z, kNoParam, mean_in, rstd_in, false, at::kFloat,
+                                                 dz_add.has_value() ? &*dz_add : nullptr));
   return {dz.view(z.sizes()), dw_ab.view({4 * s.c, s.cz}), db_ab.view({4 * s.c}), dw_g, db_g, dw_z, db_z};
 }
 
@@ -692,9 +695,13 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
 // folded w_ab, b_ab, w_g, w_z, b_z.
 std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, const at::Tensor& z,
                                                     const std::optional<at::Tensor>& mask, at::TensorList weights,
-                                                    at::TensorList saved, double eps, bool outgoing) {
+                                                    at::TensorList saved, double eps, bool outgoing,
+                                                    const std::optional<at::Tensor>& dz_add) {
   const char* op = "triangle multiplication backward";
   check_cuda(z, "z", op);
+  TORCH_CHECK(!dz_add.has_value() || (dz_add->sizes() == z.sizes() && dz_add->scalar_type() == z.scalar_type() &&
+                                      dz_add->device() == z.device()),
+              op, ": `dz_add` must match z (", z.sizes(), ", ", z.scalar_type(), ")");
   TORCH_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
   check_weights(weights, z, op);
   TORCH_CHECK(saved.size() == 12, op, ": `saved` must hold the forward's 12 saved tensors, got ", saved.size());
@@ -708,7 +715,7 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
               op, ": the folded weights in `saved` do not match `weights`");
   const c10::cuda::CUDAGuard guard(z.device());
   auto [dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z] = triangle_backward_folded(
-      dout, z, mask, w_ab, b_ab, w_g, w_z, b_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, eps, outgoing);
+      dout, z, mask, w_ab, b_ab, w_g, w_z, b_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, eps, outgoing, dz_add);
   std::vector<at::Tensor> grads(kWeights);
   for (int i = 0; i < kWeights; ++i) grads[i] = output(weights[i].sizes(), weights[i].options());
   const at::Tensor* folded[3][2] = {{&dw_ab, &db_ab}, {&dw_g, &db_g}, {&dw_z, &db_z}};
@@ -961,7 +968,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "
-      "float eps, bool outgoing) -> Tensor[]");
+      "float eps, bool outgoing, Tensor? dz_add=None) -> Tensor[]");
   m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
   m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
   m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "

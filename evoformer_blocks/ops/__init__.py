@@ -26,13 +26,14 @@ from ._inputs import AttentionInputs, validate
 from .functional import DS4Sci_EvoformerAttention, evoformer_attention, gated_evoformer_attention
 from .gating import linear, sigmoid_gate
 from .normalization import add_layer_norm, layer_norm, layer_norm_keeping_input
-from .triangle import triangle_multiplication
+from .triangle import triangle_multiplication, triangle_multiplication_keeping_input
 
 __all__ = [
     "evoformer_attention",
     "gated_evoformer_attention",
     "DS4Sci_EvoformerAttention",
     "triangle_multiplication",
+    "triangle_multiplication_keeping_input",
     "layer_norm",
     "add_layer_norm",
     "layer_norm_keeping_input",

@@ -157,10 +157,36 @@ def triangle_multiplication(
         gate_weight=gate_weight, gate_bias=gate_bias, norm_out_weight=norm_out_weight,
         norm_out_bias=norm_out_bias, out_weight=out_weight, out_bias=out_bias,
     )
-    inputs = validate(z, mask, weights, direction, eps)
-    if z.numel() == 0:
-        return eager_triangle_multiplication(inputs)
-    return _dispatch.select(OP, inputs, backend).forward(inputs, None)
+    return _triangle(validate(z, mask, weights, direction, eps), backend, keep_input=False)
+
+
+def triangle_multiplication_keeping_input(z: Tensor, mask: Optional[Tensor] = None, **arguments) -> tuple[Tensor, Tensor]:
+    """``(z, triangle_multiplication(z, mask, **arguments))`` for a ``z`` that the caller uses again
+    (the residual stream the update is added to). The values are ``z`` itself (a view) and the op's.
+    On the cutlass backend, with gradients recorded and ``z`` contiguous, the two are one autograd
+    node whose backward adds the gradient of the returned ``z`` to the op's input gradient in its
+    last pass (the input layer norm's backward); otherwise autograd adds z's two gradients.
+    Arguments as :func:`triangle_multiplication`'s (keywords after ``mask``)."""
+    names = ("direction", *_WEIGHTS)
+    missing = [name for name in names if name not in arguments]
+    unknown = sorted(set(arguments) - {*names, "eps", "backend"})
+    if missing or unknown:
+        raise TypeError(f"triangle_multiplication_keeping_input: missing arguments {missing}, unknown {unknown}")
+    weights = {name: arguments[name] for name in _WEIGHTS}
+    inputs = validate(z, mask, weights, arguments["direction"], arguments.get("eps", 1e-5))
+    return _triangle(inputs, arguments.get("backend"), keep_input=True)
+
+
+def _triangle(inputs: TriangleInputs, backend: Optional[str], keep_input: bool):
+    """The op on checked inputs: its output, or with ``keep_input`` (z, its output)."""
+    if inputs.z.numel() == 0:
+        out = eager_triangle_multiplication(inputs)
+    else:
+        impl = _dispatch.select(OP, inputs, backend)
+        if keep_input and isinstance(impl, CutlassTriangleMultiplication):
+            return fused_triangle_multiplication(inputs, keep_input=True)
+        out = impl.forward(inputs, None)
+    return (inputs.z, out) if keep_input else out
 
 
 def eager_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
@@ -221,14 +247,15 @@ def _(z, mask, weights, eps, outgoing, family):
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_bwd", mutates_args=(), device_types="cuda")
 def triangle_bwd(
     dout: Tensor, z: Tensor, mask: Optional[Tensor], weights: list[Tensor], saved: list[Tensor], eps: float,
-    outgoing: bool,
+    outgoing: bool, dz_add: Optional[Tensor] = None,
 ) -> list[Tensor]:
-    """-> [dz, the gradient of each parameter in its own dtype]."""
-    return list(_fused.kernels().triangle_multiplication_bwd(dout, z, mask, weights, saved, eps, outgoing))
+    """-> [dz, the gradient of each parameter in its own dtype]; dz_add (z's shape and dtype) is added
+    to dz in the kernels' last pass."""
+    return list(_fused.kernels().triangle_multiplication_bwd(dout, z, mask, weights, saved, eps, outgoing, dz_add))
 
 
 @triangle_bwd.register_fake
-def _(dout, z, mask, weights, saved, eps, outgoing):
+def _(dout, z, mask, weights, saved, eps, outgoing, dz_add=None):
     return [z.new_empty(z.shape)] + [w.new_empty(w.shape) for w in weights]
 
 
@@ -237,11 +264,14 @@ def _save(ctx, z, mask, weights, eps, outgoing, saved) -> None:
     ctx.eps, ctx.outgoing, ctx.n_weights = eps, outgoing, len(weights)
 
 
-def _gradients(ctx, dout, backward):
-    """(dz, d weights): the backward of the op's autograd (both paths)."""
+def _gradients(ctx, dout, backward, dz_add: Optional[Tensor] = None):
+    """(dz, d weights): the backward of the op's autograd (every path); ``dz_add``, another gradient
+    of z, is added to dz in the kernels' last pass."""
     z, mask, *rest = ctx.saved_tensors
     weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights:]
-    dz, *dweights = backward(dout.contiguous(), z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing)
+    dout = torch.zeros_like(z) if dout is None else dout.contiguous()
+    dz_add = None if dz_add is None else dz_add.contiguous()
+    dz, *dweights = backward(dout, z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing, dz_add)
     return dz, dweights
 
 
@@ -260,34 +290,47 @@ triangle_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context
 
 class _FusedTriangleFunction(torch.autograd.Function):
     """The fused forward and backward with the custom ops' autograd, called without the custom-op
-    layers (less host time per call outside torch.compile); weights come as separate arguments."""
+    layers (less host time per call outside torch.compile); weights come as separate arguments.
+    With ``keep_input`` it returns ``(z, out)``, z itself (a view), and its backward adds z's
+    gradient from that output to dz in the kernels' last pass; that form also runs under
+    torch.compile, through the custom ops."""
 
     @staticmethod
-    def forward(ctx, z, mask, eps, outgoing, family, *weights):
-        out, *saved = _fused.kernels().triangle_multiplication_fwd(z, mask, list(weights), eps, outgoing, family)
+    def forward(ctx, z, mask, eps, outgoing, family, keep_input, *weights):
+        forward = triangle_fwd if torch.compiler.is_compiling() else _fused.kernels().triangle_multiplication_fwd
+        out, *saved = forward(z, mask, list(weights), eps, outgoing, family)
         _save(ctx, z, mask, weights, eps, outgoing, saved)
-        return out
+        ctx.keep_input = keep_input
+        return (z.view_as(z), out) if keep_input else out
 
     @staticmethod
-    def backward(ctx, dout):
-        dz, dweights = _gradients(ctx, dout, _fused.kernels().triangle_multiplication_bwd)
-        return (dz, None, None, None, None, *dweights)
+    def backward(ctx, *grads):
+        dz_kept, dout = grads if ctx.keep_input else (None, grads[0])
+        backward = triangle_bwd if torch.compiler.is_compiling() else _fused.kernels().triangle_multiplication_bwd
+        dz, dweights = _gradients(ctx, dout, backward, dz_kept)
+        return (dz, None, None, None, None, None, *dweights)
 
 
-def fused_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
-    """The ``cutlass`` backend's computation (differentiable in z and every parameter)."""
+def fused_triangle_multiplication(inputs: TriangleInputs, keep_input: bool = False):
+    """The ``cutlass`` backend's computation (differentiable in z and every parameter); with
+    ``keep_input``, ``(z, out)`` as :func:`triangle_multiplication_keeping_input` returns them."""
     z, n = inputs.z, inputs.z.shape[-2]
     zb = z.reshape(-1, n, n, inputs.c_z)  # [B, N, N, c_z]
     mask = None if inputs.mask is None else inputs.mask.reshape(-1, n, n)  # [B, N, N]
     weights = [_fused.kernel_parameter(inputs.weights[name]) for name in _WEIGHTS]
     family = kernel_family(z.device) if z.is_cuda else "sm80"  # (a meta tensor under tracing: the fakes ignore it)
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (zb, *weights))
+    if keep_input and recording and z.is_contiguous():
+        kept, out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, True, *weights)
+        return kept.view(z.shape), out.reshape(z.shape)  # z itself and the update, [*, N, N, c_z]
     if torch.compiler.is_compiling():
         out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family)[0]
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in (zb, *weights)):
-        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, *weights)
+    elif recording:
+        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, False, *weights)
     else:  # no backward follows: the kernels skip what only the backward reads (n_hat)
         out = _fused.kernels().triangle_multiplication_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family, False)[0]
-    return out.reshape(z.shape)  # [*, N, N, c_z]
+    out = out.reshape(z.shape)  # [*, N, N, c_z]
+    return (z, out) if keep_input else out
 
 
 class CutlassTriangleMultiplication(Backend):
