@@ -28,7 +28,6 @@ import math
 from typing import Optional
 
 import torch
-from einops import rearrange
 from torch import nn
 
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
@@ -471,42 +470,42 @@ class MSAColumnGlobalAttention(nn.Module):
         return self._update(m, mask, chunk_size, normalized=True)
 
     def _update(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], normalized: bool) -> torch.Tensor:
-        m = rearrange(m, "... s r c -> ... r s c")  # [*, N_res, N_seq, c_m]
-        mask = rearrange(mask, "... s r -> ... r s")  # [*, N_res, N_seq]
-        n_res = m.shape[-3]
+        # in m's own layout [*, N_seq, N_res, c_m]: a column is a residue r, its rows the sequences
+        n_res = m.shape[-2]
         if chunk_size is None or chunk_size >= n_res:
-            out = self._columns(m, mask, normalized)  # [*, N_res, N_seq, c_m]
-        else:
-            out = torch.cat(
-                [
-                    self._columns(m[..., i : i + chunk_size, :, :], mask[..., i : i + chunk_size, :], normalized)
-                    for i in range(0, n_res, chunk_size)
-                ],
-                dim=-3,
-            )  # [*, N_res, N_seq, c_m]
-        return rearrange(out, "... r s c -> ... s r c")  # [*, N_seq, N_res, c_m]
+            return self._columns(m, mask, normalized)  # [*, N_seq, N_res, c_m]
+        return torch.cat(
+            [
+                self._columns(m[..., i : i + chunk_size, :], mask[..., i : i + chunk_size], normalized)
+                for i in range(0, n_res, chunk_size)
+            ],
+            dim=-2,
+        )  # [*, N_seq, N_res, c_m]
 
     def _columns(self, m: torch.Tensor, mask: torch.Tensor, normalized: bool) -> torch.Tensor:
-        """m: [*, R, S, c_m] (R residue columns, S sequences; layer-normalised already when
-        ``normalized``); mask: [*, R, S]. Returns [*, R, S, c_m]."""
+        """m: [*, S, R, c_m] (S sequences, R residue columns; layer-normalised already when
+        ``normalized``); mask: [*, S, R]. Returns [*, S, R, c_m]. Nothing is transposed in memory:
+        the column reductions run over dim -3 and the per-column products are batched over R on
+        strided views."""
         heads, c = self.no_heads, self.c_hidden
-        m = m if normalized else self.layer_norm_m(m)  # [*, R, S, c_m]
+        m = m if normalized else self.layer_norm_m(m)  # [*, S, R, c_m]
         compute = compute_dtype(m.dtype)
-        mask_c = mask.to(compute)  # [*, R, S]
+        mask_c = mask.to(compute)  # [*, S, R]
 
         # Query: the mask-weighted mean of the column's rows, projected to every head.
-        count = mask_c.sum(dim=-1, keepdim=True) + self.eps  # [*, R, 1]
-        pooled = (m.to(compute) * rearrange(mask_c, "... s -> ... s 1")).sum(dim=-2) / count  # [*, R, c_m]
-        q = rearrange(self.linear_q(pooled.to(m.dtype)), "... (h c) -> ... h c", h=heads)  # [*, R, H, C]
-        k = self.linear_k(m)  # [*, R, S, C]
-        v = self.linear_v(m)  # [*, R, S, C]
+        count = mask_c.sum(dim=-2) + self.eps  # [*, R]
+        pooled = (m.to(compute) * mask_c.unsqueeze(-1)).sum(dim=-3) / count.unsqueeze(-1)  # [*, R, c_m]
+        q = self.linear_q(pooled.to(m.dtype)).unflatten(-1, (heads, c))  # [*, R, H, C]
+        # k, v (one head each) and the gate of every head: one GEMM over m
+        kvg = stacked_projection(m, (self.linear_k, self.linear_v, self.linear_g))  # [*, S, R, 2 C + H C]
+        k, v, g = kvg.split((c, c, heads * c), dim=-1)  # [*, S, R, C] twice, [*, S, R, H C]
 
-        logits = torch.matmul(q, rearrange(k, "... s c -> ... c s")).to(compute) * (c**-0.5)  # [*, R, H, S]
-        logits = logits + rearrange(mask_to_bias(mask, self.inf, m.dtype), "... r s -> ... r 1 s")  # + [*, R, 1, S]
-        probs = torch.softmax(logits, dim=-1).to(v.dtype)  # [*, R, H, S]
-        o = torch.matmul(probs, v)  # [*, R, H, C]
+        k_cols = k.movedim(-3, -1)  # [*, R, C, S] (a view)
+        logits = torch.matmul(q, k_cols).to(compute) * (c**-0.5)  # [*, R, H, S]
+        bias = mask_to_bias(mask, self.inf, m.dtype).movedim(-2, -1).unsqueeze(-2)  # [*, R, 1, S] (a view)
+        probs = torch.softmax(logits + bias, dim=-1).to(v.dtype)  # [*, R, H, S]
+        o = torch.matmul(probs, v.movedim(-3, -2))  # [*, R, H, C] (v seen as [*, R, S, C])
 
-        g = rearrange(torch.sigmoid(self.linear_g(m)), "... s (h c) -> ... s h c", h=heads)  # [*, R, S, H, C]
-        o = rearrange(o, "... h c -> ... 1 h c") * g  # [*, R, S, H, C]
-        o = rearrange(o, "... s h c -> ... s (h c)")  # [*, R, S, H * C]
-        return self.linear_o(o)  # [*, R, S, c_m]
+        # each sequence's gate on its column's pooled output: [*, S, R, H C]
+        gated = torch.sigmoid(g) * o.flatten(-2).unsqueeze(-3)  # [*, S, R, H * C]
+        return self.linear_o(gated)  # [*, S, R, c_m]

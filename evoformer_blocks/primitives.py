@@ -127,8 +127,8 @@ class Linear(nn.Linear):
 
 
 class _StackedProjection(torch.autograd.Function):
-    """``x [..., c_in] -> [x W_1^T + b_1, ..., x W_k^T + b_k]`` side by side in one ``[..., k * width]``
-    tensor, each bias optional: several projections of one input as ONE GEMM (x is read once). The
+    """``x [..., c_in] -> [x W_1^T + b_1, ..., x W_k^T + b_k]`` side by side in one ``[..., width_1 + ...
+    + width_k]`` tensor, each bias optional: several projections of one input as ONE GEMM (x is read once). The
     gradient arrives as one dense tensor (ops.gated_evoformer_attention writes the gradients of q,
     k, v and g so, or autograd gathers those of views of the output), so the backward takes one GEMM
     for dx, one for every weight, and one column sum for the biases (over the columns from the first
@@ -137,49 +137,51 @@ class _StackedProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fused_bias_grad, count, *params):
         weights, biases = params[:count], params[count:]
-        width = weights[0].shape[0]
-        stacked = torch.cat(weights)  # [k * width, c_in]
+        stacked = torch.cat(weights)  # [sum of widths, c_in]
         biased = [b is not None for b in biases]
         stacked_bias = None
         if any(biased):
             some = biases[biased.index(True)]
-            stacked_bias = torch.cat([b if b is not None else some.new_zeros(width) for b in biases])  # [k * width]
+            stacked_bias = torch.cat(
+                [b if b is not None else some.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+            )  # [sum of widths]
         ctx.save_for_backward(x, stacked)
         ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.widths = [w.shape[0] for w in weights]
         ctx.bias_dtypes = [b.dtype if b is not None else None for b in biases]
         ctx.fused_bias_grad = fused_bias_grad
-        return F.linear(x, stacked, stacked_bias)  # [..., k * width]
+        return F.linear(x, stacked, stacked_bias)  # [..., sum of widths]
 
     @staticmethod
     def backward(ctx, dy):
         x, stacked = ctx.saved_tensors
         count = len(ctx.weight_dtypes)
         need_weights, need_biases = ctx.needs_input_grad[3 : 3 + count], ctx.needs_input_grad[3 + count :]
-        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, k * width]
-        width = stacked.shape[0] // count
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, sum of widths]
+        widths = ctx.widths
         dx = None
         if ctx.needs_input_grad[0]:
             dx = as_dtype(torch.mm(dy2, as_dtype(stacked, dy2.dtype)).view(x.shape), x.dtype)  # [..., c_in]
         dweights = [None] * count
         if any(need_weights):
             x2 = as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)  # [rows, c_in]
-            dw = torch.mm(dy2.t(), x2).split(width)  # k x [width, c_in]
+            dw = torch.mm(dy2.t(), x2).split(widths)  # [width_i, c_in] each
             dweights = [as_dtype(d, dtype) if need else None for d, dtype, need in zip(dw, ctx.weight_dtypes, need_weights)]
         dbiases = [None] * count
         if any(need_biases):
             first = need_biases.index(True)
             dtypes = {ctx.bias_dtypes[i] for i in range(first, count) if need_biases[i]}
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-            tail = dy2[:, first * width :]  # [rows, (k - first) * width]: the columns from the first wanted bias on
+            tail = dy2[:, sum(widths[:first]) :]  # [rows, ...]: the columns from the first wanted bias on
             sums = bias_gradient(tail, dtype) if ctx.fused_bias_grad else as_dtype(tail.sum(0), dtype)
-            for i, db in enumerate(sums.split(width), start=first):
+            for i, db in enumerate(sums.split(widths[first:]), start=first):
                 dbiases[i] = as_dtype(db, ctx.bias_dtypes[i]) if need_biases[i] else None
         return (dx, None, None, *dweights, *dbiases)
 
 
 def stacked_projection(x: torch.Tensor, linears: Sequence[Linear]) -> torch.Tensor:
-    """``x [..., c_in] -> [..., k * width]``: the k :class:`Linear` (same ``out_dim`` = width, biases
-    optional) side by side, as one GEMM and one autograd node (:class:`_StackedProjection`). The bias
+    """``x [..., c_in] -> [..., sum of out_dims]``: the k :class:`Linear` (biases optional) side by
+    side, as one GEMM and one autograd node (:class:`_StackedProjection`). The bias
     gradients use the column-sum kernel where the first biased projection's :func:`ops.linear` would."""
     biased = [lin for lin in linears if lin.bias is not None]
     fused = len(biased) > 0 and fused_bias_gradient(x, biased[0].weight, biased[0].bias, biased[0].backend)

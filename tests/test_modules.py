@@ -621,17 +621,21 @@ def test_gated_attention_rejects_a_bad_mask_bias():
         gated_evoformer_attention(torch.randn(1, 2, 5, 64), 2, torch.zeros(1, 2, 1, 1, 4))
 
 
-@pytest.mark.parametrize("biased", [(False, False, False, True), (True, True), (False, True, False), (False, False)])
-def test_stacked_projection_is_the_separate_linears(biased):
+@pytest.mark.parametrize(
+    "biased, widths",
+    [((False, False, False, True), (12,) * 4), ((True, True), (12, 12)), ((False, True, False), (12,) * 3),
+     ((False, False), (12, 12)), ((False, False, True), (8, 8, 24))],
+)
+def test_stacked_projection_is_the_separate_linears(biased, widths):
     from evoformer_blocks.primitives import Linear, stacked_projection
 
     x = torch.randn(3, 4, 6, 16, dtype=torch.float64, requires_grad=True)
-    linears = [Linear(16, 12, bias=b, dtype=torch.float64) for b in biased]
+    linears = [Linear(16, w, bias=b, dtype=torch.float64) for b, w in zip(biased, widths)]
     for lin in linears:  # weights and biases away from their initialization (zero biases, "final" weights)
         with torch.no_grad():
             for p in lin.parameters():
                 p.normal_()
-    y = stacked_projection(x, linears)  # [3, 4, 6, 12 k]
+    y = stacked_projection(x, linears)  # [3, 4, 6, sum of widths]
     ref = torch.cat([F.linear(x, lin.weight, lin.bias) for lin in linears], dim=-1)
     torch.testing.assert_close(y, ref)
     cot = torch.randn_like(y)
