@@ -247,18 +247,14 @@ class _LayerNormKeepingInputFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps):
         forward = layer_norm_fwd if torch.compiler.is_compiling() else _fused.kernels().layer_norm_fwd
         y, mean, rstd = forward(x, weight, bias, eps)
-        _save(ctx, x, weight, bias, eps, mean, rstd)
+        _save_add(ctx, x, weight, bias, mean, rstd, None, None)  # x as the sum of an add without a residual
         return x.view_as(x), y
 
     @staticmethod
     def backward(ctx, dx_kept, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        ds = torch.zeros_like(x) if dx_kept is None else dx_kept.contiguous()
-        dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-        want_w, want_b, affine_dtype = _affine_request(ctx, weight, 1)
         backward = add_layer_norm_bwd if torch.compiler.is_compiling() else _fused.kernels().add_layer_norm_bwd
-        dx, affine, _ = backward(ds, dy, x, weight, mean, rstd, want_w or want_b, affine_dtype, None)
-        return (dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
+        dx, _, dw, db, _, _ = _add_gradients(ctx, dx_kept, dy, backward, first_param=1)
+        return dx, dw, db, None
 
 
 def layer_norm_keeping_input(
@@ -434,13 +430,14 @@ def _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale) -> Non
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _add_gradients(ctx, ds, dy, backward):
+def _add_gradients(ctx, ds, dy, backward, first_param: int = 2):
     """(dx, dresidual, dweight, dbias, None, dresidual_scale): without a residual_scale dx and
-    dresidual are one tensor (the add passes the gradient through to both)."""
+    dresidual are one tensor (the add passes the gradient through to both). ``first_param``: the
+    index of the weight among the node's inputs (the bias follows it)."""
     s, weight, mean, rstd, scale, residual = ctx.saved_tensors
     ds = torch.zeros_like(s) if ds is None else ds.contiguous()
     dy = torch.zeros_like(s) if dy is None else dy.contiguous()
-    want_w, want_b, affine_dtype = _affine_request(ctx, weight, 2)
+    want_w, want_b, affine_dtype = _affine_request(ctx, weight, first_param)
     dx, affine, dresidual = backward(ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype, scale)
     dscale = None
     if scale is None:
