@@ -485,6 +485,28 @@ def test_non_contiguous_inputs(dtype, head_dim):
 
 
 @gpu
+@pytest.mark.parametrize("head_dim", [8, 24, 32])
+@pytest.mark.parametrize("layout", ["contiguous", "batch_outer_rows", "one_row", "keys_broadcast_over_rows"])
+def test_any_batch_layout(head_dim, layout):
+    # The Hopper kernels copy k and v rows by TMA, in boxes D values wide where D is narrower than
+    # the bucket (8, 24): batch and row strides of every kind give the reference.
+    batch, rows, length, heads = (1, 1, 70, 2) if layout == "one_row" else (2, 3, 70, 2)
+    dt = torch.bfloat16
+
+    def make(shape_rows: int = rows) -> torch.Tensor:
+        if layout == "batch_outer_rows":  # [N, B, L, H, D] memory seen as [B, N, L, H, D]
+            return torch.randn(shape_rows, batch, length, heads, head_dim, device="cuda", dtype=dt).transpose(0, 1)
+        return torch.randn(batch, shape_rows, length, heads, head_dim, device="cuda", dtype=dt)
+
+    q, k, v = make(), make(), make()
+    if layout == "keys_broadcast_over_rows":
+        k, v = (make(1).expand(-1, rows, -1, -1, -1) for _ in range(2))  # stride n = 0
+    mask_bias = (1e9 * ((torch.rand(batch, rows, 1, 1, length, device="cuda") > 0.2).float() - 1)).to(dt)
+    pair_bias = torch.randn(batch, 1, heads, length, length, device="cuda", dtype=dt)
+    check_against_reference(q, k, v, mask_bias, pair_bias)
+
+
+@gpu
 def test_grid_limits_batch_times_rows():
     # B * N > 65535 CTAs along one grid dimension.
     check_against_reference(*make_inputs(2, 33000, 5, 5, 1, 8, torch.bfloat16, "both"))

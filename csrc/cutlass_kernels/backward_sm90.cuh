@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  Cfg::Tma::start(block_full, issue_block);
+  Cfg::Tma::start(block_full, issue_block, p, k_ring, Cfg::kKStages * Cfg::kKVBytes + Cfg::kVStages * Cfg::kVStageBytes);
   {  // Q and dO [kBlockM, kHeadDim] (LayoutQ)
     const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
         tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  Cfg::Tma::start(block_full, issue_block);
+  Cfg::Tma::start(block_full, issue_block, p, k_ring, Cfg::kKStages * Cfg::kKStageBytes + Cfg::kVStages * Cfg::kKVBytes);
   for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);
   SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
       q_smem, q, p.q_strides.l, rows_q, p.D);  // [kBlockM, kHeadDim] (LayoutQ)

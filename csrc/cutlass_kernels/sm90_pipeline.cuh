@@ -11,7 +11,7 @@
 // later, holds three); and an issue_block(jb) that calls issue() with block jb's ring stages.
 //
 //   host:    KeyBlockMaps maps{}; Tma::encode(maps, p, "kernel name");   // a __grid_constant__ argument
-//   kernel:  Tma::start(full, issue_block);       // thread 0: barriers, block 0's copies
+//   kernel:  Tma::start(full, issue_block, p, rings, ring_bytes);  // thread 0: barriers, block 0's copies
 //            ... the kernel's own cp.async copies (Q, ...), cp_async_commit() ...
 //            Tma::finish_prologue();              // those copies landed and are visible; barriers ready
 //            for (jb = 0; jb < n_blocks; ++jb) {
@@ -74,7 +74,7 @@ struct KeyBlockTma {
                                                Element* v_dst, PairT* pair_dst, float* mask_dst) {
     uint64_t* bar = &full[jb % kStages];
     const bool has_mask = p.mask_scaled != nullptr;
-    Barrier::arrive_and_expect_tx(bar, 2 * Rows::kBytes + kPairBytes + (has_mask ? kMaskBytes : 0));
+    Barrier::arrive_and_expect_tx(bar, 2 * Rows::bytes(p.D) + kPairBytes + (has_mask ? kMaskBytes : 0));
     const int n0 = jb * kBlockN;
     Rows::copy(&maps.k, bar, k_dst, n0, p.k_strides, b, n, h);
     Rows::copy(&maps.v, bar, v_dst, n0, p.v_strides, b, n, h);
@@ -84,9 +84,19 @@ struct KeyBlockTma {
                                    tma_coord(p.mask_stride_n, n), tma_coord(p.mask_stride_b, b));
   }
 
-  // Prologue, thread 0: initialises the barriers and starts key block 0 (issue_block(0)).
+  // Prologue: where K and V rows are narrower than their tiles (Rows::narrow), every thread zeroes
+  // the rings [rings, rings + ring_bytes) first (the copies never write the columns past D, which
+  // the products read); then thread 0 initialises the barriers and starts key block 0
+  // (issue_block(0)).
   template <typename IssueBlock>
-  __device__ __forceinline__ static void start(uint64_t* full, IssueBlock&& issue_block) {
+  __device__ __forceinline__ static void start(uint64_t* full, IssueBlock&& issue_block, const AttentionParams& p,
+                                               char* rings, int ring_bytes) {
+    if (Rows::narrow(p.D)) {
+      for (int i = int(threadIdx.x) * 16; i < ring_bytes; i += int(blockDim.x) * 16)
+        *reinterpret_cast<uint4*>(rings + i) = make_uint4(0, 0, 0, 0);
+      cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
+      __syncthreads();
+    }
     if (threadIdx.x == 0) {
       init(full);
       issue_block(0);
