@@ -49,6 +49,19 @@ void launch_row_kernel(const Params& p, RowKernel<Params> one, RowKernel<Params>
   launch_rows(chunks <= 1 ? one : chunks <= 2 ? two : four, p, n_ctas, smem_bytes, stream, name);
 }
 
+// The same for a row kernel with a bool template flag: pick(chunks, flag) names the instantiation
+// (both std::integral_constant), the flag's value chosen at run time.
+template <typename T, typename Params, typename Pick>
+void launch_row_kernel(const Params& p, bool flag, Pick pick, int n_ctas, int smem_bytes, cudaStream_t stream,
+                       const char* name) {
+  const auto with = [&](auto f) {
+    launch_row_kernel<T>(p, pick(std::integral_constant<int, 1>{}, f), pick(std::integral_constant<int, 2>{}, f),
+                         pick(std::integral_constant<int, kMaxRowChunks>{}, f), n_ctas, smem_bytes, stream, name);
+  };
+  if (flag) with(std::true_type{});
+  else with(std::false_type{});
+}
+
 template <typename Params>
 void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_bytes, cudaStream_t stream,
                            const char* name) {
@@ -64,25 +77,21 @@ void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_byt
 
 template <typename T>
 void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t stream) {
-  if (p.residual_scale != nullptr)
-    launch_row_kernel<T>(p, layer_norm_rows_kernel<T, 1, true>, layer_norm_rows_kernel<T, 2, true>,
-                         layer_norm_rows_kernel<T, kMaxRowChunks, true>, n_ctas, 0, stream, "evoformer layer norm");
-  else
-    launch_row_kernel<T>(p, layer_norm_rows_kernel<T, 1, false>, layer_norm_rows_kernel<T, 2, false>,
-                         layer_norm_rows_kernel<T, kMaxRowChunks, false>, n_ctas, 0, stream, "evoformer layer norm");
+  launch_row_kernel<T>(
+      p, p.residual_scale != nullptr,
+      [](auto chunks, auto scaled) { return layer_norm_rows_kernel<T, decltype(chunks)::value, decltype(scaled)::value>; },
+      n_ctas, 0, stream, "evoformer layer norm");
 }
 
 template <typename T>
 void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas, cudaStream_t stream) {
   const int smem = p.affine_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
-  if (p.dresidual != nullptr)
-    launch_row_kernel<T>(p, layer_norm_rows_backward_kernel<T, 1, true>, layer_norm_rows_backward_kernel<T, 2, true>,
-                         layer_norm_rows_backward_kernel<T, kMaxRowChunks, true>, n_ctas, smem, stream,
-                         "evoformer layer norm backward");
-  else
-    launch_row_kernel<T>(p, layer_norm_rows_backward_kernel<T, 1, false>, layer_norm_rows_backward_kernel<T, 2, false>,
-                         layer_norm_rows_backward_kernel<T, kMaxRowChunks, false>, n_ctas, smem, stream,
-                         "evoformer layer norm backward");
+  launch_row_kernel<T>(
+      p, p.dresidual != nullptr,
+      [](auto chunks, auto residual) {
+        return layer_norm_rows_backward_kernel<T, decltype(chunks)::value, decltype(residual)::value>;
+      },
+      n_ctas, smem, stream, "evoformer layer norm backward");
 }
 
 template <typename T>
@@ -123,14 +132,10 @@ void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
 template <typename T>
 void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream) {
   const int smem = (kBlockOpThreads / p.row_threads) * 2 * p.C * 4;
-  if (p.delta != nullptr)
-    launch_row_kernel<T>(p, sigmoid_gate_backward_kernel<T, 1, true>, sigmoid_gate_backward_kernel<T, 2, true>,
-                         sigmoid_gate_backward_kernel<T, kMaxRowChunks, true>, n_ctas, smem, stream,
-                         "evoformer sigmoid gate backward");
-  else
-    launch_row_kernel<T>(p, sigmoid_gate_backward_kernel<T, 1, false>, sigmoid_gate_backward_kernel<T, 2, false>,
-                         sigmoid_gate_backward_kernel<T, kMaxRowChunks, false>, n_ctas, smem, stream,
-                         "evoformer sigmoid gate backward");
+  launch_row_kernel<T>(
+      p, p.delta != nullptr,
+      [](auto chunks, auto delta) { return sigmoid_gate_backward_kernel<T, decltype(chunks)::value, decltype(delta)::value>; },
+      n_ctas, smem, stream, "evoformer sigmoid gate backward");
 }
 
 template <typename T>
