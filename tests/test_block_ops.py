@@ -303,9 +303,9 @@ def test_triangle_keeping_input_is_the_input_and_the_update():
     kept, out = ops.triangle_multiplication_keeping_input(z, mask, direction="incoming", **w)
     assert kept is z
     torch.testing.assert_close(out, call_triangle(z, mask, w, "incoming"))
-    with pytest.raises(TypeError, match="direction"):
+    with pytest.raises(TypeError, match="missing arguments \\['direction'\\]"):
         ops.triangle_multiplication_keeping_input(z, mask, **w)
-    with pytest.raises(TypeError, match="chunk"):
+    with pytest.raises(TypeError, match="unknown \\['chunk'\\]"):
         ops.triangle_multiplication_keeping_input(z, mask, direction="incoming", chunk=2, **w)
     with pytest.raises(ValueError, match="`direction`"):
         ops.triangle_multiplication_keeping_input(z, mask, direction="sideways", **w)

@@ -152,39 +152,29 @@ def triangle_multiplication(
     Raises:
         ValueError: an argument breaks a rule above, or the requested backend cannot run it.
     """
-    return _triangle(validate(z, mask, _weights(locals()), direction, eps), backend, keep_input=False)
+    weights = dict(
+        norm_in_weight=norm_in_weight, norm_in_bias=norm_in_bias, proj_weight=proj_weight, proj_bias=proj_bias,
+        gate_weight=gate_weight, gate_bias=gate_bias, norm_out_weight=norm_out_weight,
+        norm_out_bias=norm_out_bias, out_weight=out_weight, out_bias=out_bias,
+    )
+    return _triangle(validate(z, mask, weights, direction, eps), backend, keep_input=False)
 
 
-def triangle_multiplication_keeping_input(
-    z: Tensor,
-    mask: Optional[Tensor] = None,
-    *,
-    direction: str,
-    norm_in_weight: Tensor,
-    norm_in_bias: Tensor,
-    proj_weight: Tensor,
-    proj_bias: Tensor,
-    gate_weight: Tensor,
-    gate_bias: Tensor,
-    norm_out_weight: Tensor,
-    norm_out_bias: Tensor,
-    out_weight: Tensor,
-    out_bias: Tensor,
-    eps: float = 1e-5,
-    backend: Optional[str] = None,
-) -> tuple[Tensor, Tensor]:
-    """``(z, triangle_multiplication(z, mask, ...))`` for a ``z`` that the caller uses again (the
-    residual stream the update is added to). The values are ``z`` itself (a view) and the op's.
+def triangle_multiplication_keeping_input(z: Tensor, mask: Optional[Tensor] = None, **arguments) -> tuple[Tensor, Tensor]:
+    """``(z, triangle_multiplication(z, mask, **arguments))`` for a ``z`` that the caller uses again
+    (the residual stream the update is added to). The values are ``z`` itself (a view) and the op's.
     On the cutlass backend, with gradients recorded and ``z`` contiguous, the two are one autograd
     node whose backward adds the gradient of the returned ``z`` to the op's input gradient in its
     last pass (the input layer norm's backward); otherwise autograd adds z's two gradients.
-    Arguments as :func:`triangle_multiplication`'s."""
-    return _triangle(validate(z, mask, _weights(locals()), direction, eps), backend, keep_input=True)
-
-
-def _weights(arguments: dict) -> dict:
-    """The op's weights by name, from the arguments of its entry points."""
-    return {name: arguments[name] for name in _WEIGHTS}
+    Arguments as :func:`triangle_multiplication`'s (keywords after ``mask``)."""
+    names = ("direction", *_WEIGHTS)
+    missing = [name for name in names if name not in arguments]
+    unknown = sorted(set(arguments) - {*names, "eps", "backend"})
+    if missing or unknown:
+        raise TypeError(f"triangle_multiplication_keeping_input: missing arguments {missing}, unknown {unknown}")
+    weights = {name: arguments[name] for name in _WEIGHTS}
+    inputs = validate(z, mask, weights, arguments["direction"], arguments.get("eps", 1e-5))
+    return _triangle(inputs, arguments.get("backend"), keep_input=True)
 
 
 def _triangle(inputs: TriangleInputs, backend: Optional[str], keep_input: bool):
