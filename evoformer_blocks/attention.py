@@ -492,9 +492,14 @@ class MSAColumnGlobalAttention(nn.Module):
         compute = compute_dtype(m.dtype)
         mask_c = mask.to(compute)  # [*, S, R]
 
-        # Query: the mask-weighted mean of the column's rows, projected to every head.
+        # Query: the mask-weighted mean of the column's rows, projected to every head. The masked
+        # sums are a product batched over residues on m's strided view (no [*, S, R, c_m]
+        # temporaries; the 0/1 mask is exact in m's dtype; the GEMM sums in float32 and rounds the
+        # sums to m's dtype once, before the division).
         count = mask_c.sum(dim=-2) + self.eps  # [*, R]
-        pooled = (m.to(compute) * mask_c.unsqueeze(-1)).sum(dim=-3) / count.unsqueeze(-1)  # [*, R, c_m]
+        mask_rows = mask.to(m.dtype).movedim(-1, -2).unsqueeze(-2)  # [*, R, 1, S]
+        sums = torch.matmul(mask_rows, m.movedim(-3, -2)).squeeze(-2)  # [*, R, 1, S] @ [*, R, S, c_m] -> [*, R, c_m]
+        pooled = sums.to(compute) / count.unsqueeze(-1)  # [*, R, c_m]
         q = self.linear_q(pooled.to(m.dtype)).unflatten(-1, (heads, c))  # [*, R, H, C]
         # k, v (one head each) and the gate of every head: one GEMM over m
         kvg = stacked_projection(m, (self.linear_k, self.linear_v, self.linear_g))  # [*, S, R, 2 C + H C]
