@@ -251,6 +251,16 @@ def _meta_leaf(*shape, dtype=torch.bfloat16):
     return torch.randn(shape, dtype=torch.float32).to(dtype).to("meta").requires_grad_(True)
 
 
+def _check_compiled_gradients(run, leaves, like):
+    """``torch.compile(run, fullgraph=True)`` on meta ``leaves``: the output has ``like``'s shape and
+    dtype, and every leaf gets a gradient of its own shape and dtype."""
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(*leaves)
+    out.float().sum().backward()
+    assert out.shape == like.shape and out.dtype == like.dtype
+    for t in leaves:
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
 @pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_triangle_compile_fullgraph_traces_the_fakes(norm_dtype, with_mask):
@@ -269,11 +279,7 @@ def test_triangle_compile_fullgraph_traces_the_fakes(norm_dtype, with_mask):
         inputs = triangle.validate(z, mask, dict(zip(w, params)), "incoming", 1e-5)
         return triangle.fused_triangle_multiplication(inputs) * 2
 
-    out = torch.compile(run, fullgraph=True, backend="aot_eager")(z, *w.values())
-    out.float().sum().backward()
-    assert out.shape == z.shape and out.dtype == z.dtype
-    for t in (z, *w.values()):
-        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    _check_compiled_gradients(run, [z, *w.values()], z)
 
 
 def test_triangle_keeping_input_compile_fullgraph_traces_the_fakes():
@@ -289,11 +295,7 @@ def test_triangle_keeping_input_compile_fullgraph_traces_the_fakes():
         kept, out = triangle.fused_triangle_multiplication(inputs, keep_input=True)
         return kept * 3 + out * 2
 
-    out = torch.compile(run, fullgraph=True, backend="aot_eager")(z, *w.values())
-    out.float().sum().backward()
-    assert out.shape == z.shape and out.dtype == z.dtype
-    for t in (z, *w.values()):
-        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    _check_compiled_gradients(run, [z, *w.values()], z)
 
 
 def test_triangle_keeping_input_is_the_input_and_the_update():
@@ -323,11 +325,7 @@ def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
     def run(x, weight, bias):
         return normalization.CutlassLayerNorm().forward(normalization.validate(x, weight, bias, 1e-5)) * 2
 
-    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x, weight, bias)
-    out.float().sum().backward()
-    assert out.shape == x.shape and out.dtype == x.dtype
-    for t in (x, weight, bias):
-        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    _check_compiled_gradients(run, [x, weight, bias], x)
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
@@ -342,11 +340,7 @@ def test_layer_norm_keeping_input_compile_fullgraph_traces_the_fakes(param_dtype
         kept, y = normalization._LayerNormKeepingInputFunction.apply(x, weight, bias, 1e-5)
         return kept * 3 + y * 2
 
-    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x, weight, bias)
-    out.float().sum().backward()
-    assert out.shape == x.shape and out.dtype == x.dtype
-    for t in (x, weight, bias):
-        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    _check_compiled_gradients(run, [x, weight, bias], x)
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
@@ -363,11 +357,7 @@ def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype, scaled):
         s, y = normalization.CutlassAddLayerNorm().forward(inputs)
         return s * 3 + y * 2
 
-    out = torch.compile(run, fullgraph=True, backend="aot_eager")(*leaves)
-    out.float().sum().backward()
-    assert out.shape == x.shape and out.dtype == x.dtype
-    for t in leaves:
-        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    _check_compiled_gradients(run, leaves, x)
 
 
 # ---- sigmoid gate and linear ----------------------------------------------------------------------
