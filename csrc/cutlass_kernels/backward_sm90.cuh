@@ -325,8 +325,8 @@ struct DqConfig {
   static constexpr int kMaskBytes = Tma::kMaskBytes;
   static constexpr int kVStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = Tma::kStages + 1, kVStages = Tma::kStages;
-  static constexpr int kSmemBytes =
-      kSmemAlign + 2 * kQBytes + kKStages * kKVBytes + kVStages * kVStageBytes + Tma::kBarrierBytes;
+  static constexpr int kRingBytes = kKStages * kKVBytes + kVStages * kVStageBytes;  // the K and V rings
+  static constexpr int kSmemBytes = kSmemAlign + 2 * kQBytes + kRingBytes + Tma::kBarrierBytes;
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   auto mask_smem = [&](int st) {  // [kBlockN]
     return reinterpret_cast<float*>(v_ring + st * Cfg::kVStageBytes + Cfg::kKVBytes + Cfg::kPairBytes);
   };
-  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kVStageBytes);  // [Tma::kStages]
+  uint64_t* block_full = reinterpret_cast<uint64_t*>(k_ring + Cfg::kRingBytes);  // [Tma::kStages]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
   const int warp_row0 = (threadIdx.x / 32u) * 16;  // first of this warp's 16 rows in the CTA tile
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  Cfg::Tma::start(block_full, issue_block, p, k_ring, Cfg::kKStages * Cfg::kKVBytes + Cfg::kVStages * Cfg::kVStageBytes);
+  Cfg::Tma::start(block_full, issue_block, p, k_ring, Cfg::kRingBytes);
   {  // Q and dO [kBlockM, kHeadDim] (LayoutQ)
     const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_q(
         tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });

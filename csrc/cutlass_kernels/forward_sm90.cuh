@@ -76,9 +76,10 @@ struct ForwardConfig {
   static constexpr int kMaskBytes = Tma::kMaskBytes;
   static constexpr int kKStageBytes = smem_align(kKVBytes + kPairBytes + kMaskBytes);
   static constexpr int kKStages = Tma::kStages, kVStages = Tma::kStages + 1;
+  static constexpr int kRingBytes = kKStages * kKStageBytes + kVStages * kKVBytes;  // the K and V rings
   static constexpr int kOnesBytes = smem_align(8 * kBlockN * 2);
-  static constexpr int kSmemBytes = kSmemAlign + kQBytes + kKStages * kKStageBytes + kVStages * kKVBytes +
-                                    kOnesBytes + Tma::kBarrierBytes;  // + base alignment
+  // + base alignment
+  static constexpr int kSmemBytes = kSmemAlign + kQBytes + kRingBytes + kOnesBytes + Tma::kBarrierBytes;
   // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
@@ -108,8 +109,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     return reinterpret_cast<float*>(k_ring + st * Cfg::kKStageBytes + Cfg::kKVBytes + Cfg::kPairBytes);
   };
   auto v_smem = [&](int st) { return reinterpret_cast<Element*>(v_ring + st * Cfg::kKVBytes); };
-  Element* ones_smem = reinterpret_cast<Element*>(v_ring + Cfg::kVStages * Cfg::kKVBytes);  // [8, kBlockN] of 1
-  uint64_t* block_full = reinterpret_cast<uint64_t*>(v_ring + Cfg::kVStages * Cfg::kKVBytes + Cfg::kOnesBytes);  // [Tma::kStages]
+  Element* ones_smem = reinterpret_cast<Element*>(k_ring + Cfg::kRingBytes);  // [8, kBlockN] of 1
+  uint64_t* block_full = reinterpret_cast<uint64_t*>(k_ring + Cfg::kRingBytes + Cfg::kOnesBytes);  // [Tma::kStages]
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{});  // [kBlockM, kHeadDim]
 
   const int tid = threadIdx.x, lane = threadIdx.x % 32u;
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   };
 
   const int n_blocks = (p.Lk + kBlockN - 1) / kBlockN;
-  Cfg::Tma::start(block_full, issue_block, p, k_ring, Cfg::kKStages * Cfg::kKStageBytes + Cfg::kVStages * Cfg::kKVBytes);
+  Cfg::Tma::start(block_full, issue_block, p, k_ring, Cfg::kRingBytes);
   for (int i = tid; i < 8 * kBlockN; i += kThreads) ones_smem[i] = Element(1.f);
   SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
       q_smem, q, p.q_strides.l, rows_q, p.D);  // [kBlockM, kHeadDim] (LayoutQ)
