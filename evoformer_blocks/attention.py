@@ -87,10 +87,14 @@ class _GatedAttention(nn.Module):
         Computed head-major as ``W @ z^T`` (W: ``linear_z.weight`` [H, c_z]), so no permute or copy
         follows; the dtype is what ``linear_z(z)`` would give (autocast included).
         """
-        length = z.shape[-2]
-        z = _flatten_batch(z, 3).flatten(1, 2).transpose(1, 2)  # [B, c_z, L * L], a view of a contiguous z
-        bias = torch.matmul(self.linear_z.weight, z)  # [B, H, L * L]
-        return bias.unflatten(-1, (length, length)).unsqueeze(1)  # [B, 1, H, L, L]
+        length, c_z = z.shape[-2], z.shape[-1]
+        batch = math.prod(z.shape[:-3])
+        weight = self.linear_z.weight  # [H, c_z]
+        if batch == 1:  # one GEMM call, without matmul's broadcast of W over a batch
+            bias = torch.mm(weight, z.reshape(length * length, c_z).t())  # [H, L * L]
+        else:
+            bias = torch.matmul(weight, z.reshape(batch, length * length, c_z).transpose(1, 2))  # [B, H, L * L]
+        return bias.view(batch, 1, weight.shape[0], length, length)  # [B, 1, H, L, L]
 
     def _add_projections(self, c_in: int) -> None:
         hidden = self.c_hidden * self.no_heads

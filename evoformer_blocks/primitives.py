@@ -126,6 +126,22 @@ class Linear(nn.Linear):
         return f"{super().extra_repr()}, init={self.init!r}"
 
 
+_ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
+    """A zero bias ``[n]`` of ``like``'s dtype and device, made once per (n, dtype, device) and then
+    reused (only ever read: torch.cat copies it), instead of two tensor ops on every forward. A new
+    one under torch.compile, whose graphs keep no tensors made while tracing."""
+    if torch.compiler.is_compiling():
+        return like.new_zeros(n)
+    key = (n, like.dtype, like.device)
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        zeros = _ZEROS[key] = like.new_zeros(n)
+    return zeros
+
+
 class _StackedProjection(torch.autograd.Function):
     """``x [..., c_in] -> [x W_1^T + b_1, ..., x W_k^T + b_k]`` side by side in one ``[..., width_1 + ...
     + width_k]`` tensor, each bias optional: several projections of one input as ONE GEMM (x is read once). The
@@ -143,7 +159,7 @@ class _StackedProjection(torch.autograd.Function):
         if any(biased):
             some = biases[biased.index(True)]
             stacked_bias = torch.cat(
-                [b if b is not None else some.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+                [b if b is not None else _zeros(w.shape[0], some) for w, b in zip(weights, biases)]
             )  # [sum of widths]
         ctx.save_for_backward(x, stacked)
         ctx.weight_dtypes = [w.dtype for w in weights]

@@ -445,6 +445,60 @@ def test_auto_skips_backends_that_refuse(recording_backends):
     assert calls == []
 
 
+class _CountingBackend(ops.Backend):
+    """An attention backend that refuses keys longer than ``max_keys`` and counts its checks."""
+
+    op = _dispatch.ATTENTION_OP
+
+    def __init__(self, name: str, max_keys: int, deterministic: bool = True) -> None:
+        self.name, self.max_keys, self.checks = name, max_keys, 0
+        self.capabilities = ops.Capabilities(dtypes=(torch.float32,), device_types=(), deterministic=deterministic)
+
+    def extra_reasons(self, inputs) -> list[str]:
+        self.checks += 1
+        return [f"Lk = {inputs.len_k} > {self.max_keys}"] if inputs.len_k > self.max_keys else []
+
+
+def test_selection_is_remembered_per_input_shapes_and_setting(monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    short = _CountingBackend("short_keys", max_keys=6)
+    ops.register(short, auto_priority=-1)
+    eager = ops.get_backend("eager")
+    small, large = ops.validate(*qkv(lk=5)), ops.validate(*qkv(lk=9))
+    assert _dispatch.select(_dispatch.ATTENTION_OP, small, None) is short
+    assert _dispatch.select(_dispatch.ATTENTION_OP, ops.validate(*qkv(lk=5)), None) is short
+    assert short.checks == 1  # the same shapes again: remembered
+    assert _dispatch.select(_dispatch.ATTENTION_OP, large, None) is eager  # new shapes: checked, refused
+    assert _dispatch.select(_dispatch.ATTENTION_OP, large, None) is eager and short.checks == 2
+    assert _dispatch.select(_dispatch.ATTENTION_OP, ops.validate(*qkv(lk=5, dtype=F64)), None) is eager
+    # the setting in effect is part of what is remembered
+    with ops.backend("eager"):
+        assert _dispatch.select(_dispatch.ATTENTION_OP, small, None) is eager
+    assert _dispatch.select(_dispatch.ATTENTION_OP, small, "short_keys") is short
+    with pytest.raises(ValueError, match="Lk = 9 > 6"):  # refusals are never remembered
+        _dispatch.select(_dispatch.ATTENTION_OP, large, "short_keys")
+    with pytest.raises(ValueError, match="Lk = 9 > 6"):
+        _dispatch.select(_dispatch.ATTENTION_OP, large, "short_keys")
+    # registering a backend starts afresh
+    checks = short.checks
+    ops.register(short, auto_priority=-1)
+    assert _dispatch.select(_dispatch.ATTENTION_OP, small, None) is short and short.checks == checks + 1
+
+
+def test_remembered_selection_follows_deterministic_mode():
+    fast = _CountingBackend("fast_atomics", max_keys=100, deterministic=False)
+    ops.register(fast, auto_priority=-1)
+    inputs = ops.validate(*qkv())
+    assert _dispatch.select(_dispatch.ATTENTION_OP, inputs, None) is fast
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _dispatch.select(_dispatch.ATTENTION_OP, inputs, None) is ops.get_backend("eager")
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert _dispatch.select(_dispatch.ATTENTION_OP, inputs, None) is fast
+
+
 def test_cutlass_on_cpu_lists_reasons():
     if "cutlass" not in ops.backend_names():
         pytest.skip("no 'cutlass' backend registered")

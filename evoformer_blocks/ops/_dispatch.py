@@ -34,6 +34,7 @@ logger = logging.getLogger("evoformer_blocks")
 ENV_VAR = "EVOFORMER_BLOCKS_BACKEND"
 AUTO = "auto"
 ATTENTION_OP = "evoformer_attention"
+_MAX_SELECTIONS = 4096  # selections remembered (Registry.select) before the memory starts afresh
 
 
 class OpInputs(Protocol):
@@ -49,6 +50,8 @@ class OpInputs(Protocol):
     def dtype(self) -> torch.dtype: ...
 
     def tensors(self) -> dict[str, Optional[torch.Tensor]]: ...
+
+    def selection_key(self) -> tuple: ...
 
 
 _capabilities: dict[int, tuple[int, int]] = {}
@@ -105,7 +108,9 @@ class Backend:
     A subclass sets ``op`` (the op it implements; the default is the attention op, for which
     backends were written before there were several ops), ``name`` (``"eager"``, ``"cutlass"``,
     ...) and ``capabilities``, implements :meth:`forward`, and may add :meth:`extra_reasons`.
-    Selection calls :meth:`not_supported_reasons`, which subclasses leave as it is.
+    Selection calls :meth:`not_supported_reasons`, which subclasses leave as it is. Its answer may
+    depend only on the inputs' ``selection_key()`` (shapes, dtypes, devices, non-tensor arguments)
+    and on the device and the build, never on tensor values: selection remembers it per key.
     """
 
     op: str = ATTENTION_OP
@@ -136,6 +141,8 @@ class _State:
     default: Optional[str] = None  # set_backend
     context: list[str] = field(default_factory=list)  # `with backend(...)` blocks, innermost last
     logged: set[str] = field(default_factory=set)
+    # (op, name in effect, deterministic mode, the inputs' selection_key()) -> the backend selected
+    selected: dict[tuple, "Backend"] = field(default_factory=dict)
 
     def copy(self) -> "_State":
         return _State(
@@ -178,6 +185,7 @@ class Registry:
         backends[name] = backend_impl
         self._state.priorities[(op, name)] = auto_priority
         self._state.order[op] = sorted(backends, key=lambda n: self._state.priorities[(op, n)])
+        self._state.selected.clear()
 
     def ops(self) -> list[str]:
         return list(self._state.backends)
@@ -257,8 +265,29 @@ class Registry:
         takes the first backend with no reasons and logs once why the ones before it were skipped.
         Under ``torch.use_deterministic_algorithms(True)`` a backend whose capabilities say
         ``deterministic=False`` cannot run (with ``warn_only=True``: a named one runs and warns).
+
+        The answer is kept per (op, name in effect, deterministic mode, ``inputs.selection_key()``)
+        until a backend is registered, so that a module called again with inputs of the same
+        shapes pays a dictionary lookup, not the checks (an op call's selection otherwise costs
+        host time comparable to a kernel launch). Failures and warnings are not kept; under
+        torch.compile nothing is (the graph keeps its choice).
         """
         name = self.resolve(op, requested)
+        key = None
+        selection_key = getattr(inputs, "selection_key", None)  # (an OpInputs may lack it: no memory)
+        if selection_key is not None and not torch.compiler.is_compiling():
+            key = (op, name, torch.are_deterministic_algorithms_enabled(), selection_key())
+            impl = self._state.selected.get(key)
+            if impl is not None:
+                return impl
+        impl = self._select(op, name, inputs)
+        if key is not None and (impl.capabilities.deterministic or not key[2]):
+            if len(self._state.selected) >= _MAX_SELECTIONS:  # e.g. a new shape on every call
+                self._state.selected.clear()
+            self._state.selected[key] = impl
+        return impl
+
+    def _select(self, op: str, name: str, inputs: OpInputs) -> Backend:
         if name != AUTO:
             impl = self._state.backends[op][name]
             reasons = self._reasons(impl, inputs, named=True)

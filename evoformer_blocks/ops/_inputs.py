@@ -48,6 +48,20 @@ class ValidatedInputs:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return {name: t for name, t in values.items() if t is None or isinstance(t, torch.Tensor)}
 
+    def selection_key(self) -> tuple:
+        """Everything backend selection may read: each tensor's shape, dtype and device (also of
+        the tensors in a dict field) and every other field's value. Backends decide from these alone
+        (:class:`~evoformer_blocks.ops._dispatch.Backend`), so selection keeps its answer per key."""
+        return tuple(_metadata(getattr(self, name)) for name in self.__dataclass_fields__)
+
+
+def _metadata(value):
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device)
+    if isinstance(value, dict):
+        return tuple((name, _metadata(v)) for name, v in value.items())
+    return value
+
 
 @dataclass(frozen=True)
 class AttentionInputs(ValidatedInputs):
@@ -188,10 +202,15 @@ def gated_views(qkvg: torch.Tensor, heads: int, transposed: bool):
     """The four column blocks of a stacked projection ``qkvg [B, A, A', 4 * H * D]`` as views:
     q, k, v ``[B, N, L, H, D]`` in the attention's orientation (N = A, L = A'; with ``transposed``
     N = A', L = A, so attention runs along dim 1) and the gate g ``[B, A, A', H * D]``."""
-    q, k, v, g = qkvg.chunk(4, dim=-1)  # [B, A, A', H * D] each
-    q, k, v = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))  # [B, A, A', H, D]
+    *lead, width = qkvg.shape
+    head_dim = width // (4 * heads)
+    # Few view ops (each op call costs host time on every module call, forward and backward): one
+    # view splitting the last dim, one transpose of all four blocks at once, one unbind.
+    blocks = qkvg.view(*lead, 4, heads, head_dim)  # [B, A, A', 4, H, D]
     if transposed:
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, A', A, H, D]
+        blocks = blocks.transpose(1, 2)  # [B, A', A, 4, H, D]
+    q, k, v, _ = blocks.unbind(3)  # [B, N, L, H, D] each
+    g = qkvg[..., 3 * heads * head_dim :]  # [B, A, A', H * D]
     return q, k, v, g
 
 

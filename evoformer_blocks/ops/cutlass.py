@@ -307,7 +307,7 @@ def _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepare
     # it, the attention backward's delta = rowsum(dO * out) per head (else the attention sums it)
     batch, rows, length = out.shape[:3]
     do, delta = _kernels().sigmoid_gate_bwd_into(dy, g, gated_output_view(out, transposed), dg, heads, length)
-    do = do.unflatten(-1, (heads, -1))
+    do = do.view(*do.shape[:-1], heads, -1)  # [B, A, A', H, D]
     dout = do.transpose(1, 2) if transposed else do
     delta = delta.view(batch, rows, heads, length) if delta.numel() else None  # [B, N, H, L]
     dmask, dpair = _kernels().backward_into(
