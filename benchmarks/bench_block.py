@@ -32,7 +32,10 @@ With --host, the host (CPU) time of the default EvoformerBlock with the GPU idle
 N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the block call and around
 `torch.autograd.grad` (no synchronisation inside an iteration), the median over five rounds of 20
 iterations after warm-up (instead of the block cases unless --shapes is given too). Host time is
-what bounds the block at small sizes without CUDA graphs.
+what bounds the block at small sizes without CUDA graphs. It also counts, per forward and per
+backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
+kernel launches; autograd nodes run): exact where the times swing between processes and machine
+instances, so that host-side changes can be compared by them.
 
 With --train, the blocks run in training mode: dropout at the preset's rates (AF2: 0.15 after the MSA
 row attention, 0.25 after each pair update), a new mask every step, as a training step runs them
@@ -397,7 +400,27 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
         per_round.append((fwd / iters * 1e3, bwd / iters * 1e3))
     per_round.sort(key=sum)
     median = per_round[len(per_round) // 2]
-    return {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1], "rounds": per_round}
+    loss = forward()
+    counts = {"fwd": host_operations(forward), "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves))}
+    return {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1], "rounds": per_round,
+            "operations": counts}
+
+
+def host_operations(fn) -> dict:
+    """The host operations of one call of ``fn`` (torch.profiler, CPU events): ATen calls (nested ones
+    included), kernel launches and autograd nodes run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events()]
+    return {
+        "aten": sum(name.startswith("aten::") for name in names),
+        "launches": sum(name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for name in names),
+        "autograd_nodes": sum(name.startswith("autograd::engine::evaluate_function") for name in names),
+    }
 
 
 def main() -> None:
@@ -419,6 +442,9 @@ def main() -> None:
         rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in host["rounds"])
         print(f"\n## host time, {host['case']}, GPU idle: forward {host['fwd_ms']:.2f} ms, backward "
               f"{host['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds})", flush=True)
+        for part, ops in host["operations"].items():
+            print(f"{part}: {ops['aten']} ATen calls, {ops['launches']} kernel launches, "
+                  f"{ops['autograd_nodes']} autograd nodes", flush=True)
         results.append({"host": host})
     if args.triangle:
         print("\n## triangle multiplication, c_z = c_hidden = 128", flush=True)
