@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import _fused
 from .ops._inputs import as_dtype, compute_dtype
 from .ops.gating import bias_gradient, fused_bias_gradient, linear
 from .ops.normalization import layer_norm
@@ -148,7 +149,9 @@ class _StackedProjection(torch.autograd.Function):
     gradient arrives as one dense tensor (ops.gated_evoformer_attention writes the gradients of q,
     k, v and g so, or autograd gathers those of views of the output), so the backward takes one GEMM
     for dx, one for every weight, and one column sum for the biases (over the columns from the first
-    biased projection on). Inputs: ``x, fused_bias_grad, k, W_1..W_k, b_1..b_k``."""
+    biased projection on): one extension call (``linear_bwd`` from that column) where the bias sums
+    run on the column-sum kernel, outside torch.compile. Inputs: ``x, fused_bias_grad, k, W_1..W_k,
+    b_1..b_k``."""
 
     @staticmethod
     def forward(ctx, x, fused_bias_grad, count, *params):
@@ -173,23 +176,36 @@ class _StackedProjection(torch.autograd.Function):
         x, stacked = ctx.saved_tensors
         count = len(ctx.weight_dtypes)
         need_weights, need_biases = ctx.needs_input_grad[3 : 3 + count], ctx.needs_input_grad[3 + count :]
-        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, sum of widths]
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], any(need_weights), any(need_biases)
         widths = ctx.widths
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = as_dtype(torch.mm(dy2, as_dtype(stacked, dy2.dtype)).view(x.shape), x.dtype)  # [..., c_in]
+        first = need_biases.index(True) if need_db else count  # the first projection whose bias is wanted
+        bias_from = sum(widths[:first])  # its first column
+        dtypes = {ctx.bias_dtypes[i] for i in range(first, count) if need_biases[i]}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the bias sums' dtype
+        if ctx.fused_bias_grad and not torch.compiler.is_compiling():
+            # one extension call: the column sums from bias_from on, then the two GEMMs
+            dx, dw, sums = _fused.kernels().linear_bwd(
+                dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from
+            )  # [..., c_in], [sum of widths, c_in], [sum of widths from bias_from on]
+        else:
+            dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, sum of widths]
+            dx = dw = sums = None
+            if need_dx:
+                dx = as_dtype(torch.mm(dy2, as_dtype(stacked, dy2.dtype)).view(x.shape), x.dtype)  # [..., c_in]
+            if need_dw:
+                x2 = as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)  # [rows, c_in]
+                dw = torch.mm(dy2.t(), x2)  # [sum of widths, c_in]
+            if need_db:
+                tail = dy2[:, bias_from:]  # [rows, ...]: the columns from the first wanted bias on
+                sums = bias_gradient(tail, dtype) if ctx.fused_bias_grad else as_dtype(tail.sum(0), dtype)
         dweights = [None] * count
-        if any(need_weights):
-            x2 = as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)  # [rows, c_in]
-            dw = torch.mm(dy2.t(), x2).split(widths)  # [width_i, c_in] each
-            dweights = [as_dtype(d, dtype) if need else None for d, dtype, need in zip(dw, ctx.weight_dtypes, need_weights)]
+        if need_dw:
+            dweights = [
+                as_dtype(d, weight_dtype) if need else None
+                for d, weight_dtype, need in zip(dw.split(widths), ctx.weight_dtypes, need_weights)
+            ]  # [width_i, c_in] each
         dbiases = [None] * count
-        if any(need_biases):
-            first = need_biases.index(True)
-            dtypes = {ctx.bias_dtypes[i] for i in range(first, count) if need_biases[i]}
-            dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-            tail = dy2[:, sum(widths[:first]) :]  # [rows, ...]: the columns from the first wanted bias on
-            sums = bias_gradient(tail, dtype) if ctx.fused_bias_grad else as_dtype(tail.sum(0), dtype)
+        if need_db:
             for i, db in enumerate(sums.split(widths[first:]), start=first):
                 dbiases[i] = as_dtype(db, ctx.bias_dtypes[i]) if need_biases[i] else None
         return (dx, None, None, *dweights, *dbiases)

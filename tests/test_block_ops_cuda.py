@@ -496,6 +496,44 @@ def test_linear_matches_reference(dtype, rows, c_in, c_out, activation):
         assert torch.equal(ops.linear(x, w, b, activation=activation, backend="cutlass"), fused[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "layers",
+    [
+        ((64, False), (64, False), (64, False), (64, True)),  # the attention's q, k, v, g: biases from an aligned column
+        ((4, False), (20, True)),  # biases from column 4: the sum falls back to PyTorch's
+        ((32, True), (32, False), (64, True)),  # biases from column 0, one projection without
+    ],
+)
+def test_stacked_projection_matches_reference(dtype, layers):
+    c_in, rows = 64, 300
+    linears = [eb.primitives.Linear(c_in, width, bias=biased).to(DEV, dtype) for width, biased in layers]
+    params = [p for lin in linears for p in lin.parameters()]
+    with torch.no_grad():
+        for p in params:
+            p.normal_(std=0.3)
+    x = torch.randn(2, rows, c_in, device=DEV).to(dtype).requires_grad_(True)
+    dout = torch.randn(2, rows, sum(width for width, _ in layers), device=DEV)
+    leaves = [x, *params]
+
+    def stacked(backend):
+        for lin in linears:
+            lin.backend = backend
+        return run_with_grads(lambda: eb.primitives.stacked_projection(x, linears), leaves, dout)
+
+    fused, eager = stacked("cutlass"), stacked("eager")
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref_params = iter(ref_leaves[1:])  # each Linear's weight, then its bias where it has one
+    ref_linears = [(next(ref_params), next(ref_params) if biased else None) for _, biased in layers]
+    ref = run_with_grads(
+        lambda: torch.cat([F.linear(ref_leaves[0], w, b) for w, b in ref_linears], dim=-1), ref_leaves, dout.double()
+    )
+    names = ["out", "dx"] + [f"d{name} of {i}" for i, lin in enumerate(linears) for name, _ in lin.named_parameters()]
+    for name, a, e, r in zip(names, fused, eager, ref):
+        check(name, a, e, r, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(stacked("cutlass"), fused)), "gradients must be bitwise reproducible"
+
+
 def test_linear_under_autocast_keeps_parameter_dtypes():
     x = torch.randn(300, 64, device=DEV, requires_grad=True)
     layer = eb.primitives.Linear(64, 128).to(DEV)

@@ -32,8 +32,10 @@
 //       seen in g's order), delta [B * N * H * Lq] = rowsum(dy * y) per head, or empty where the
 //       kernel cannot sum it
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
-//   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype)
-//       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted
+//   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype,
+//              bias_from=0)
+//       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted;
+//       bias [out - bias_from] adds to the columns from bias_from on (a stacked projection's biased part)
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
 // them; family "sm90" runs the Hopper input kernel (triangle_input_sm90.cuh), "sm80" the portable one. The layer norms' affine parameters are folded into the projections that follow them
 // (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
@@ -915,11 +917,13 @@ at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
 // [..., out]: (dx in x's dtype, dweight in weight's, dbias in bias_dtype), each an undefined tensor
 // unless wanted. Products in dy's dtype (autocast: x and weight may be float32 under a half dy), as
 // PyTorch computes them; the ReLU's backward and the bias gradient are one column-sum pass where
-// the rows fit its kernel (else PyTorch's threshold_backward and float32 sum).
+// the rows fit its kernel (else PyTorch's threshold_backward and float32 sum). With bias_from > 0
+// (no ReLU) the bias covers the columns from bias_from on, and only those are summed.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_in, const at::Tensor& x,
                                                           const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& relu_out, bool need_dx,
-                                                          bool need_dw, bool need_db, at::ScalarType bias_dtype) {
+                                                          bool need_dw, bool need_db, at::ScalarType bias_dtype,
+                                                          int64_t bias_from) {
   const char* op = "linear backward";
   check_cuda(dy_in, "dy", op);
   const int64_t C = dy_in.dim() >= 1 ? dy_in.size(-1) : 0;
@@ -927,9 +931,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
                   x.numel() / std::max<int64_t>(1, x.size(-1)) == dy_in.numel() / std::max<int64_t>(1, C),
               op, ": `dy` [..., out], `x` [..., in] and `weight` [out, in] do not match: ", dy_in.sizes(), ", ",
               x.sizes(), ", ", weight.sizes());
+  TORCH_CHECK(bias_from >= 0 && bias_from < std::max<int64_t>(C, 1) && (bias_from == 0 || !relu_out.has_value()), op,
+              ": `bias_from` must be a column of dy [..., ", C, "] (0 with relu_out), got ", bias_from);
   const c10::cuda::CUDAGuard guard(dy_in.device());
-  const bool kernel = is_param_dtype(dy_in.scalar_type()) && is_param_dtype(bias_dtype) && row_fits(C, dy_in.element_size());
-  at::Tensor dy = kernel ? as_rows(dy_in, C) : dy_in.reshape({-1, C});  // [rows, out]
+  const int64_t es = dy_in.element_size();
+  const bool dtypes_fit = is_param_dtype(dy_in.scalar_type()) && is_param_dtype(bias_dtype);
+  const bool kernel = dtypes_fit && row_fits(C, es);  // the ReLU's backward with the bias sum
+  // the bias sum alone, over the columns from bias_from on (16-byte aligned where the rows are)
+  const bool sum_kernel = dtypes_fit && row_fits(C - bias_from, es) && (bias_from * es) % 16 == 0;
+  at::Tensor dy = kernel || sum_kernel ? as_rows(dy_in, C) : dy_in.reshape({-1, C});  // [rows, out]
   at::Tensor db;
   if (relu_out.has_value()) {
     TORCH_CHECK(relu_out->sizes() == dy_in.sizes() && relu_out->scalar_type() == dy_in.scalar_type() &&
@@ -944,8 +954,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
       dy = at::threshold_backward(dy, relu_out->reshape({-1, C}), 0);
     }
   }
-  if (need_db && !db.defined())
-    db = kernel ? column_sum_rows(dy, bias_dtype) : at::sum(dy, {0}, false, at::kFloat).to(bias_dtype);
+  if (need_db && !db.defined()) {
+    const at::Tensor biased = bias_from > 0 ? dy.narrow(1, bias_from, C - bias_from) : dy;  // [rows, out - bias_from]
+    db = sum_kernel ? column_sum_rows(biased, bias_dtype) : at::sum(biased, {0}, false, at::kFloat).to(bias_dtype);
+  }
   at::Tensor dx, dw;
   if (need_dx) dx = at::mm(dy, weight.to(dy.scalar_type())).view(x.sizes()).to(x.scalar_type());  // [..., in]
   if (need_dw) dw = at::mm(dy.t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type())).to(weight.scalar_type());  // [out, in]
@@ -975,7 +987,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
         "-> (Tensor, Tensor)");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
-        "ScalarType bias_dtype) -> (Tensor, Tensor, Tensor)");
+        "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
         "Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
