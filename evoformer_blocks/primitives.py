@@ -185,7 +185,7 @@ class _StackedProjection(torch.autograd.Function):
         if ctx.fused_bias_grad and not torch.compiler.is_compiling():
             # one extension call: the column sums from bias_from on, then the two GEMMs
             dx, dw, sums = _fused.kernels().linear_bwd(
-                dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from
+                dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from if need_db else 0
             )  # [..., c_in], [sum of widths, c_in], [sum of widths from bias_from on]
         else:
             dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, sum of widths]

@@ -532,6 +532,12 @@ def test_stacked_projection_matches_reference(dtype, layers):
     for name, a, e, r in zip(names, fused, eager, ref):
         check(name, a, e, r, dtype)
     assert all(torch.equal(a, b) for a, b in zip(stacked("cutlass"), fused)), "gradients must be bitwise reproducible"
+    # gradients of x and the weights only (no bias gradient wanted): the same values
+    out = eb.primitives.stacked_projection(x, linears)  # (on the cutlass backend, as last set)
+    partial = torch.autograd.grad(out, [x, *(lin.weight for lin in linears)], dout.to(out.dtype))
+    is_weight = [name == "weight" for lin in linears for name, _ in lin.named_parameters()]
+    wanted = [fused[1]] + [g for g, weight in zip(fused[2:], is_weight) if weight]  # dx, then each dW
+    assert len(partial) == len(wanted) and all(torch.equal(a, b) for a, b in zip(partial, wanted))
 
 
 def test_linear_under_autocast_keeps_parameter_dtypes():
