@@ -178,14 +178,14 @@ class _StackedProjection(torch.autograd.Function):
         need_weights, need_biases = ctx.needs_input_grad[3 : 3 + count], ctx.needs_input_grad[3 + count :]
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], any(need_weights), any(need_biases)
         widths = ctx.widths
-        first = need_biases.index(True) if need_db else count  # the first projection whose bias is wanted
+        first = need_biases.index(True) if need_db else 0  # the first projection whose bias is wanted
         bias_from = sum(widths[:first])  # its first column
         dtypes = {ctx.bias_dtypes[i] for i in range(first, count) if need_biases[i]}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the bias sums' dtype
         if ctx.fused_bias_grad and not torch.compiler.is_compiling():
             # one extension call: the column sums from bias_from on, then the two GEMMs
             dx, dw, sums = _fused.kernels().linear_bwd(
-                dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from if need_db else 0
+                dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from
             )  # [..., c_in], [sum of widths, c_in], [sum of widths from bias_from on]
         else:
             dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, sum of widths]

@@ -8,9 +8,9 @@ setting, a name: ``"auto"`` or a backend name, taken from (first that is set) th
 ``EVOFORMER_BLOCKS_BACKEND`` environment variable, else ``"auto"``. ``auto`` takes the op's
 backend of lowest ``auto_priority`` that can run the inputs.
 
-The state (backends, priorities, the default, the context stack, what was logged) lives in one
-:class:`Registry`, :data:`REGISTRY`; the module-level functions act on it, and
-``REGISTRY.isolated()`` undoes a test's changes. A second op gives its backends
+The state (backends, priorities, the default, the context stack, what was logged, the selections
+remembered per input shapes) lives in one :class:`Registry`, :data:`REGISTRY`; the module-level
+functions act on it, and ``REGISTRY.isolated()`` undoes a test's changes. A second op gives its backends
 ``op = "<its name>"``, registers them with :func:`register` under the shared names, validates its
 inputs into an object with ``device``, ``dtype`` and ``tensors()`` (:class:`OpInputs`), and calls
 ``select("<its name>", inputs, backend)``.
@@ -40,7 +40,9 @@ _MAX_SELECTIONS = 4096  # selections remembered (Registry.select) before the mem
 class OpInputs(Protocol):
     """What selection reads from an op's validated inputs (e.g. :class:`AttentionInputs`).
 
-    ``head_dim`` is read only by a backend whose :class:`Capabilities` limit it.
+    ``head_dim`` is read only by a backend whose :class:`Capabilities` limit it. ``selection_key()``
+    (every :class:`~evoformer_blocks.ops._inputs.ValidatedInputs` has it) lets selection remember
+    its answer; inputs without it are checked on every call.
     """
 
     @property
