@@ -22,7 +22,7 @@
 // after V: V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
 //
 // Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma, the pair
-// tile read once into registers.
+// tile read once into registers, each row n's Q, dO, K, V and mask tiles by TMA (RowStepTma).
 #pragma once
 
 #include <type_traits>
@@ -491,14 +491,16 @@ struct DpairConfig {
   using LayoutQ = typename RowTileLayouts<Element, kBlockM, kHeadDim>::RowMajor;  // Q and dO
   using LayoutK = typename RowTileLayouts<Element, kBlockN, kHeadDim>::RowMajor;  // K and V
   using MmaS = SsMma<Element, kBlockN, kHeadDim>;  // S = Q.K^T and dP = dO.V^T
+  using Tma = RowStepTma<Element, kHeadDim, kBlockM, kBlockN>;  // Q, dO, K, V and mask tiles per row n
 
-  // Shared memory: the pair tile, then two stages (one per row n) of {Q, dO, K, V, mask tile,
-  // stats (float2), delta}.
+  // Shared memory: the pair tile, then two stages (one per row n) of {Q, dO, K, V (swizzled TMA
+  // tiles, 1024-byte aligned), mask tile, stats (float2), delta}, then the stages' barriers.
   static constexpr int kTileBytes = smem_align(64 * kHeadDim * 2);  // Q, dO, K or V
   static constexpr int kPairBytes = smem_align(kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0);
-  static constexpr int kStageBytes = smem_align(4 * kTileBytes + kBlockN * 4 + kBlockM * 12);
-  static constexpr int kStages = 2;
-  static constexpr int kSmemBytes = kSmemAlign + kPairBytes + kStages * kStageBytes;
+  static constexpr int kStageBytes = smem_align(4 * kTileBytes + Tma::kMaskBytes + kBlockM * 12);
+  static constexpr int kStages = Tma::kStages;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kSmemBytes = kSmemAlign + kPairBytes + kRingBytes + Tma::kBarrierBytes;
   // S, dP and the dS sum in registers (about 100 per thread): 3 CTAs per SM (168 registers) at
   // D = 32, 2 above, where shared memory allows.
   static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 3 : 2);
@@ -507,21 +509,23 @@ struct DpairConfig {
 
 // Pair-bias gradient: CTA = a [64 queries, 64 keys] tile of (b, h) and a chunk of rows n
 // (PairGradTile); per row n: S = Q.K^T and dP = dO.V^T on wgmma, dS = P * (dP - delta), summed in
-// registers over the chunk and written once. Row n + 1's tiles are copied during row n's math.
+// registers over the chunk and written once. Row n's tiles come by TMA (RowStepTma, thread 0 issues
+// row n + 1's while row n is computed); the pair tile once by cp.async, read into registers.
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
-    backward_sm90_dpair_kernel(const AttentionParams p) {
+    backward_sm90_dpair_kernel(const AttentionParams p, const __grid_constant__ RowStepMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Element = typename Cfg::Element;
   using PairT = typename Cfg::PairT;
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kNTiles = Cfg::kNTiles, kThreads = Cfg::kThreads;
 
   extern __shared__ __align__(16) char smem_raw[];
   char* smem = aligned_smem(smem_raw);
   PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockM][kPairPitch]
   char* ring = smem + Cfg::kPairBytes;
+  uint64_t* row_full = reinterpret_cast<uint64_t*>(ring + Cfg::kRingBytes);  // [Tma::kStages]
   auto tile_smem = [&](int st, int i) {  // i: 0 Q, 1 dO, 2 K, 3 V
     return reinterpret_cast<Element*>(ring + st * Cfg::kStageBytes + i * Cfg::kTileBytes);
   };
@@ -533,44 +537,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   const int warp_row0 = (threadIdx.x / 32u) * 16;
   const PairGradTile tile(p);
   const int64_t b = tile.b, h = tile.h;
+  const int steps = tile.n_end - tile.n_begin;  // rows n of the chunk
 
-  if constexpr (Cfg::kPair != kNoPair) {
+  static_assert(Cfg::kPair != kNoPair, "the pair-bias gradient kernel runs only with a pair bias");
+  {
     const PairT* pair = static_cast<const PairT*>(p.pair) + b * p.pair_stride_b + h * p.pair_stride_h +
                         int64_t(tile.m0) * p.pair_stride_q + tile.n0;  // [Lq, Lk_pad] tile of (b, h)
     load_tile_async<PairT, kBlockM, kBlockN, Cfg::kPairPitch, kThreads>(sPair, pair, p.pair_stride_q, tile.rows_q,
                                                                         p.Lk - tile.n0, tid);
+    cp_async_commit();
   }
-  // q / dO / K / V / mask start at row n_begin and advance one row n per step; the statistics of
-  // the next row are loaded into registers with its tiles and stored to shared memory after the
-  // current row's math.
-  const Element* q = static_cast<const Element*>(p.q) + p.q_strides.at(b, tile.n_begin, tile.m0, h);
-  const Element* dout = static_cast<const Element*>(p.dout) + p.do_strides.at(b, tile.n_begin, tile.m0, h);
-  const Element* k = static_cast<const Element*>(p.k) + p.k_strides.at(b, tile.n_begin, tile.n0, h);
-  const Element* v = static_cast<const Element*>(p.v) + p.v_strides.at(b, tile.n_begin, tile.n0, h);
-  const float* mask =
-      p.mask_scaled ? p.mask_scaled + b * p.mask_stride_b + tile.n_begin * p.mask_stride_n + tile.n0 : nullptr;
-  const SwizzledTileCopy<kBlockM, kHeadDim, kThreads> copy_tile(
-      tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); });
-  const TileCopy<float, 1, kBlockN, kBlockN, kThreads> copy_mask(tid);
-  static_assert(std::is_same_v<typename Cfg::LayoutQ, typename Cfg::LayoutK>, "one copy plan serves all four tiles");
-  static_assert(kBlockM <= kThreads, "one thread per query row of the tile");
-  PendingRowStats pending;  // the next row's statistics
-  auto load_row = [&](int st, int64_t n) {
-    copy_tile(tile_smem(st, 0), q, p.q_strides.l, tile.rows_q, p.D);
-    copy_tile(tile_smem(st, 1), dout, p.do_strides.l, tile.rows_q, p.D);
-    copy_tile(tile_smem(st, 2), k, p.k_strides.l, tile.rows_k, p.D);
-    copy_tile(tile_smem(st, 3), v, p.v_strides.l, tile.rows_k, p.D);
-    if (mask) {
-      copy_mask(mask_smem(st), mask, 0, 1, p.Lk - tile.n0);
-      mask += p.mask_stride_n;
-    }
-    pending.load(p, (b * p.N + n) * p.H + h, tile.m0, tid, kBlockM);
-    q += p.q_strides.n, dout += p.do_strides.n, k += p.k_strides.n, v += p.v_strides.n;
+  // Row step s (row n_begin + s) into stage s % kStages (issued by one thread).
+  auto issue_row = [&](int step) {
+    const int st = step % Cfg::kStages;
+    Cfg::Tma::issue(maps, row_full, p, step, b, tile.n_begin + step, h, tile.m0, tile.n0, tile_smem(st, 0),
+                    tile_smem(st, 1), tile_smem(st, 2), tile_smem(st, 3), mask_smem(st));
   };
-  auto store_pending = [&](int st) { pending.store(stats_smem(st), delta_smem(st), tid, kBlockM); };
-  load_row(0, tile.n_begin);
-  store_pending(0);
-  cp_async_commit();
+  if (Cfg::Tma::RowsQ::narrow(p.D)) {  // the columns past D, which the copies never write, stay zero
+    for (int i = tid * 16; i < Cfg::kRingBytes; i += kThreads * 16)
+      *reinterpret_cast<uint4*>(ring + i) = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
+    __syncthreads();
+  }
+  if (tid == 0) {
+    Cfg::Tma::init(row_full);
+    issue_row(0);
+  }
+  // Row n's statistics are loaded into registers one step ahead and stored to its stage after the
+  // products of the row before are issued.
+  PendingRowStats pending;
+  pending.load(p, (b * p.N + tile.n_begin) * p.H + h, tile.m0, tid, kBlockM);
+  pending.store(stats_smem(0), delta_smem(0), tid, kBlockM);
 
   typename Cfg::MmaS mma_s;
   auto thr_s = mma_s.get_thread_slice(tid);
@@ -587,26 +584,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 
   // The pair tile is the same for every row n: read once into registers, keys past Lk at -inf, so
   // that each row's scores start at fma(pair, 1 / scale, mask) (add_key_biases, as the forward's).
-  static_assert(Cfg::kPair != kNoPair, "the pair-bias gradient kernel runs only with a pair bias");
   float pair_reg[kNTiles][4];
-  {
-    cp_async_wait<0>();  // the pair tile (and row n_begin's tiles) have landed
-    __syncthreads();
-    load_bias_tile<kNTiles, Cfg::kPairPitch, false>(pair_reg, sPair, warp_row0, lane);
+  cp_async_wait<0>();  // the pair tile has landed
+  __syncthreads();     // ... everyone's, with row 0's statistics and the initialised barriers
+  load_bias_tile<kNTiles, Cfg::kPairPitch, false>(pair_reg, sPair, warp_row0, lane);
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+  for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
-  }
+    for (int e = 0; e < 4; ++e)
+      if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
 
-  for (int n = tile.n_begin; n < tile.n_end; ++n) {
-    const int st = (n - tile.n_begin) % Cfg::kStages;
-    cp_async_wait<0>();                        // this thread's copies of row n have landed
-    cutlass::arch::fence_view_async_shared();  // ... and are visible to the tensor cores
-    __syncthreads();  // everyone's copies and statistics landed; row n - 1's products are done
-    if (n + 1 < tile.n_end) load_row(st ^ 1, n + 1);  // into the stage of row n - 1
-    cp_async_commit();
+  const bool has_mask = p.mask_scaled != nullptr;
+  for (int step = 0; step < steps; ++step) {
+    const int st = step % Cfg::kStages;
+    // every warp is done with the step before (its stage is the next step's) and this step's
+    // statistics are stored
+    if (step > 0) __syncthreads();
+    if (step + 1 < steps) {
+      if (tid == 0) issue_row(step + 1);
+      pending.load(p, (b * p.N + tile.n_begin + step + 1) * p.H + h, tile.m0, tid, kBlockM);
+    }
+    Cfg::Tma::wait(row_full, step);  // this row's tiles have landed
 
     float2 stats_row[2];
     float delta_row[2];
@@ -615,7 +613,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       stats_row[r] = stats_smem(st)[warp_row0 + lane / 4 + 8 * r];
       delta_row[r] = delta_smem(st)[warp_row0 + lane / 4 + 8 * r];
     }
-    const float* sMask = mask ? mask_smem(st) : nullptr;
+    const float* sMask = has_mask ? mask_smem(st) : nullptr;
     add_key_biases<true, false, kNTiles>(s, pair_reg, sMask, tile.rows_k, p.inv_scale, lane);
     start_at_minus_delta<kNTiles>(dp, delta_row);
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 0)), typename Cfg::LayoutQ{}));
@@ -630,7 +628,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
     for (int kk = 0; kk < size<2>(tSrdO); ++kk) gemm(mma_s, tSrdO(_, _, kk), tSrV(_, _, kk), tSrdP);
     warpgroup_commit_batch();
-    if (n + 1 < tile.n_end) store_pending(st ^ 1);
+    if (step + 1 < steps) pending.store(stats_smem(st ^ 1), delta_smem(st ^ 1), tid, kBlockM);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tSrdP);
@@ -641,7 +639,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[nt][e] += dp[nt][e];
   }
-  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
 
   store_pair_partial<kNTiles>(acc, p, tile, tile.m0 + warp_row0 + lane / 4, tile.n0, lane);
 #endif
@@ -663,9 +660,13 @@ void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
                                    kDqName, dq_maps);
   if constexpr (kPair != kNoPair) {
     using Dpair = sm90::DpairConfig<Element, kHeadDim, kPair>;
-    if (p.dpair != nullptr)
+    constexpr const char* kDpairName = "evoformer backward pair bias sm90";
+    if (p.dpair != nullptr) {
+      sm90::RowStepMaps dpair_maps{};
+      Dpair::Tma::encode(dpair_maps, p, kDpairName);
       launch_pair_grad(sm90::backward_sm90_dpair_kernel<Dpair>, p, Dpair::kThreads, Dpair::kSmemBytes, stream,
-                       "evoformer backward pair bias sm90");
+                       kDpairName, dpair_maps);
+    }
   }
 }
 

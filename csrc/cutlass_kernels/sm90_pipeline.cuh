@@ -1,5 +1,6 @@
-// The key-block TMA pipeline of the Hopper kernels that stream key blocks past a fixed tile of
-// kBlockM queries of one (b, n, h): the forward and the dQ kernel. Each key block brings K and V
+// The TMA pipelines of the Hopper attention kernels. KeyBlockTma: the key-block pipeline of the
+// kernels that stream key blocks past a fixed tile of kBlockM queries of one (b, n, h): the forward
+// and the dQ kernel (RowStepTma, at the end, is the pair-bias gradient's row pipeline). Each key block brings K and V
 // [kBlockN, D] (RowTileTma), the pair-bias tile [kBlockM, kBlockN] (PairTileTma) and the mask tile
 // [kBlockN] of the prepared mask [B|1, N|1, Lk_pad]. One thread issues a block's copies; they
 // complete on that block's transaction barrier, one of kStages in shared memory (block jb on
@@ -27,33 +28,13 @@
 namespace evoformer {
 namespace sm90 {
 
-struct KeyBlockMaps {
-  CUtensorMap k, v, pair, mask;  // a map is left unset when its tensor is absent
-};
-
-template <typename Element, typename PairT, int kHeadDim, int kBlockM, int kBlockN, bool kHasPair>
-struct KeyBlockTma {
-  using Rows = RowTileTma<Element, kHeadDim, kBlockN>;
-  using Pair = PairTileTma<PairT, Element, kBlockM, kBlockN>;
+// kStages transaction barriers in shared memory, one per stage of a pipeline: step s completes on
+// full[s % kStages] in phase (s / kStages) % 2; one thread arms each and issues its copies.
+template <int kStages_>
+struct StageBarriers {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  static constexpr int kStages = 2;  // key blocks in flight, one transaction barrier each
+  static constexpr int kStages = kStages_;
   static constexpr int kBarrierBytes = kStages * int(sizeof(uint64_t));
-  static constexpr int kPairBytes = kHasPair ? Pair::kBytes : 0;
-  static constexpr int kMaskBytes = kBlockN * 4;
-  static constexpr int kPairPitch = Pair::kPitch;
-
-  // Host: the maps of one launch's K, V, pair and mask tensors; a rejected map throws naming
-  // `kernel` and the tensor (the message is composed only then).
-  static void encode(KeyBlockMaps& maps, const AttentionParams& p, const char* kernel) {
-    Rows::encode(&maps.k, p.k, p.k_strides, p.Lk, p, kernel, "k");
-    Rows::encode(&maps.v, p.v, p.v_strides, p.Lk, p, kernel, "v");
-    if constexpr (kHasPair) Pair::encode(&maps.pair, p, kernel);
-    if (p.mask_scaled != nullptr) {
-      const TileMapDim dims[3] = {{p.Lk, 1, kBlockN}, {p.N, p.mask_stride_n, 1}, {p.B, p.mask_stride_b, 1}};
-      encode_tile_map(&maps.mask, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.mask_scaled, dims, 3,
-                      CU_TENSOR_MAP_SWIZZLE_NONE, kernel, "mask-bias");
-    }
-  }
 
   // One thread: initialises the barriers full[kStages] (one arrival each: the issuing thread's).
   __device__ __forceinline__ static void init(uint64_t* full) {
@@ -62,9 +43,50 @@ struct KeyBlockTma {
     cutlass::arch::fence_barrier_init();
   }
 
-  // Waits until key block jb's copies have landed.
-  __device__ __forceinline__ static void wait(uint64_t* full, int jb) {
-    Barrier::wait(&full[jb % kStages], (jb / kStages) % 2);
+  // Waits until step `step`'s copies have landed.
+  __device__ __forceinline__ static void wait(uint64_t* full, int step) {
+    Barrier::wait(&full[step % kStages], (step / kStages) % 2);
+  }
+};
+
+// TMA copies of [kCols] key tiles of row (b, n) of the prepared mask bias [B|1, N|1, Lk_pad] (float32).
+template <int kCols>
+struct MaskTileTma {
+  static constexpr int kBytes = kCols * 4;
+
+  // The map of p.mask_scaled; a rejection names `kernel`.
+  static void encode(CUtensorMap* map, const AttentionParams& p, const char* kernel) {
+    const TileMapDim dims[3] = {{p.Lk, 1, kCols}, {p.N, p.mask_stride_n, 1}, {p.B, p.mask_stride_b, 1}};
+    encode_tile_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.mask_scaled, dims, 3, CU_TENSOR_MAP_SWIZZLE_NONE,
+                    kernel, "mask-bias");
+  }
+  __device__ __forceinline__ static void copy(const CUtensorMap* map, uint64_t* bar, float* dst, int key0,
+                                              const AttentionParams& p, int64_t b, int64_t n) {
+    cute::SM90_TMA_LOAD_3D::copy(map, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), dst, key0,
+                                 tma_coord(p.mask_stride_n, n), tma_coord(p.mask_stride_b, b));
+  }
+};
+
+struct KeyBlockMaps {
+  CUtensorMap k, v, pair, mask;  // a map is left unset when its tensor is absent
+};
+
+template <typename Element, typename PairT, int kHeadDim, int kBlockM, int kBlockN, bool kHasPair>
+struct KeyBlockTma : StageBarriers<2> {  // two key blocks in flight, one transaction barrier each
+  using Rows = RowTileTma<Element, kHeadDim, kBlockN>;
+  using Pair = PairTileTma<PairT, Element, kBlockM, kBlockN>;
+  using Mask = MaskTileTma<kBlockN>;
+  static constexpr int kPairBytes = kHasPair ? Pair::kBytes : 0;
+  static constexpr int kMaskBytes = Mask::kBytes;
+  static constexpr int kPairPitch = Pair::kPitch;
+
+  // Host: the maps of one launch's K, V, pair and mask tensors; a rejected map throws naming
+  // `kernel` and the tensor (the message is composed only then).
+  static void encode(KeyBlockMaps& maps, const AttentionParams& p, const char* kernel) {
+    Rows::encode(&maps.k, p.k, p.k_strides, p.Lk, p, kernel, "k");
+    Rows::encode(&maps.v, p.v, p.v_strides, p.Lk, p, kernel, "v");
+    if constexpr (kHasPair) Pair::encode(&maps.pair, p, kernel);
+    if (p.mask_scaled != nullptr) Mask::encode(&maps.mask, p, kernel);
   }
 
   // One thread: arms block jb's barrier for key block jb of row (b, n), head h, queries from m0, and
@@ -79,9 +101,7 @@ struct KeyBlockTma {
     Rows::copy(&maps.k, bar, k_dst, n0, p.k_strides, b, n, h);
     Rows::copy(&maps.v, bar, v_dst, n0, p.v_strides, b, n, h);
     if constexpr (kHasPair) Pair::copy(&maps.pair, bar, pair_dst, m0, n0, p, b, h);
-    if (has_mask)
-      cute::SM90_TMA_LOAD_3D::copy(&maps.mask, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL), mask_dst, n0,
-                                   tma_coord(p.mask_stride_n, n), tma_coord(p.mask_stride_b, b));
+    if (has_mask) Mask::copy(&maps.mask, bar, mask_dst, n0, p, b, n);
   }
 
   // Prologue: where K and V rows are narrower than their tiles (Rows::narrow), every thread zeroes
@@ -121,6 +141,47 @@ struct KeyBlockTma {
       __syncthreads();
       if (threadIdx.x == 0) issue_block(jb + 1);
     }
+  }
+};
+
+// The row pipeline of the pair-bias gradient, whose CTA keeps one [kBlockM queries, kBlockN keys]
+// tile of (b, h) and steps through rows n: row n brings Q and dO [kBlockM, D] (queries from m0), K
+// and V [kBlockN, D] (keys from n0) (RowTileTma) and the mask tile [kBlockN]. Thread 0 issues a
+// row's copies; they complete on the transaction barrier of its stage (step s on full[s % kStages],
+// phase (s / kStages) % 2), as in KeyBlockTma. Narrow rows (RowTileTma::narrow) need the ring zeroed
+// once first (KeyBlockTma::start).
+struct RowStepMaps {
+  CUtensorMap q, dout, k, v, mask;  // mask left unset when absent
+};
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN>
+struct RowStepTma : StageBarriers<2> {  // two rows in flight
+  using RowsQ = RowTileTma<Element, kHeadDim, kBlockM>;
+  using RowsK = RowTileTma<Element, kHeadDim, kBlockN>;
+  using Mask = MaskTileTma<kBlockN>;
+  static constexpr int kMaskBytes = Mask::kBytes;
+
+  static void encode(RowStepMaps& maps, const AttentionParams& p, const char* kernel) {
+    RowsQ::encode(&maps.q, p.q, p.q_strides, p.Lq, p, kernel, "q");
+    RowsQ::encode(&maps.dout, p.dout, p.do_strides, p.Lq, p, kernel, "dout");
+    RowsK::encode(&maps.k, p.k, p.k_strides, p.Lk, p, kernel, "k");
+    RowsK::encode(&maps.v, p.v, p.v_strides, p.Lk, p, kernel, "v");
+    if (p.mask_scaled != nullptr) Mask::encode(&maps.mask, p, kernel);
+  }
+
+  // One thread: arms step `step`'s barrier and starts row n's copies into the given tiles.
+  __device__ __forceinline__ static void issue(const RowStepMaps& maps, uint64_t* full, const AttentionParams& p,
+                                               int step, int64_t b, int64_t n, int64_t h, int m0, int n0,
+                                               Element* q_dst, Element* do_dst, Element* k_dst, Element* v_dst,
+                                               float* mask_dst) {
+    uint64_t* bar = &full[step % kStages];
+    const bool has_mask = p.mask_scaled != nullptr;
+    Barrier::arrive_and_expect_tx(bar, 2 * RowsQ::bytes(p.D) + 2 * RowsK::bytes(p.D) + (has_mask ? kMaskBytes : 0));
+    RowsQ::copy(&maps.q, bar, q_dst, m0, p.q_strides, b, n, h);
+    RowsQ::copy(&maps.dout, bar, do_dst, m0, p.do_strides, b, n, h);
+    RowsK::copy(&maps.k, bar, k_dst, n0, p.k_strides, b, n, h);
+    RowsK::copy(&maps.v, bar, v_dst, n0, p.v_strides, b, n, h);
+    if (has_mask) Mask::copy(&maps.mask, bar, mask_dst, n0, p, b, n);
   }
 };
 

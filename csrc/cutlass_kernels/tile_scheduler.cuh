@@ -75,14 +75,15 @@ struct PairGradTile {
 };
 
 // Launches a pair-bias-gradient kernel on its grid (PairGradTile) after raising its dynamic
-// shared-memory limit; both steps are checked.
-inline void launch_pair_grad(void (*kernel)(AttentionParams), const AttentionParams& p, int threads, int smem_bytes,
-                             cudaStream_t stream, const char* name) {
+// shared-memory limit; both steps are checked. `extra` follows the parameters (e.g. TMA maps).
+template <typename... Extra>
+inline void launch_pair_grad(void (*kernel)(AttentionParams, Extra...), const AttentionParams& p, int threads,
+                             int smem_bytes, cudaStream_t stream, const char* name, const Extra&... extra) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
     check_launch((std::string(name) + " (shared-memory attribute)").c_str());
   const int64_t tiles = int64_t((p.Lq + PairGradTile::kQueries - 1) / PairGradTile::kQueries) *
                         ((p.Lk + PairGradTile::kKeys - 1) / PairGradTile::kKeys);
-  kernel<<<dim3(unsigned(int64_t(p.B) * p.n_chunks * tiles), unsigned(p.H)), threads, smem_bytes, stream>>>(p);
+  kernel<<<dim3(unsigned(int64_t(p.B) * p.n_chunks * tiles), unsigned(p.H)), threads, smem_bytes, stream>>>(p, extra...);
   check_launch(name);
 }
 
