@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
+from .ops import _fused
+from .ops.gating import bias_gradient, fused_bias_gradient
 from .primitives import LayerNorm, Linear, stacked_projection
 
 
@@ -24,6 +26,33 @@ class _SwapMiddle(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _swap_middle(grad)
+
+
+class _OuterProjection(torch.autograd.Function):
+    """``linear_out`` on the outer product's GEMM output ``o [B, I, c, J, c]`` as it lies, without the
+    swap to ``[B, I, J, c, c]``: the extension's ``opm_project`` (forward) and
+    ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
+    or writes o's layout directly; the weight gradient from o swapped once (``_swap_middle``)."""
+
+    @staticmethod
+    def forward(ctx, outer, weight, bias):
+        ctx.save_for_backward(outer, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _fused.kernels().opm_project(outer, weight, bias)  # [B, I, J, Z]
+
+    @staticmethod
+    def backward(ctx, dout):
+        outer, weight = ctx.saved_tensors
+        dout = dout.contiguous()  # [B, I, J, Z]
+        d_outer = dw = db = None
+        if ctx.needs_input_grad[0]:
+            d_outer = _fused.kernels().opm_project_input_grad(dout, weight)  # [B, I, c, J, c]
+        if ctx.needs_input_grad[1]:
+            rows = _swap_middle(outer).view(-1, weight.shape[1])  # [B I J, c²]
+            dw = torch.mm(dout.view(-1, dout.shape[-1]).t(), rows).to(weight.dtype)  # [Z, c²]
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = bias_gradient(dout, ctx.bias_dtype)  # [Z]
+        return d_outer, dw, db
 
 
 def _swap_middle(x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +100,29 @@ class OuterProductMean(nn.Module):
         a2 = a.flatten(-2).transpose(-1, -2)  # [*, N_i * c_hidden, N_seq]
         b2 = b.flatten(-2)  # [*, N_seq, N_j * c_hidden]
         # one GEMM over the sequences; its output is [i, c, j, e] in memory and linear_out wants
-        # [i, j, (c e)]: the swap moves whole e-rows
+        # [i, j, (c e)]: the fused projection reads that layout as it is, else the swap moves whole e-rows
         outer = torch.matmul(a2, b2).unflatten(-1, (n_j, c)).unflatten(-3, (n_i, c))  # [*, N_i, c, N_j, c]
+        if self._fused_projection(outer):
+            lead = outer.shape[:-4]
+            out = _OuterProjection.apply(outer.reshape(-1, n_i, c, n_j, c), self.linear_out.weight, self.linear_out.bias)
+            return out.view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
         outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
         outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
         return self.linear_out(outer)  # [*, N_i, N_j, c_z]
+
+    def _fused_projection(self, outer: torch.Tensor) -> bool:
+        """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
+        CUDA, float16 or bfloat16, c_hidden 32, c_z a multiple of 128, the linear's fused backend in
+        effect, not under torch.compile."""
+        weight, bias = self.linear_out.weight, self.linear_out.bias
+        if not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16) and self.c_hidden == 32
+                and self.c_z % 128 == 0 and outer.is_contiguous() and not torch.compiler.is_compiling()):
+            return False
+        lead = outer.numel() // (outer.shape[-4] * outer.shape[-3] * outer.shape[-2] * outer.shape[-1])
+        if lead * outer.shape[-4] > 65535:
+            return False
+        rows = outer.view(-1, self.c_hidden * self.c_hidden)  # shapes and dtype for the backend's choice
+        return fused_bias_gradient(rows, weight, bias, self.linear_out.backend)
 
     def forward(
         self, m: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None

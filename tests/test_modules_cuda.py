@@ -324,3 +324,47 @@ def test_gated_attention_custom_ops_pass_opcheck():
         bwd_args = (torch.randn_like(y), qkvg.detach(), out, stats, mask_prepared, pair.detach(), pair_prepared,
                     heads, transposed, 0.25, family, None, True)
         torch.library.opcheck(cutlass.gated_attention_bwd, bwd_args)
+
+
+@pytest.mark.parametrize("n_res, chunk_size, batched", [(37, None, True), (130, None, False), (130, 48, True)])
+def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, batched):
+    # linear_out on the outer product's [i, c, j, e] layout (c_hidden 32, c_z 128: the fused
+    # projection and its input gradient, no swap) in bfloat16 against the eager backend's swap and
+    # linear in bfloat16, both against float64: outputs and the gradients of m and every parameter
+    # within 2x eager bfloat16's error; rows past a 128-row tile (N_res 130) and chunks (N_i != N_j)
+    from evoformer_blocks import outer_product_mean as opm_module
+
+    calls = []
+    apply = opm_module._OuterProjection.apply
+    monkeypatch.setattr(opm_module._OuterProjection, "apply", lambda *a: calls.append(1) or apply(*a))
+    module = randomize(eb.OuterProductMean(C_M, 128, 32))
+    with torch.no_grad():
+        for lin in (module.linear_1, module.linear_2, module.linear_out):
+            lin.weight.mul_(lin.weight.shape[1] ** -0.5)
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, N_SEQ, n_res) if batched else (N_SEQ, n_res)
+    m = torch.randn(*shape, C_M, generator=gen)
+    mask = (torch.rand(*shape, generator=gen) > 0.15).float()
+    mask[..., 0, :] = 0.0  # a masked sequence
+    dout = torch.randn(*shape[:-2], n_res, n_res, 128, generator=gen)
+
+    def run(dtype, backend, device="cuda"):
+        mod = eb.OuterProductMean(C_M, 128, 32, backend=backend)
+        mod.load_state_dict(module.state_dict())
+        mod = mod.to(device=device, dtype=dtype)
+        x = m.to(device, dtype).requires_grad_(True)
+        out = mod(x, mask.to(device, dtype), chunk_size=chunk_size)
+        out.backward(dout.to(device, dtype))
+        grads = [x.grad] + [p.grad for p in mod.parameters()]
+        return [out.double().cpu()] + [g.double().cpu() for g in grads]
+
+    ref = run(torch.float64, "eager", "cpu")
+    eager = run(torch.bfloat16, "eager")
+    assert not calls
+    fused = run(torch.bfloat16, None)
+    assert calls, "the fused projection did not run"
+    names = ["out", "dm"] + [name for name, _ in module.named_parameters()]
+    for name, f, e, r in zip(names, fused, eager, ref):
+        assert torch.isfinite(f).all(), name
+        e_fused, e_eager = rel(f, r), rel(e, r)
+        assert e_fused <= RATIO * e_eager + FLOOR, f"{name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"

@@ -32,6 +32,10 @@
 //       seen in g's order), delta [B * N * H * Lq] = rowsum(dy * y) per head, or empty where the
 //       kernel cannot sum it
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
+//   opm_project(outer [B, I, C, J, C], weight [Z, C C], bias? [Z]) -> [B, I, J, Z]: the outer product
+//       mean's linear_out on its [i, c, j, e] intermediate (no [i, j, c, e] copy); C = 32, Z a multiple
+//       of 128, float16 or bfloat16, weight and bias rounded to outer's dtype
+//   opm_project_input_grad(dout [B, I, J, Z], weight [Z, C C]) -> [B, I, C, J, C]: its input gradient
 //   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype,
 //              bias_from=0)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted;
@@ -964,6 +968,84 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   return {dx, dw, need_db ? db : at::Tensor()};
 }
 
+// ---- the outer product mean's products around its [i, c, j, e] intermediate (opm_gemm.cuh) --------
+
+constexpr int64_t kOpmC = 32;  // c_hidden the kernel takes
+
+void check_opm_operand(const at::Tensor& t, const char* name, const char* op) {
+  check_cuda(t, name, op);
+  TORCH_CHECK(t.is_contiguous() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) && aligned16(t),
+              op, ": `", name, "` must be a contiguous, 16-byte aligned float16 or bfloat16 tensor, got ", t.sizes(),
+              " ", t.scalar_type());
+}
+
+// weight [Z, C C] in `like`'s dtype and device, contiguous
+at::Tensor opm_weight(const at::Tensor& weight, const at::Tensor& like, int64_t c, const char* op) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == c * c && weight.device() == like.device(), op,
+              ": `weight` must be [Z, ", c * c, "] on the input's device, got ", weight.sizes());
+  return weight.to(like.scalar_type()).contiguous();
+}
+
+template <typename Fn>
+void by_half_dtype(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kHalf) fn(cutlass::half_t{});
+  else fn(cutlass::bfloat16_t{});
+}
+
+at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
+  const char* op = "outer product mean projection";
+  check_opm_operand(outer, "outer", op);
+  TORCH_CHECK(outer.dim() == 5 && outer.size(2) == kOpmC && outer.size(4) == kOpmC, op,
+              ": `outer` must be [B, I, 32, J, 32], got ", outer.sizes());
+  const int64_t B = outer.size(0), I = outer.size(1), J = outer.size(3), C = kOpmC;
+  const c10::cuda::CUDAGuard guard(outer.device());
+  const at::Tensor weight = opm_weight(weight_in, outer, C, op);
+  const int64_t Z = weight.size(0);
+  TORCH_CHECK(Z % kOpmTile == 0 && B * I <= 65535 && J < (int64_t(1) << 31), op, ": Z must be a multiple of ",
+              kOpmTile, " and B * I at most 65535, got Z = ", Z, ", B * I = ", B * I);
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    TORCH_CHECK(bias_in->numel() == Z && bias_in->device() == outer.device(), op, ": `bias` must be [", Z, "]");
+    bias = bias_in->to(outer.scalar_type()).contiguous();
+  }
+  at::Tensor out = output({B, I, J, Z}, outer.options());
+  OpmGemmParams p{};
+  p.a = outer.data_ptr(), p.b = weight.data_ptr(), p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.a_batch = C * J * C, p.a_row = C, p.a_step = J * C;        // A row j, step c: outer[b, i, c, j, :]
+  p.b_tile = kOpmTile * C * C, p.b_row = C * C, p.b_step = C;  // B row z, step c: weight[z, c C : c C + C]
+  p.out_batch = J * Z, p.out_tile = kOpmTile, p.out_row = Z, p.out_block = 32;
+  p.rows = int(J), p.steps = int(C);
+  by_half_dtype(outer.scalar_type(), [&](auto e) {
+    launch_opm_gemm<decltype(e)>(p, B * I, int(Z / kOpmTile), c10::cuda::getCurrentCUDAStream());
+  });
+  return out;
+}
+
+at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weight_in) {
+  const char* op = "outer product mean projection backward";
+  check_opm_operand(dout, "dout", op);
+  TORCH_CHECK(dout.dim() == 4, op, ": `dout` must be [B, I, J, Z], got ", dout.sizes());
+  const int64_t B = dout.size(0), I = dout.size(1), J = dout.size(2), Z = dout.size(3), C = kOpmC;
+  const c10::cuda::CUDAGuard guard(dout.device());
+  const at::Tensor weight = opm_weight(weight_in, dout, C, op);
+  TORCH_CHECK(weight.size(0) == Z && Z % kOpmStep == 0 && B * I <= 65535 && J < (int64_t(1) << 31), op,
+              ": Z must match weight [Z, C C] and be a multiple of ", kOpmStep, ", and B * I at most 65535; got dout ",
+              dout.sizes(), ", weight ", weight.sizes());
+  const at::Tensor wt = weight.t().contiguous();  // [C C, Z]: B rows (c, e), k along z
+  at::Tensor d_outer = output({B, I, C, J, C}, dout.options());
+  OpmGemmParams p{};
+  p.a = dout.data_ptr(), p.b = wt.data_ptr(), p.bias = nullptr, p.out = d_outer.data_ptr();
+  p.a_batch = J * Z, p.a_row = Z, p.a_step = kOpmStep;                  // A row j, step s: dout[b, i, j, 32 s :]
+  p.b_tile = int64_t(kOpmTile) * Z, p.b_row = Z, p.b_step = kOpmStep;  // B row n of tile y: wt[128 y + n, 32 s :]
+  p.out_batch = C * J * C, p.out_tile = (kOpmTile / C) * J * C, p.out_row = C, p.out_block = J * C;
+  p.rows = int(J), p.steps = int(Z / kOpmStep);
+  by_half_dtype(dout.scalar_type(), [&](auto e) {
+    launch_opm_gemm<decltype(e)>(p, B * I, int(C * C / kOpmTile), c10::cuda::getCurrentCUDAStream());
+  });
+  return d_outer;
+}
+
 }  // namespace
 }  // namespace block
 }  // namespace evoformer
@@ -986,6 +1068,8 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
         "-> (Tensor, Tensor)");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
+  m.def("opm_project(Tensor outer, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
         "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
@@ -1003,6 +1087,8 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("sigmoid_gate_bwd", &evoformer::block::sigmoid_gate_bwd);
   m.impl("sigmoid_gate_bwd_into", &evoformer::block::sigmoid_gate_bwd_into);
   m.impl("column_sum", &evoformer::block::column_sum);
+  m.impl("opm_project", &evoformer::block::opm_project);
+  m.impl("opm_project_input_grad", &evoformer::block::opm_project_input_grad);
   m.impl("linear_bwd", &evoformer::block::linear_bwd);
   m.impl("add_layer_norm_fwd", &evoformer::block::add_layer_norm_fwd);
   m.impl("add_layer_norm_bwd", &evoformer::block::add_layer_norm_bwd);

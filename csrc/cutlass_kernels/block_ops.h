@@ -377,6 +377,28 @@ void launch_triangle_input_sm90(const TriangleInputParams& p, cudaStream_t strea
 template <typename T>
 void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream);
 constexpr int kTriangleGateBackwardRows = 128;
+
+// One tile GEMM of the outer product mean around its [i, c, j, e] intermediate (opm_gemm.cuh): per
+// batch z-index bi (grid.z), row tile, column tile of 128: out[r, n] = sum over steps s of the
+// 32-value dot products of A row r and B row n (+ bias[n]); 16-bit elements, every pointer and
+// stride 16-byte aligned.
+constexpr int kOpmTile = 128;  // rows and columns of a CTA's tile
+constexpr int kOpmStep = 32;   // k values per step
+struct OpmGemmParams {
+  const void* a;     // A row r, step s at a + bi * a_batch + r * a_row + s * a_step
+  const void* b;     // B row n (of column tile y), step s at b + y * b_tile + n * b_row + s * b_step
+  const void* bias;  // [columns] in the element type, or nullptr
+  void* out;         // (r, n) at out + bi * out_batch + y * out_tile + r * out_row + (n / 32) * out_block + n % 32
+  int64_t a_batch, a_row, a_step, b_tile, b_row, b_step;
+  int64_t out_batch, out_tile, out_row, out_block;
+  int rows;   // valid rows of A per batch index
+  int steps;  // k-steps of 32
+};
+
+// grid (row tiles, column_tiles, batches <= 65535)
+template <typename T>
+void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream);
+
 template <typename T>
 void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream);
 template <typename T>

@@ -92,7 +92,7 @@ def sources() -> list[Path]:
             f"nor at {CHECKOUT_SOURCE_DIR} (checkout); reinstall the package"
         )
     fixed = ["bindings.cpp", "block_bindings.cpp", "common.cu", "block_ops.cu", "triangle_input.cu",
-             "triangle_input_sm90.cu", "triangle_output.cu"]
+             "triangle_input_sm90.cu", "triangle_output.cu", "opm_gemm.cu"]
     return [SOURCE_DIR / name for name in fixed] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
 
 

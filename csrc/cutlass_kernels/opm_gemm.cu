@@ -1,0 +1,23 @@
+// Launchers of the outer product mean's tile GEMM (opm_gemm.cuh), half and bfloat16.
+#include "opm_gemm.cuh"
+
+namespace evoformer {
+namespace block {
+
+template <typename T>
+void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream) {
+  if (p.rows == 0 || batches == 0) return;
+  constexpr int smem = opm_gemm_smem_bytes<T>();
+  const char* name = "evoformer outer product mean GEMM";
+  if (cudaFuncSetAttribute(opm_gemm_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    check_launch(name);
+  const dim3 grid(unsigned((p.rows + kOpmTile - 1) / kOpmTile), unsigned(column_tiles), unsigned(batches));
+  opm_gemm_kernel<T><<<grid, kOpmThreads, smem, stream>>>(p);
+  check_launch(name);
+}
+
+template void launch_opm_gemm<cutlass::half_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
+template void launch_opm_gemm<cutlass::bfloat16_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
+
+}  // namespace block
+}  // namespace evoformer
