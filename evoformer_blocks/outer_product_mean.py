@@ -32,7 +32,8 @@ class _OuterProjection(torch.autograd.Function):
     """``linear_out`` on the outer product's GEMM output ``o [B, I, c, J, c]`` as it lies, without the
     swap to ``[B, I, J, c, c]``: the extension's ``opm_project`` (forward) and
     ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
-    or writes o's layout directly; the weight gradient from o swapped once (``_swap_middle``)."""
+    or writes o's layout directly, and ``opm_project_weight_grad`` (a sum over (b, i, j) that reads o
+    as it lies, float32 partials added in a fixed order)."""
 
     @staticmethod
     def forward(ctx, outer, weight, bias):
@@ -48,8 +49,7 @@ class _OuterProjection(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_outer = _fused.kernels().opm_project_input_grad(dout, weight)  # [B, I, c, J, c]
         if ctx.needs_input_grad[1]:
-            rows = _swap_middle(outer).view(-1, weight.shape[1])  # [B I J, c²]
-            dw = torch.mm(dout.view(-1, dout.shape[-1]).t(), rows).to(weight.dtype)  # [Z, c²]
+            dw = _fused.kernels().opm_project_weight_grad(dout, outer, weight.dtype)  # [Z, c²]
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = bias_gradient(dout, ctx.bias_dtype)  # [Z]
         return d_outer, dw, db
@@ -112,11 +112,11 @@ class OuterProductMean(nn.Module):
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
-        CUDA, float16 or bfloat16, c_hidden 32, c_z a multiple of 128, the linear's fused backend in
-        effect, not under torch.compile."""
+        CUDA, float16 or bfloat16, c_hidden 32, c_z 128, the linear's fused backend in effect, not
+        under torch.compile."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
         if not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16) and self.c_hidden == 32
-                and self.c_z % 128 == 0 and outer.is_contiguous() and not torch.compiler.is_compiling()):
+                and self.c_z == 128 and outer.is_contiguous() and not torch.compiler.is_compiling()):
             return False
         lead = outer.numel() // (outer.shape[-4] * outer.shape[-3] * outer.shape[-2] * outer.shape[-1])
         if lead * outer.shape[-4] > 65535:

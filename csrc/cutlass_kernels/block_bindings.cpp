@@ -36,6 +36,8 @@
 //       mean's linear_out on its [i, c, j, e] intermediate (no [i, j, c, e] copy); C = 32, Z a multiple
 //       of 128, float16 or bfloat16, weight and bias rounded to outer's dtype
 //   opm_project_input_grad(dout [B, I, J, Z], weight [Z, C C]) -> [B, I, C, J, C]: its input gradient
+//   opm_project_weight_grad(dout [B, I, J, Z], outer [B, I, C, J, C], weight_dtype) -> [Z, C C]: its
+//       weight gradient (Z at most 128), float32 partial sums added in a fixed order
 //   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype,
 //              bias_from=0)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted;
@@ -1046,6 +1048,40 @@ at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weig
   return d_outer;
 }
 
+at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& outer, at::ScalarType weight_dtype) {
+  const char* op = "outer product mean projection weight gradient";
+  check_opm_operand(dout, "dout", op);
+  check_opm_operand(outer, "outer", op);
+  TORCH_CHECK(dout.dim() == 4 && outer.dim() == 5 && outer.size(0) == dout.size(0) && outer.size(1) == dout.size(1) &&
+                  outer.size(2) == kOpmC && outer.size(3) == dout.size(2) && outer.size(4) == kOpmC &&
+                  outer.scalar_type() == dout.scalar_type() && outer.device() == dout.device(),
+              op, ": `dout` [B, I, J, Z] and `outer` [B, I, 32, J, 32] do not match: ", dout.sizes(), ", ",
+              outer.sizes());
+  TORCH_CHECK(is_param_dtype(weight_dtype), op, ": `weight_dtype` must be a float type, got ", weight_dtype);
+  const int64_t B = dout.size(0), I = dout.size(1), J = dout.size(2), Z = dout.size(3), C = kOpmC;
+  TORCH_CHECK(Z <= kOpmTile && Z % 8 == 0 && J < (int64_t(1) << 30), op, ": Z must be a multiple of 8 up to ",
+              kOpmTile, ", got ", Z);
+  const c10::cuda::CUDAGuard guard(dout.device());
+  const int64_t BI = B * I, Jp = (J + kOpmStep - 1) / kOpmStep * kOpmStep;
+  // dout^T [Z, B I, Jp], each (b, i)'s J padded with zeros
+  at::Tensor dout_t = at::empty({Z, BI, Jp}, dout.options());
+  if (Jp > J) dout_t.narrow(2, J, Jp - J).zero_();
+  dout_t.narrow(2, 0, J).copy_(dout.view({BI, J, Z}).permute({2, 0, 1}));
+  const int64_t steps = BI * (Jp / kOpmStep);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(steps, 2 * current_sm_count() / (C * C / kOpmTile)));
+  at::Tensor partial = output({splits, Z, C * C}, dout.options().dtype(at::kFloat));
+  if (steps == 0) return at::zeros({Z, C * C}, dout.options().dtype(weight_dtype));
+  TORCH_CHECK(steps < (int64_t(1) << 31), op, ": too many k-steps (", steps, ")");
+  OpmWeightGradParams p{};
+  p.dout_t = dout_t.data_ptr(), p.outer = outer.data_ptr(), p.partial = partial.data_ptr<float>();
+  p.dout_t_row = BI * Jp, p.outer_batch = C * J * C;
+  p.J = int(J), p.Z = int(Z), p.chunks = int(Jp / kOpmStep), p.steps = int(steps);
+  by_half_dtype(dout.scalar_type(), [&](auto e) {
+    launch_opm_weight_grad<decltype(e)>(p, int(splits), c10::cuda::getCurrentCUDAStream());
+  });
+  return partial.sum(0).to(weight_dtype);  // [Z, C C], partials added in a fixed order
+}
+
 }  // namespace
 }  // namespace block
 }  // namespace evoformer
@@ -1070,6 +1106,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
   m.def("opm_project(Tensor outer, Tensor weight, Tensor? bias) -> Tensor");
   m.def("opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor");
+  m.def("opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
         "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
@@ -1089,6 +1126,7 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("column_sum", &evoformer::block::column_sum);
   m.impl("opm_project", &evoformer::block::opm_project);
   m.impl("opm_project_input_grad", &evoformer::block::opm_project_input_grad);
+  m.impl("opm_project_weight_grad", &evoformer::block::opm_project_weight_grad);
   m.impl("linear_bwd", &evoformer::block::linear_bwd);
   m.impl("add_layer_norm_fwd", &evoformer::block::add_layer_norm_fwd);
   m.impl("add_layer_norm_bwd", &evoformer::block::add_layer_norm_bwd);

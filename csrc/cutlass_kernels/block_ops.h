@@ -399,6 +399,21 @@ struct OpmGemmParams {
 template <typename T>
 void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream);
 
+// The outer product mean's weight gradient (opm_gemm.cuh): dW[z, c C + e] = sum over (b, i, j) of
+// dout[b, i, j, z] o[b, i, c, j, e], C = 32, Z <= 128, as float32 partials [splits, Z, C C].
+struct OpmWeightGradParams {
+  const void* dout_t;   // [Z, B I, Jp]: dout transposed, each (b, i)'s J padded with zeros to Jp (32 | Jp)
+  const void* outer;    // o [B I, C, J, C]
+  float* partial;       // [splits, Z, C C]
+  int64_t dout_t_row;   // B I Jp
+  int64_t outer_batch;  // C J C
+  int J, Z;
+  int chunks;  // Jp / 32
+  int steps;   // B I chunks
+};
+template <typename T>
+void launch_opm_weight_grad(const OpmWeightGradParams& p, int splits, cudaStream_t stream);
+
 template <typename T>
 void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream);
 template <typename T>

@@ -16,8 +16,22 @@ void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, 
   check_launch(name);
 }
 
+template <typename T>
+void launch_opm_weight_grad(const OpmWeightGradParams& p, int splits, cudaStream_t stream) {
+  if (p.steps == 0 || splits == 0) return;
+  constexpr int smem = opm_weight_grad_smem_bytes<T>();
+  const char* name = "evoformer outer product mean weight gradient";
+  if (cudaFuncSetAttribute(opm_weight_grad_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
+    check_launch(name);
+  opm_weight_grad_kernel<T><<<dim3(unsigned(splits), unsigned(32 * 32 / kOpmTile)), kOpmThreads, smem, stream>>>(p);
+  check_launch(name);
+}
+
 template void launch_opm_gemm<cutlass::half_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
 template void launch_opm_gemm<cutlass::bfloat16_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
+template void launch_opm_weight_grad<cutlass::half_t>(const OpmWeightGradParams&, int, cudaStream_t);
+template void launch_opm_weight_grad<cutlass::bfloat16_t>(const OpmWeightGradParams&, int, cudaStream_t);
 
 }  // namespace block
 }  // namespace evoformer

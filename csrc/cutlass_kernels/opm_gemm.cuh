@@ -18,6 +18,16 @@
 // CTA: 256 threads, 8 warps as 4 row groups of 32 x 2 column halves of 64 (2 x 8 m16n8 tiles per
 // warp, fp32 accumulators); three cp.async stages of the A and B tiles [128, 32] (rows padded to 40
 // values: conflict-free ldmatrix), one CTA barrier per step.
+//
+// The weight gradient (OpmWeightGradParams) is the third product, a sum over (b, i, j):
+//
+//   dW[z, c C + e] = sum_{b, i, j} dout[b, i, j, z] . o[b, i, c, j, e]
+//
+// rows z (A = dout^T, copied by the host into [Z, B I, Jp] with each (b, i)'s J padded with zeros to
+// Jp, a multiple of 32: K-major, one uniform stride), columns n = (c - c0) C + e of four c, k-steps
+// of 32 j of one (b, i). Its B operand is o as it lies, [32 j][4 c x 32 e] per step: MN-major,
+// stored [k][n] in shared memory (pitch 136) and read by transposing ldmatrix. Each CTA sums a
+// range of k-steps (split-K) into float32 partials [splits, Z, C C], summed in order by the host.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +47,41 @@ constexpr int kOpmThreads = 256;
 template <typename T>
 constexpr int opm_gemm_smem_bytes() {
   return kOpmStages * kOpmStageElems * int(sizeof(T));
+}
+
+// One k-step of 32 on a warp's [32, 64] tile (2 x 8 m16n8 accumulators): A fragments by ldmatrix
+// from [m][k] rows, B from [n][k] rows (kBKMajor) or by transposing ldmatrix from [k][n] rows; sa and
+// sb are this lane's ldmatrix addresses of the first fragments (rows kBPitch values apart in B).
+template <typename T, bool kBKMajor, int kBPitch>
+__device__ __forceinline__ void opm_warp_step(float (&acc)[2][8][4], const T* sa, const T* sb) {
+#pragma unroll
+  for (int kk = 0; kk < kOpmStep / 16; ++kk) {
+    uint32_t af[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      ldsm_x4(sa + mt * 16 * kOpmPitch + kk * 16, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bf[2][2];
+      if constexpr (kBKMajor)
+        ldsm_x4(sb + np * 16 * kBPitch + kk * 16, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
+      else
+        ldsm_x4_trans(sb + kk * 16 * kBPitch + np * 16, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma<T>(acc[mt][2 * np + h], af[mt], bf[h]);
+    }
+  }
+}
+
+__device__ __forceinline__ void opm_zero(float (&acc)[2][8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 }
 
 template <typename T>
@@ -65,12 +110,7 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
   }
 
   float acc[2][8][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+  opm_zero(acc);
 
   // ldmatrix lane addresses: A (row-major [m][k]) rows m0 + lane % 16, k + 8 (lane / 16);
   // B ([n][k]) rows n0 + lane % 8 + 8 (lane / 16), k + 8 ((lane / 8) % 2)
@@ -82,23 +122,7 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     if (step + kOpmStages - 1 < p.steps) load_step(step + kOpmStages - 1);
     cp_async_commit();
     const T* const sa = smem + (step % kOpmStages) * kOpmStageElems;
-    const T* const sb = sa + kOpmTile * kOpmPitch;
-#pragma unroll
-    for (int kk = 0; kk < kOpmStep / 16; ++kk) {
-      uint32_t af[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        ldsm_x4(sa + a_off + mt * 16 * kOpmPitch + kk * 16, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bf[2][2];
-        ldsm_x4(sb + b_off + np * 16 * kOpmPitch + kk * 16, bf[0][0], bf[0][1], bf[1][0], bf[1][1]);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) mma<T>(acc[mt][2 * np + h], af[mt], bf[h]);
-      }
-    }
+    opm_warp_step<T, true, kOpmPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
   }
   cp_async_wait<0>();  // no copy in flight at exit
 
@@ -122,6 +146,83 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
         const int r = wm * 32 + mt * 16 + g + 8 * h;
         if (r < valid_rows)
           store2<T>(out_col + int64_t(row0 + r) * p.out_row, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+      }
+  }
+}
+
+constexpr int kOpmBPitch = kOpmTile + 8;  // the weight gradient's B tile [32 k][128 n]
+constexpr int kOpmWgStageElems = kOpmTile * kOpmPitch + kOpmStep * kOpmBPitch;
+
+template <typename T>
+constexpr int opm_weight_grad_smem_bytes() {
+  return kOpmStages * kOpmWgStageElems * int(sizeof(T));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kOpmThreads, 2) opm_weight_grad_kernel(OpmWeightGradParams p) {
+  extern __shared__ __align__(16) unsigned char opm_wg_smem[];
+  T* const smem = reinterpret_cast<T*>(opm_wg_smem);
+  // grid: x = split, y = column tile (four c from c0 = 4 y)
+  const int step_begin = int((int64_t(p.steps) * blockIdx.x) / gridDim.x);
+  const int step_end = int((int64_t(p.steps) * (blockIdx.x + 1)) / gridDim.x);
+  const int n_steps = step_end - step_begin;
+  const int c0 = int(blockIdx.y) * (kOpmTile / 32);
+  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int wm = warp % 4, wn = warp / 4;
+  const TileCopy<T, kOpmTile, kOpmStep, kOpmPitch, kOpmThreads> copy_a(tid);
+  // B: 32 rows j x 16 chunks of 8 (chunk q: c = c0 + q / 4, e from 8 (q % 4)); two per thread
+  const int b_row = tid / 16, b_chunk = tid % 16;
+  const int64_t b_col = int64_t(c0 + b_chunk / 4) * p.J * 32 + (b_chunk % 4) * 8;  // o[., c, 0, e0]
+  auto load_step = [&](int local) {
+    const int step = step_begin + local;  // (b, i) = step / chunks, j from 32 (step % chunks)
+    T* const sa = smem + (local % kOpmStages) * kOpmWgStageElems;
+    T* const sb = sa + kOpmTile * kOpmPitch;
+    copy_a(sa, static_cast<const T*>(p.dout_t) + int64_t(step) * kOpmStep, p.dout_t_row, p.Z, kOpmStep);
+    const int bi = step / p.chunks, j0 = (step - bi * p.chunks) * kOpmStep;
+    const T* const o = static_cast<const T*>(p.outer) + int64_t(bi) * p.outer_batch + b_col;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = b_row + 16 * h, j = j0 + k;
+      cp_async_16(sb + k * kOpmBPitch + b_chunk * 8, o + int64_t(j < p.J ? j : 0) * 32, j < p.J);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kOpmStages - 1; ++s) {
+    if (s < n_steps) load_step(s);
+    cp_async_commit();
+  }
+
+  float acc[2][8][4];
+  opm_zero(acc);
+
+  // A as in opm_gemm_kernel; B [k][n] by transposing ldmatrix: rows k + lane % 8 + 8 ((lane / 8) % 2),
+  // columns n0 + 8 (lane / 16)
+  const int a_off = (wm * 32 + lane % 16) * kOpmPitch + (lane / 16) * 8;
+  const int b_off = (lane % 8 + 8 * ((lane / 8) % 2)) * kOpmBPitch + wn * 64 + 8 * (lane / 16);
+  for (int local = 0; local < n_steps; ++local) {
+    cp_async_wait<kOpmStages - 2>();
+    __syncthreads();
+    if (local + kOpmStages - 1 < n_steps) load_step(local + kOpmStages - 1);
+    cp_async_commit();
+    const T* const sa = smem + (local % kOpmStages) * kOpmWgStageElems;
+    opm_warp_step<T, false, kOpmBPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
+  }
+  cp_async_wait<0>();
+
+  // partial [split, Z, C C] float32: row z, column c0 C + n
+  float* const part = p.partial + int64_t(blockIdx.x) * p.Z * (32 * 32) + c0 * 32;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int col = wn * 64 + nt * 8 + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wm * 32 + mt * 16 + g + 8 * h;
+        if (r < p.Z)
+          *reinterpret_cast<float2*>(part + int64_t(r) * (32 * 32) + col) =
+              make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
       }
   }
 }
