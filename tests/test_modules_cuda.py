@@ -370,3 +370,45 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
         assert torch.isfinite(f).all(), name
         e_fused, e_eager = rel(f, r), rel(e, r)
         assert e_fused <= RATIO * e_eager + FLOOR, f"{name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
+
+
+@pytest.mark.parametrize("c, rows", [(64, 37), (32, 300)])
+def test_transition_fused_hidden_gradient(monkeypatch, c, rows):
+    # the transition as one node whose hidden gradient and first bias gradient come from one GEMM's
+    # epilogue, in bfloat16, against the eager backend in bfloat16, both against float64: outputs and
+    # the gradients of x and every parameter within 2x eager bfloat16's error; bitwise repeatable
+    from evoformer_blocks import transitions
+
+    calls = []
+    apply = transitions._TransitionMLP.apply
+    monkeypatch.setattr(transitions._TransitionMLP, "apply", lambda *a: calls.append(1) or apply(*a))
+    module = randomize(eb.PairTransition(c))
+    with torch.no_grad():
+        for lin in (module.linear_1, module.linear_2):
+            lin.weight.mul_(lin.weight.shape[1] ** -0.5)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, rows, 5, c, generator=gen)
+    mask = (torch.rand(2, rows, 5, generator=gen) > 0.15).float()
+    dout = torch.randn(2, rows, 5, c, generator=gen)
+
+    def run(dtype, backend, device="cuda"):
+        mod = eb.PairTransition(c, backend=backend)
+        mod.load_state_dict(module.state_dict())
+        mod = mod.to(device=device, dtype=dtype)
+        xi = x.to(device, dtype).requires_grad_(True)
+        out = mod(xi, mask.to(device, dtype))
+        out.backward(dout.to(device, dtype))
+        return [out.double().cpu(), xi.grad.double().cpu()] + [p.grad.double().cpu() for p in mod.parameters()]
+
+    ref = run(torch.float64, "eager", "cpu")
+    eager = run(torch.bfloat16, "eager")
+    assert not calls
+    fused = run(torch.bfloat16, None)
+    assert calls, "the fused transition did not run"
+    again = run(torch.bfloat16, None)
+    assert all(torch.equal(f, a) for f, a in zip(fused, again)), "the fused path is not bitwise repeatable"
+    names = ["out", "dx"] + [name for name, _ in module.named_parameters()]
+    for name, f, e, r in zip(names, fused, eager, ref):
+        assert torch.isfinite(f).all(), name
+        e_fused, e_eager = rel(f, r), rel(e, r)
+        assert e_fused <= RATIO * e_eager + FLOOR, f"{name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"

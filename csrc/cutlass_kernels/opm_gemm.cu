@@ -4,16 +4,29 @@
 namespace evoformer {
 namespace block {
 
-template <typename T>
-void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream) {
+namespace {
+template <typename T, bool kRelu>
+void launch_tile_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream,
+                      const char* name) {
   if (p.rows == 0 || batches == 0) return;
-  constexpr int smem = opm_gemm_smem_bytes<T>();
-  const char* name = "evoformer outer product mean GEMM";
-  if (cudaFuncSetAttribute(opm_gemm_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+  constexpr int smem = opm_tile_gemm_smem_bytes<T, kRelu>();
+  if (cudaFuncSetAttribute(opm_gemm_kernel<T, kRelu>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess)
     check_launch(name);
   const dim3 grid(unsigned((p.rows + kOpmTile - 1) / kOpmTile), unsigned(column_tiles), unsigned(batches));
-  opm_gemm_kernel<T><<<grid, kOpmThreads, smem, stream>>>(p);
+  opm_gemm_kernel<T, kRelu><<<grid, kOpmThreads, smem, stream>>>(p);
   check_launch(name);
+}
+}  // namespace
+
+template <typename T>
+void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream) {
+  launch_tile_gemm<T, false>(p, batches, column_tiles, stream, "evoformer outer product mean GEMM");
+}
+
+template <typename T>
+void launch_relu_grad_gemm(const OpmGemmParams& p, int column_tiles, cudaStream_t stream) {
+  launch_tile_gemm<T, true>(p, 1, column_tiles, stream, "evoformer ReLU backward GEMM");
 }
 
 template <typename T>
@@ -30,6 +43,8 @@ void launch_opm_weight_grad(const OpmWeightGradParams& p, int splits, cudaStream
 
 template void launch_opm_gemm<cutlass::half_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
 template void launch_opm_gemm<cutlass::bfloat16_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
+template void launch_relu_grad_gemm<cutlass::half_t>(const OpmGemmParams&, int, cudaStream_t);
+template void launch_relu_grad_gemm<cutlass::bfloat16_t>(const OpmGemmParams&, int, cudaStream_t);
 template void launch_opm_weight_grad<cutlass::half_t>(const OpmWeightGradParams&, int, cudaStream_t);
 template void launch_opm_weight_grad<cutlass::bfloat16_t>(const OpmWeightGradParams&, int, cudaStream_t);
 

@@ -84,10 +84,20 @@ __device__ __forceinline__ void opm_zero(float (&acc)[2][8][4]) {
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 }
 
-template <typename T>
+constexpr int kOpmReluPitch = kOpmTile + 8;  // the ReLU output tile [128 rows][128 columns]
+
+template <typename T, bool kRelu>
+constexpr int opm_tile_gemm_smem_bytes() {
+  return opm_gemm_smem_bytes<T>() + (kRelu ? kOpmTile * kOpmReluPitch * int(sizeof(T)) : 0);
+}
+
+// kRelu: the ReLU backward epilogue (OpmGemmParams::relu_out, col_part); the ReLU output tile is
+// copied (cp.async, its own group) into shared memory behind the stages while the products run.
+template <typename T, bool kRelu>
 __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams p) {
   extern __shared__ __align__(16) unsigned char opm_smem[];
   T* const smem = reinterpret_cast<T*>(opm_smem);
+  T* const relu_tile = smem + kOpmStages * kOpmStageElems;  // [128][kOpmReluPitch] (kRelu)
   // grid: x = row tile, y = column tile, z = (b, i)
   const int64_t bi = blockIdx.z;
   const int row0 = int(blockIdx.x) * kOpmTile;
@@ -103,10 +113,15 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     copy(sa, a + int64_t(step) * p.a_step, p.a_row, valid_rows, kOpmStep);
     copy(sa + kOpmTile * kOpmPitch, b + int64_t(step) * p.b_step, p.b_row, kOpmTile, kOpmStep);
   };
+  if constexpr (kRelu) {  // first group: the ReLU output tile [128 rows, 128 columns]
+    const T* const y = static_cast<const T*>(p.relu_out) + int64_t(row0) * p.relu_row + int64_t(blockIdx.y) * kOpmTile;
+    load_tile_async<T, kOpmTile, kOpmTile, kOpmReluPitch, kOpmThreads>(relu_tile, y, p.relu_row, valid_rows, kOpmTile,
+                                                                       tid);
+  }
 #pragma unroll
   for (int s = 0; s < kOpmStages - 1; ++s) {
     if (s < p.steps) load_step(s);
-    cp_async_commit();
+    cp_async_commit();  // (kRelu: the ReLU tile joins step 0's group)
   }
 
   float acc[2][8][4];
@@ -124,29 +139,65 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     const T* const sa = smem + (step % kOpmStages) * kOpmStageElems;
     opm_warp_step<T, true, kOpmPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
   }
-  cp_async_wait<0>();  // no copy in flight at exit
+  cp_async_wait<0>();  // no copy in flight at exit (the ReLU tile landed)
 
-  // epilogue: (row, col) pairs of adjacent columns, plus the bias where given
   T* const out = static_cast<T*>(p.out) + bi * p.out_batch + int64_t(blockIdx.y) * p.out_tile;
   const int g = lane / 4, t = lane % 4;
+  if constexpr (kRelu) {
+    // out = the rounded product where the ReLU output is positive; column sums of out: over a thread's
+    // four rows, the warp's eight row groups (shuffles), then the four row warps (shared memory, in
+    // order)
+    __syncthreads();  // everyone's ReLU tile copies landed; the stages are free for the sums
+    float* const col_sums = reinterpret_cast<float*>(smem);  // [4 row warps][128 columns]
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int col = wn * 64 + nt * 8 + 2 * t;
-    float b0 = 0.f, b1 = 0.f;
-    if (p.bias != nullptr) {
-      const T* const bias = static_cast<const T*>(p.bias) + int(blockIdx.y) * kOpmTile + col;
-      const float2 bb = unpack2<T>(*reinterpret_cast<const uint32_t*>(bias));
-      b0 = bb.x, b1 = bb.y;
-    }
-    T* const out_col = out + int64_t(col / 32) * p.out_block + col % 32;
+    for (int nt = 0; nt < 8; ++nt) {
+      const int col = wn * 64 + nt * 8 + 2 * t;
+      float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wm * 32 + mt * 16 + g + 8 * h;
-        if (r < valid_rows)
-          store2<T>(out_col + int64_t(row0 + r) * p.out_row, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+        for (int h = 0; h < 2; ++h) {
+          const int r = wm * 32 + mt * 16 + g + 8 * h;
+          const float2 y = unpack2<T>(*reinterpret_cast<const uint32_t*>(relu_tile + r * kOpmReluPitch + col));
+          const float2 v = unpack2<T>(pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]));  // rounded
+          const float v0 = y.x > 0.f ? v.x : 0.f, v1 = y.y > 0.f ? v.y : 0.f;
+          s0 += v0, s1 += v1;
+          if (r < valid_rows) store2<T>(out + int64_t(row0 + r) * p.out_row + col, v0, v1);
+        }
+#pragma unroll
+      for (int m = 4; m < 32; m *= 2) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, m);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, m);
       }
+      if (g == 0) col_sums[wm * kOpmTile + col] = s0, col_sums[wm * kOpmTile + col + 1] = s1;
+    }
+    __syncthreads();
+    if (tid < kOpmTile) {
+      const float total = ((col_sums[tid] + col_sums[kOpmTile + tid]) + col_sums[2 * kOpmTile + tid]) +
+                          col_sums[3 * kOpmTile + tid];
+      p.col_part[int64_t(blockIdx.x) * p.col_part_row + int64_t(blockIdx.y) * kOpmTile + tid] = total;
+    }
+  } else {
+    // epilogue: (row, col) pairs of adjacent columns, plus the bias where given
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int col = wn * 64 + nt * 8 + 2 * t;
+      float b0 = 0.f, b1 = 0.f;
+      if (p.bias != nullptr) {
+        const T* const bias = static_cast<const T*>(p.bias) + int(blockIdx.y) * kOpmTile + col;
+        const float2 bb = unpack2<T>(*reinterpret_cast<const uint32_t*>(bias));
+        b0 = bb.x, b1 = bb.y;
+      }
+      T* const out_col = out + int64_t(col / 32) * p.out_block + col % 32;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wm * 32 + mt * 16 + g + 8 * h;
+          if (r < valid_rows)
+            store2<T>(out_col + int64_t(row0 + r) * p.out_row, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+        }
+    }
   }
 }
 
