@@ -334,6 +334,7 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
     # within 2x eager bfloat16's error; rows past a 128-row tile (N_res 130) and chunks (N_i != N_j)
     from evoformer_blocks import outer_product_mean as opm_module
 
+    monkeypatch.setenv("EVOFORMER_BLOCKS_OWN_GEMMS", "1")
     calls = []
     apply = opm_module._OuterProjection.apply
     monkeypatch.setattr(opm_module._OuterProjection, "apply", lambda *a: calls.append(1) or apply(*a))
@@ -379,6 +380,7 @@ def test_transition_fused_hidden_gradient(monkeypatch, c, rows):
     # the gradients of x and every parameter within 2x eager bfloat16's error; bitwise repeatable
     from evoformer_blocks import transitions
 
+    monkeypatch.setenv("EVOFORMER_BLOCKS_OWN_GEMMS", "1")
     calls = []
     apply = transitions._TransitionMLP.apply
     monkeypatch.setattr(transitions._TransitionMLP, "apply", lambda *a: calls.append(1) or apply(*a))
