@@ -104,7 +104,8 @@ class OuterProductMean(nn.Module):
         outer = torch.matmul(a2, b2).unflatten(-1, (n_j, c)).unflatten(-3, (n_i, c))  # [*, N_i, c, N_j, c]
         if self._fused_projection(outer):
             lead = outer.shape[:-4]
-            out = _OuterProjection.apply(outer.reshape(-1, n_i, c, n_j, c), self.linear_out.weight, self.linear_out.bias)
+            outer = outer.reshape(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
+            out = _OuterProjection.apply(outer, self.linear_out.weight, self.linear_out.bias)  # [B, N_i, N_j, c_z]
             return out.view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
         outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
         outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
@@ -115,8 +116,9 @@ class OuterProductMean(nn.Module):
         the own GEMMs enabled (``ops._fused.own_gemms``, off by default), CUDA, float16 or bfloat16,
         c_hidden 32, c_z 128, the linear's fused backend in effect, not under torch.compile."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
-        if not (_fused.own_gemms() and outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16) and self.c_hidden == 32
-                and self.c_z == 128 and outer.is_contiguous() and not torch.compiler.is_compiling()):
+        if not (_fused.own_gemms() and outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
+                and self.c_hidden == 32 and self.c_z == 128 and outer.is_contiguous()
+                and not torch.compiler.is_compiling()):
             return False
         lead = outer.numel() // (outer.shape[-4] * outer.shape[-3] * outer.shape[-2] * outer.shape[-1])
         if lead * outer.shape[-4] > 65535:

@@ -76,7 +76,8 @@ class Transition(nn.Module):
         bfloat16 throughout (no autocast), c a multiple of 32 and n c of 128, the linears' fused
         backend in effect, not under torch.compile."""
         params = (self.linear_1.weight, self.linear_1.bias, self.linear_2.weight, self.linear_2.bias)
-        if not (_fused.own_gemms() and torch.is_grad_enabled() and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+        if not (_fused.own_gemms() and torch.is_grad_enabled() and x.is_cuda
+                and x.dtype in (torch.float16, torch.bfloat16)
                 and (x.requires_grad or any(p.requires_grad for p in params))
                 and all(p.dtype == x.dtype for p in params) and self.c % 32 == 0 and (self.n * self.c) % 128 == 0
                 and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()):
