@@ -8,6 +8,7 @@ be within 2x the error of the eager bfloat16 run, for the output and the input g
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -69,6 +70,14 @@ def rel(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
 
+def assert_within_eager(labels, fused, eager, ref, context=""):
+    """Each fused result finite and within RATIO x eager bfloat16's error against the reference."""
+    for label, f, e, r in zip(labels, fused, eager, ref):
+        assert torch.isfinite(f).all(), f"{context}{label}"
+        e_fused, e_eager = rel(f, r), rel(e, r)
+        assert e_fused <= RATIO * e_eager + FLOOR, f"{context}{label}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
+
+
 @pytest.mark.parametrize("name", list(MODULES))
 def test_module_cutlass_matches_eager(name):
     make, kind, with_z = MODULES[name]
@@ -77,12 +86,9 @@ def test_module_cutlass_matches_eager(name):
     ref_out, ref_grads = run(module, x, z, mask, torch.float32, "eager")
     eager_out, eager_grads = run(module, x, z, mask, torch.bfloat16, "eager")
     fused_out, fused_grads = run(module, x, z, mask, torch.bfloat16, "cutlass")
-    for label, fused, eager, ref in [("out", fused_out, eager_out, ref_out)] + [
-        (f"grad[{i}]", f, e, r) for i, (f, e, r) in enumerate(zip(fused_grads, eager_grads, ref_grads))
-    ]:
-        assert torch.isfinite(fused).all(), label
-        e_fused, e_eager = rel(fused, ref), rel(eager, ref)
-        assert e_fused <= RATIO * e_eager + FLOOR, f"{name} {label}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
+    labels = ["out"] + [f"grad[{i}]" for i in range(len(fused_grads))]
+    assert_within_eager(labels, [fused_out, *fused_grads], [eager_out, *eager_grads], [ref_out, *ref_grads],
+                        context=f"{name} ")
 
 
 def test_module_compiles_fullgraph_on_cutlass():
@@ -326,51 +332,65 @@ def test_gated_attention_custom_ops_pass_opcheck():
         torch.library.opcheck(cutlass.gated_attention_bwd, bwd_args)
 
 
-@pytest.mark.parametrize("n_res, chunk_size, batched", [(37, None, True), (130, None, False), (130, 48, True)])
-def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, batched):
-    # linear_out on the outer product's [i, c, j, e] layout (c_hidden 32, c_z 128: the fused
-    # projection and its input gradient, no swap) in bfloat16 against the eager backend's swap and
-    # linear in bfloat16, both against float64: outputs and the gradients of m and every parameter
-    # within 2x eager bfloat16's error; rows past a 128-row tile (N_res 130) and chunks (N_i != N_j)
-    from evoformer_blocks import outer_product_mean as opm_module
+def run_with_grads(make, module, x, mask, dout, dtype, backend, device, **kwargs):
+    """[output, x's gradient, every parameter's gradient] (float64, CPU) of a copy of `module`
+    (make(backend) with its weights) on x and mask in dtype on device, with cotangent dout."""
+    mod = make(backend)
+    mod.load_state_dict(module.state_dict())
+    mod = mod.to(device=device, dtype=dtype)
+    xi = x.to(device, dtype).requires_grad_(True)
+    out = mod(xi, mask.to(device, dtype), **kwargs)
+    out.backward(dout.to(device, dtype))
+    return [t.double().cpu() for t in (out, xi.grad, *(p.grad for p in mod.parameters()))]
 
+
+def check_own_gemm_path(monkeypatch, function, run, labels):
+    """With EVOFORMER_BLOCKS_OWN_GEMMS=1, run(dtype, backend, device) (run_with_grads of a module) goes
+    through the autograd Function `function` in bfloat16 on the default backend (counted) and not on
+    eager; its results are within 2x eager bfloat16's error against float64 and bitwise repeatable."""
     monkeypatch.setenv("EVOFORMER_BLOCKS_OWN_GEMMS", "1")
     calls = []
-    apply = opm_module._OuterProjection.apply
-    monkeypatch.setattr(opm_module._OuterProjection, "apply", lambda *a: calls.append(1) or apply(*a))
-    module = randomize(eb.OuterProductMean(C_M, 128, 32))
+    apply = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or apply(*a))
+    ref = run(torch.float64, "eager", "cpu")
+    eager = run(torch.bfloat16, "eager", "cuda")
+    assert not calls
+    fused = run(torch.bfloat16, None, "cuda")
+    assert calls, f"{function.__name__} did not run"
+    again = run(torch.bfloat16, None, "cuda")
+    assert all(torch.equal(f, a) for f, a in zip(fused, again)), "the fused path is not bitwise repeatable"
+    assert_within_eager(labels, fused, eager, ref)
+
+
+def scale_weights(module, *linears):
     with torch.no_grad():
-        for lin in (module.linear_1, module.linear_2, module.linear_out):
+        for lin in linears:
             lin.weight.mul_(lin.weight.shape[1] ** -0.5)
+    return module
+
+
+@pytest.mark.parametrize("n_res, chunk_size, batched", [(37, None, True), (130, None, False), (130, 48, True)])
+def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, batched):
+    # linear_out on the outer product's [i, c, j, e] layout (c_hidden 32, c_z 128: the projection,
+    # its input and weight gradients, no swap) in bfloat16 against the eager backend's swap and linear
+    # in bfloat16, both against float64: outputs and the gradients of m and every parameter within 2x
+    # eager bfloat16's error; rows past a 128-row tile (N_res 130) and chunks (N_i != N_j)
+    from evoformer_blocks import outer_product_mean as opm_module
+
+    def make(backend=None):
+        return eb.OuterProductMean(C_M, 128, 32, backend=backend)
+
+    module = randomize(make())
+    scale_weights(module, module.linear_1, module.linear_2, module.linear_out)
     gen = torch.Generator().manual_seed(5)
     shape = (2, N_SEQ, n_res) if batched else (N_SEQ, n_res)
     m = torch.randn(*shape, C_M, generator=gen)
     mask = (torch.rand(*shape, generator=gen) > 0.15).float()
     mask[..., 0, :] = 0.0  # a masked sequence
     dout = torch.randn(*shape[:-2], n_res, n_res, 128, generator=gen)
-
-    def run(dtype, backend, device="cuda"):
-        mod = eb.OuterProductMean(C_M, 128, 32, backend=backend)
-        mod.load_state_dict(module.state_dict())
-        mod = mod.to(device=device, dtype=dtype)
-        x = m.to(device, dtype).requires_grad_(True)
-        out = mod(x, mask.to(device, dtype), chunk_size=chunk_size)
-        out.backward(dout.to(device, dtype))
-        grads = [x.grad] + [p.grad for p in mod.parameters()]
-        return [out.double().cpu()] + [g.double().cpu() for g in grads]
-
-    ref = run(torch.float64, "eager", "cpu")
-    eager = run(torch.bfloat16, "eager")
-    assert not calls
-    fused = run(torch.bfloat16, None)
-    assert calls, "the fused projection did not run"
-    again = run(torch.bfloat16, None)
-    assert all(torch.equal(f, a) for f, a in zip(fused, again)), "the fused path is not bitwise repeatable"
-    names = ["out", "dm"] + [name for name, _ in module.named_parameters()]
-    for name, f, e, r in zip(names, fused, eager, ref):
-        assert torch.isfinite(f).all(), name
-        e_fused, e_eager = rel(f, r), rel(e, r)
-        assert e_fused <= RATIO * e_eager + FLOOR, f"{name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
+    run = partial(run_with_grads, make, module, m, mask, dout, chunk_size=chunk_size)
+    labels = ["out", "dm"] + [name for name, _ in module.named_parameters()]
+    check_own_gemm_path(monkeypatch, opm_module._OuterProjection, run, labels)
 
 
 @pytest.mark.parametrize("c, rows", [(64, 37), (32, 300)])
@@ -380,37 +400,15 @@ def test_transition_fused_hidden_gradient(monkeypatch, c, rows):
     # the gradients of x and every parameter within 2x eager bfloat16's error; bitwise repeatable
     from evoformer_blocks import transitions
 
-    monkeypatch.setenv("EVOFORMER_BLOCKS_OWN_GEMMS", "1")
-    calls = []
-    apply = transitions._TransitionMLP.apply
-    monkeypatch.setattr(transitions._TransitionMLP, "apply", lambda *a: calls.append(1) or apply(*a))
-    module = randomize(eb.PairTransition(c))
-    with torch.no_grad():
-        for lin in (module.linear_1, module.linear_2):
-            lin.weight.mul_(lin.weight.shape[1] ** -0.5)
+    def make(backend=None):
+        return eb.PairTransition(c, backend=backend)
+
+    module = randomize(make())
+    scale_weights(module, module.linear_1, module.linear_2)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, rows, 5, c, generator=gen)
     mask = (torch.rand(2, rows, 5, generator=gen) > 0.15).float()
     dout = torch.randn(2, rows, 5, c, generator=gen)
-
-    def run(dtype, backend, device="cuda"):
-        mod = eb.PairTransition(c, backend=backend)
-        mod.load_state_dict(module.state_dict())
-        mod = mod.to(device=device, dtype=dtype)
-        xi = x.to(device, dtype).requires_grad_(True)
-        out = mod(xi, mask.to(device, dtype))
-        out.backward(dout.to(device, dtype))
-        return [out.double().cpu(), xi.grad.double().cpu()] + [p.grad.double().cpu() for p in mod.parameters()]
-
-    ref = run(torch.float64, "eager", "cpu")
-    eager = run(torch.bfloat16, "eager")
-    assert not calls
-    fused = run(torch.bfloat16, None)
-    assert calls, "the fused transition did not run"
-    again = run(torch.bfloat16, None)
-    assert all(torch.equal(f, a) for f, a in zip(fused, again)), "the fused path is not bitwise repeatable"
-    names = ["out", "dx"] + [name for name, _ in module.named_parameters()]
-    for name, f, e, r in zip(names, fused, eager, ref):
-        assert torch.isfinite(f).all(), name
-        e_fused, e_eager = rel(f, r), rel(e, r)
-        assert e_fused <= RATIO * e_eager + FLOOR, f"{name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
+    run = partial(run_with_grads, make, module, x, mask, dout)
+    labels = ["out", "dx"] + [name for name, _ in module.named_parameters()]
+    check_own_gemm_path(monkeypatch, transitions._TransitionMLP, run, labels)

@@ -1112,8 +1112,8 @@ at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& out
   dout_t.narrow(2, 0, J).copy_(dout.view({BI, J, Z}).permute({2, 0, 1}));
   const int64_t steps = BI * (Jp / kOpmStep);
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(steps, 2 * current_sm_count() / (C * C / kOpmTile)));
-  at::Tensor partial = output({splits, Z, C * C}, dout.options().dtype(at::kFloat));
   if (steps == 0) return at::zeros({Z, C * C}, dout.options().dtype(weight_dtype));
+  at::Tensor partial = output({splits, Z, C * C}, dout.options().dtype(at::kFloat));
   TORCH_CHECK(steps < (int64_t(1) << 31), op, ": too many k-steps (", steps, ")");
   OpmWeightGradParams p{};
   p.dout_t = dout_t.data_ptr(), p.outer = outer.data_ptr(), p.partial = partial.data_ptr<float>();

@@ -5,17 +5,23 @@ namespace evoformer {
 namespace block {
 
 namespace {
+// kernel<<<grid, kOpmThreads, smem>>>(params) after raising its dynamic shared-memory limit; both
+// steps checked and named `name`.
+template <typename Params>
+void launch_with_smem(void (*kernel)(Params), dim3 grid, int smem, cudaStream_t stream, const char* name,
+                      const Params& params) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    check_launch(name);
+  kernel<<<grid, kOpmThreads, smem, stream>>>(params);
+  check_launch(name);
+}
+
 template <typename T, bool kRelu>
 void launch_tile_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream,
                       const char* name) {
   if (p.rows == 0 || batches == 0) return;
-  constexpr int smem = opm_tile_gemm_smem_bytes<T, kRelu>();
-  if (cudaFuncSetAttribute(opm_gemm_kernel<T, kRelu>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
-    check_launch(name);
   const dim3 grid(unsigned((p.rows + kOpmTile - 1) / kOpmTile), unsigned(column_tiles), unsigned(batches));
-  opm_gemm_kernel<T, kRelu><<<grid, kOpmThreads, smem, stream>>>(p);
-  check_launch(name);
+  launch_with_smem(opm_gemm_kernel<T, kRelu>, grid, opm_tile_gemm_smem_bytes<T, kRelu>(), stream, name, p);
 }
 }  // namespace
 
@@ -32,13 +38,8 @@ void launch_relu_grad_gemm(const OpmGemmParams& p, int column_tiles, cudaStream_
 template <typename T>
 void launch_opm_weight_grad(const OpmWeightGradParams& p, int splits, cudaStream_t stream) {
   if (p.steps == 0 || splits == 0) return;
-  constexpr int smem = opm_weight_grad_smem_bytes<T>();
-  const char* name = "evoformer outer product mean weight gradient";
-  if (cudaFuncSetAttribute(opm_weight_grad_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
-    check_launch(name);
-  opm_weight_grad_kernel<T><<<dim3(unsigned(splits), unsigned(32 * 32 / kOpmTile)), kOpmThreads, smem, stream>>>(p);
-  check_launch(name);
+  launch_with_smem(opm_weight_grad_kernel<T>, dim3(unsigned(splits), unsigned(32 * 32 / kOpmTile)),
+                   opm_weight_grad_smem_bytes<T>(), stream, "evoformer outer product mean weight gradient", p);
 }
 
 template void launch_opm_gemm<cutlass::half_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);

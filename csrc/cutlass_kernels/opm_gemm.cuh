@@ -75,6 +75,19 @@ __device__ __forceinline__ void opm_warp_step(float (&acc)[2][8][4], const T* sa
   }
 }
 
+// A thread's place in the CTA tile: its warp's row group wm (32 rows) and column half wn (64
+// columns), the rows and columns of its m16n8 accumulator values (element pair h of row tile mt,
+// column tile nt) and its ldmatrix address in a row-major [128][kOpmPitch] A tile.
+struct OpmLane {
+  int lane, wm, wn, g, t;
+  __device__ __forceinline__ explicit OpmLane(int tid)
+      : lane(tid % 32), wm(tid / 32 % 4), wn(tid / 32 / 4), g(lane / 4), t(lane % 4) {}
+  __device__ __forceinline__ int row(int mt, int h) const { return wm * 32 + mt * 16 + g + 8 * h; }
+  __device__ __forceinline__ int col(int nt) const { return wn * 64 + nt * 8 + 2 * t; }
+  // A rows m0 + lane % 16, k + 8 (lane / 16)
+  __device__ __forceinline__ int a_offset() const { return (wm * 32 + lane % 16) * kOpmPitch + (lane / 16) * 8; }
+};
+
 __device__ __forceinline__ void opm_zero(float (&acc)[2][8][4]) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -92,7 +105,7 @@ constexpr int opm_tile_gemm_smem_bytes() {
 }
 
 // kRelu: the ReLU backward epilogue (OpmGemmParams::relu_out, col_part); the ReLU output tile is
-// copied (cp.async, its own group) into shared memory behind the stages while the products run.
+// copied (cp.async, with step 0's group) into shared memory behind the stages while the products run.
 template <typename T, bool kRelu>
 __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams p) {
   extern __shared__ __align__(16) unsigned char opm_smem[];
@@ -105,8 +118,8 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
   const T* const a = static_cast<const T*>(p.a) + bi * p.a_batch + int64_t(row0) * p.a_row;
   const T* const b = static_cast<const T*>(p.b) + int64_t(blockIdx.y) * p.b_tile;
 
-  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
-  const int wm = warp % 4, wn = warp / 4;
+  const int tid = int(threadIdx.x);
+  const OpmLane ln(tid);
   const TileCopy<T, kOpmTile, kOpmStep, kOpmPitch, kOpmThreads> copy(tid);
   auto load_step = [&](int step) {
     T* const sa = smem + (step % kOpmStages) * kOpmStageElems;
@@ -127,10 +140,9 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
   float acc[2][8][4];
   opm_zero(acc);
 
-  // ldmatrix lane addresses: A (row-major [m][k]) rows m0 + lane % 16, k + 8 (lane / 16);
-  // B ([n][k]) rows n0 + lane % 8 + 8 (lane / 16), k + 8 ((lane / 8) % 2)
-  const int a_off = (wm * 32 + lane % 16) * kOpmPitch + (lane / 16) * 8;
-  const int b_off = (wn * 64 + lane % 8 + 8 * (lane / 16)) * kOpmPitch + ((lane / 8) % 2) * 8;
+  // ldmatrix lane addresses: A (OpmLane); B ([n][k]) rows n0 + lane % 8 + 8 (lane / 16), k + 8 ((lane / 8) % 2)
+  const int a_off = ln.a_offset();
+  const int b_off = (ln.wn * 64 + ln.lane % 8 + 8 * (ln.lane / 16)) * kOpmPitch + ((ln.lane / 8) % 2) * 8;
   for (int step = 0; step < p.steps; ++step) {
     cp_async_wait<kOpmStages - 2>();  // this thread's copies of `step` landed
     __syncthreads();                  // everyone's; the stage `step + 2` takes is no longer read
@@ -142,7 +154,6 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
   cp_async_wait<0>();  // no copy in flight at exit (the ReLU tile landed)
 
   T* const out = static_cast<T*>(p.out) + bi * p.out_batch + int64_t(blockIdx.y) * p.out_tile;
-  const int g = lane / 4, t = lane % 4;
   if constexpr (kRelu) {
     // out = the rounded product where the ReLU output is positive; column sums of out: over a thread's
     // four rows, the warp's eight row groups (shuffles), then the four row warps (shared memory, in
@@ -151,13 +162,13 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     float* const col_sums = reinterpret_cast<float*>(smem);  // [4 row warps][128 columns]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int col = wn * 64 + nt * 8 + 2 * t;
+      const int col = ln.col(nt);
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = wm * 32 + mt * 16 + g + 8 * h;
+          const int r = ln.row(mt, h);
           const float2 y = unpack2<T>(*reinterpret_cast<const uint32_t*>(relu_tile + r * kOpmReluPitch + col));
           const float2 v = unpack2<T>(pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]));  // rounded
           const float v0 = y.x > 0.f ? v.x : 0.f, v1 = y.y > 0.f ? v.y : 0.f;
@@ -169,7 +180,7 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
         s0 += __shfl_xor_sync(0xffffffffu, s0, m);
         s1 += __shfl_xor_sync(0xffffffffu, s1, m);
       }
-      if (g == 0) col_sums[wm * kOpmTile + col] = s0, col_sums[wm * kOpmTile + col + 1] = s1;
+      if (ln.g == 0) col_sums[ln.wm * kOpmTile + col] = s0, col_sums[ln.wm * kOpmTile + col + 1] = s1;
     }
     __syncthreads();
     if (tid < kOpmTile) {
@@ -181,7 +192,7 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     // epilogue: (row, col) pairs of adjacent columns, plus the bias where given
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int col = wn * 64 + nt * 8 + 2 * t;
+      const int col = ln.col(nt);
       float b0 = 0.f, b1 = 0.f;
       if (p.bias != nullptr) {
         const T* const bias = static_cast<const T*>(p.bias) + int(blockIdx.y) * kOpmTile + col;
@@ -193,7 +204,7 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = wm * 32 + mt * 16 + g + 8 * h;
+          const int r = ln.row(mt, h);
           if (r < valid_rows)
             store2<T>(out_col + int64_t(row0 + r) * p.out_row, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
         }
@@ -218,8 +229,8 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_weight_grad_kernel(OpmWeig
   const int step_end = int((int64_t(p.steps) * (blockIdx.x + 1)) / gridDim.x);
   const int n_steps = step_end - step_begin;
   const int c0 = int(blockIdx.y) * (kOpmTile / 32);
-  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
-  const int wm = warp % 4, wn = warp / 4;
+  const int tid = int(threadIdx.x);
+  const OpmLane ln(tid);
   const TileCopy<T, kOpmTile, kOpmStep, kOpmPitch, kOpmThreads> copy_a(tid);
   // B: 32 rows j x 16 chunks of 8 (chunk q: c = c0 + q / 4, e from 8 (q % 4)); two per thread
   const int b_row = tid / 16, b_chunk = tid % 16;
@@ -248,8 +259,8 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_weight_grad_kernel(OpmWeig
 
   // A as in opm_gemm_kernel; B [k][n] by transposing ldmatrix: rows k + lane % 8 + 8 ((lane / 8) % 2),
   // columns n0 + 8 (lane / 16)
-  const int a_off = (wm * 32 + lane % 16) * kOpmPitch + (lane / 16) * 8;
-  const int b_off = (lane % 8 + 8 * ((lane / 8) % 2)) * kOpmBPitch + wn * 64 + 8 * (lane / 16);
+  const int a_off = ln.a_offset();
+  const int b_off = (ln.lane % 8 + 8 * ((ln.lane / 8) % 2)) * kOpmBPitch + ln.wn * 64 + 8 * (ln.lane / 16);
   for (int local = 0; local < n_steps; ++local) {
     cp_async_wait<kOpmStages - 2>();
     __syncthreads();
@@ -262,15 +273,14 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_weight_grad_kernel(OpmWeig
 
   // partial [split, Z, C C] float32: row z, column c0 C + n
   float* const part = p.partial + int64_t(blockIdx.x) * p.Z * (32 * 32) + c0 * 32;
-  const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
-    const int col = wn * 64 + nt * 8 + 2 * t;
+    const int col = ln.col(nt);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = wm * 32 + mt * 16 + g + 8 * h;
+        const int r = ln.row(mt, h);
         if (r < p.Z)
           *reinterpret_cast<float2*>(part + int64_t(r) * (32 * 32) + col) =
               make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
