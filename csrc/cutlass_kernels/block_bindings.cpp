@@ -991,6 +991,12 @@ at::Tensor opm_weight(const at::Tensor& weight, const at::Tensor& like, int64_t 
   return weight.to(like.scalar_type()).contiguous();
 }
 
+// The tile GEMM's grid x (row tiles times column tiles) must stay below 2^31.
+void check_tile_grid(int64_t rows, int64_t column_tiles, const char* op) {
+  TORCH_CHECK((rows + kOpmTile - 1) / kOpmTile * column_tiles < (int64_t(1) << 31), op, ": too many tiles (",
+              rows, " rows, ", column_tiles, " column tiles of ", kOpmTile, ")");
+}
+
 template <typename Fn>
 void by_half_dtype(at::ScalarType dtype, Fn&& fn) {
   if (dtype == at::kHalf) fn(cutlass::half_t{});
@@ -1013,6 +1019,7 @@ at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, con
     TORCH_CHECK(bias_in->numel() == Z && bias_in->device() == outer.device(), op, ": `bias` must be [", Z, "]");
     bias = bias_in->to(outer.scalar_type()).contiguous();
   }
+  check_tile_grid(J, Z / kOpmTile, op);
   at::Tensor out = output({B, I, J, Z}, outer.options());
   OpmGemmParams p{};
   p.a = outer.data_ptr(), p.b = weight.data_ptr(), p.bias = bias.defined() ? bias.data_ptr() : nullptr;
@@ -1038,6 +1045,7 @@ at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weig
               ": Z must match weight [Z, C C] and be a multiple of ", kOpmStep, ", and B * I at most 65535; got dout ",
               dout.sizes(), ", weight ", weight.sizes());
   const at::Tensor wt = weight.t().contiguous();  // [C C, Z]: B rows (c, e), k along z
+  check_tile_grid(J, C * C / kOpmTile, op);
   at::Tensor d_outer = output({B, I, C, J, C}, dout.options());
   OpmGemmParams p{};
   p.a = dout.data_ptr(), p.b = wt.data_ptr(), p.bias = nullptr, p.out = d_outer.data_ptr();
@@ -1073,6 +1081,7 @@ std::tuple<at::Tensor, at::Tensor> relu_grad_gemm(const at::Tensor& dy_in, const
   const int64_t M = dy.size(0);
   TORCH_CHECK(C % kOpmStep == 0 && H % kOpmTile == 0 && M < (int64_t(1) << 31), op, ": C must be a multiple of ",
               kOpmStep, " and H of ", kOpmTile, ", got C = ", C, ", H = ", H);
+  check_tile_grid(M, H / kOpmTile, op);
   const at::Tensor w2t = w2_in.to(dy.scalar_type()).t().contiguous();  // [H, C]: B rows n, k along C
   at::Tensor dh = output({M, H}, dy.options());
   const int64_t row_tiles = (M + kOpmTile - 1) / kOpmTile;
@@ -1105,20 +1114,16 @@ at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& out
   TORCH_CHECK(Z <= kOpmTile && Z % 8 == 0 && J < (int64_t(1) << 30), op, ": Z must be a multiple of 8 up to ",
               kOpmTile, ", got ", Z);
   const c10::cuda::CUDAGuard guard(dout.device());
-  const int64_t BI = B * I, Jp = (J + kOpmStep - 1) / kOpmStep * kOpmStep;
-  // dout^T [Z, B I, Jp], each (b, i)'s J padded with zeros
-  at::Tensor dout_t = at::empty({Z, BI, Jp}, dout.options());
-  if (Jp > J) dout_t.narrow(2, J, Jp - J).zero_();
-  dout_t.narrow(2, 0, J).copy_(dout.view({BI, J, Z}).permute({2, 0, 1}));
-  const int64_t steps = BI * (Jp / kOpmStep);
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(steps, 2 * current_sm_count() / (C * C / kOpmTile)));
+  const int64_t BI = B * I, chunks = (J + kOpmStep - 1) / kOpmStep;
+  const int64_t steps = BI * chunks;
   if (steps == 0) return at::zeros({Z, C * C}, dout.options().dtype(weight_dtype));
-  at::Tensor partial = output({splits, Z, C * C}, dout.options().dtype(at::kFloat));
   TORCH_CHECK(steps < (int64_t(1) << 31), op, ": too many k-steps (", steps, ")");
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(steps, 2 * current_sm_count() / (C * C / kOpmTile)));
+  at::Tensor partial = output({splits, Z, C * C}, dout.options().dtype(at::kFloat));
   OpmWeightGradParams p{};
-  p.dout_t = dout_t.data_ptr(), p.outer = outer.data_ptr(), p.partial = partial.data_ptr<float>();
-  p.dout_t_row = BI * Jp, p.outer_batch = C * J * C;
-  p.J = int(J), p.Z = int(Z), p.chunks = int(Jp / kOpmStep), p.steps = int(steps);
+  p.dout = dout.data_ptr(), p.outer = outer.data_ptr(), p.partial = partial.data_ptr<float>();
+  p.outer_batch = C * J * C;
+  p.J = int(J), p.Z = int(Z), p.chunks = int(chunks), p.steps = int(steps);
   by_half_dtype(dout.scalar_type(), [&](auto e) {
     launch_opm_weight_grad<decltype(e)>(p, int(splits), c10::cuda::getCurrentCUDAStream());
   });

@@ -391,8 +391,9 @@ struct OpmGemmParams {
   void* out;         // (r, n) at out + bi * out_batch + y * out_tile + r * out_row + (n / 32) * out_block + n % 32
   int64_t a_batch, a_row, a_step, b_tile, b_row, b_step;
   int64_t out_batch, out_tile, out_row, out_block;
-  int rows;   // valid rows of A per batch index
-  int steps;  // k-steps of 32
+  int rows;          // valid rows of A per batch index
+  int steps;         // k-steps of 32
+  int column_tiles;  // grid x = row tiles * column_tiles
   // ReLU backward (launch_relu_grad_gemm; batch 1): out[r, n] = the rounded product where
   // relu_out[r, n] > 0, else 0, and col_part[row tile, n] the float32 column sums of out per row tile
   const void* relu_out = nullptr;  // [rows, columns], rows relu_row values apart
@@ -401,24 +402,23 @@ struct OpmGemmParams {
   int64_t col_part_row = 0;   // columns
 };
 
-// grid (row tiles, column_tiles, batches <= 65535)
+// grid (row tiles * column_tiles, 1, batches <= 65535)
 template <typename T>
 void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream);
 // The same tile GEMM with the ReLU's backward in its epilogue (the transitions' hidden gradient):
-// grid (row tiles, column_tiles), p.relu_out, p.col_part set.
+// grid (row tiles * column_tiles), p.relu_out, p.col_part set.
 template <typename T>
 void launch_relu_grad_gemm(const OpmGemmParams& p, int column_tiles, cudaStream_t stream);
 
 // The outer product mean's weight gradient (opm_gemm.cuh): dW[z, c C + e] = sum over (b, i, j) of
 // dout[b, i, j, z] o[b, i, c, j, e], C = 32, Z <= 128, as float32 partials [splits, Z, C C].
 struct OpmWeightGradParams {
-  const void* dout_t;   // [Z, B I, Jp]: dout transposed, each (b, i)'s J padded with zeros to Jp (32 | Jp)
+  const void* dout;     // [B I, J, Z]
   const void* outer;    // o [B I, C, J, C]
   float* partial;       // [splits, Z, C C]
-  int64_t dout_t_row;   // B I Jp
   int64_t outer_batch;  // C J C
   int J, Z;
-  int chunks;  // Jp / 32
+  int chunks;  // ceil(J / 32)
   int steps;   // B I chunks
 };
 template <typename T>

@@ -17,10 +17,12 @@ void launch_with_smem(void (*kernel)(Params), dim3 grid, int smem, cudaStream_t 
 }
 
 template <typename T, bool kRelu>
-void launch_tile_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream,
+void launch_tile_gemm(const OpmGemmParams& params, int64_t batches, int column_tiles, cudaStream_t stream,
                       const char* name) {
-  if (p.rows == 0 || batches == 0) return;
-  const dim3 grid(unsigned((p.rows + kOpmTile - 1) / kOpmTile), unsigned(column_tiles), unsigned(batches));
+  if (params.rows == 0 || batches == 0 || column_tiles == 0) return;
+  OpmGemmParams p = params;
+  p.column_tiles = column_tiles;
+  const dim3 grid(unsigned((p.rows + kOpmTile - 1) / kOpmTile * column_tiles), 1, unsigned(batches));
   launch_with_smem(opm_gemm_kernel<T, kRelu>, grid, opm_tile_gemm_smem_bytes<T, kRelu>(), stream, name, p);
 }
 }  // namespace

@@ -17,17 +17,19 @@
 //
 // CTA: 256 threads, 8 warps as 4 row groups of 32 x 2 column halves of 64 (2 x 8 m16n8 tiles per
 // warp, fp32 accumulators); three cp.async stages of the A and B tiles [128, 32] (rows padded to 40
-// values: conflict-free ldmatrix), one CTA barrier per step.
+// values: conflict-free ldmatrix), one CTA barrier per step. The grid walks a row tile's column tiles
+// one after another (A comes from DRAM once); the result tile is staged in shared memory and stored
+// as 16-byte pieces of 32-value rows.
 //
 // The weight gradient (OpmWeightGradParams) is the third product, a sum over (b, i, j):
 //
 //   dW[z, c C + e] = sum_{b, i, j} dout[b, i, j, z] . o[b, i, c, j, e]
 //
-// rows z (A = dout^T, copied by the host into [Z, B I, Jp] with each (b, i)'s J padded with zeros to
-// Jp, a multiple of 32: K-major, one uniform stride), columns n = (c - c0) C + e of four c, k-steps
-// of 32 j of one (b, i). Its B operand is o as it lies, [32 j][4 c x 32 e] per step: MN-major,
-// stored [k][n] in shared memory (pitch 136) and read by transposing ldmatrix. Each CTA sums a
-// range of k-steps (split-K) into float32 partials [splits, Z, C C], summed in order by the host.
+// rows z, columns n = (c - c0) C + e of four c, k-steps of 32 j of one (b, i). Both operands are read
+// as they lie, MN-major: A = dout[b, i, j0 : j0 + 32, :] and B = o[b, i, c0 : c0 + 4, j0 : j0 + 32, :]
+// are stored [k][m] and [k][n] in shared memory (pitch 136, j past J and z past Z zero-filled) and
+// read by transposing ldmatrix. Each CTA sums a range of k-steps (split-K) into float32 partials
+// [splits, Z, C C], summed in order by the host.
 #pragma once
 
 #include <cstdint>
@@ -49,17 +51,22 @@ constexpr int opm_gemm_smem_bytes() {
   return kOpmStages * kOpmStageElems * int(sizeof(T));
 }
 
-// One k-step of 32 on a warp's [32, 64] tile (2 x 8 m16n8 accumulators): A fragments by ldmatrix
-// from [m][k] rows, B from [n][k] rows (kBKMajor) or by transposing ldmatrix from [k][n] rows; sa and
-// sb are this lane's ldmatrix addresses of the first fragments (rows kBPitch values apart in B).
-template <typename T, bool kBKMajor, int kBPitch>
+// One k-step of 32 on a warp's [32, 64] tile (2 x 8 m16n8 accumulators). A fragments by ldmatrix from
+// [m][k] rows (kAKMajor) or by transposing ldmatrix from [k][m] rows, B likewise from [n][k] rows
+// (kBKMajor) or [k][n] rows; sa and sb are this lane's ldmatrix addresses of the first fragments
+// (rows kAPitch / kBPitch values apart).
+template <typename T, bool kAKMajor, int kAPitch, bool kBKMajor, int kBPitch>
 __device__ __forceinline__ void opm_warp_step(float (&acc)[2][8][4], const T* sa, const T* sb) {
 #pragma unroll
   for (int kk = 0; kk < kOpmStep / 16; ++kk) {
     uint32_t af[2][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-      ldsm_x4(sa + mt * 16 * kOpmPitch + kk * 16, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+    for (int mt = 0; mt < 2; ++mt) {
+      if constexpr (kAKMajor)
+        ldsm_x4(sa + mt * 16 * kAPitch + kk * 16, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+      else
+        ldsm_x4_trans(sa + kk * 16 * kAPitch + mt * 16, af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+    }
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t bf[2][2];
@@ -97,26 +104,32 @@ __device__ __forceinline__ void opm_zero(float (&acc)[2][8][4]) {
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 }
 
-constexpr int kOpmReluPitch = kOpmTile + 8;  // the ReLU output tile [128 rows][128 columns]
+constexpr int kOpmOutPitch = kOpmTile + 8;  // [128 rows][128 columns] tiles: the ReLU output, the staged result
+static_assert(kOpmTile * kOpmOutPitch * 2 + 4 * kOpmTile * 4 <= kOpmStages * kOpmStageElems * 2,
+              "the staged result and the column sums must fit the stages");
 
 template <typename T, bool kRelu>
 constexpr int opm_tile_gemm_smem_bytes() {
-  return opm_gemm_smem_bytes<T>() + (kRelu ? kOpmTile * kOpmReluPitch * int(sizeof(T)) : 0);
+  return opm_gemm_smem_bytes<T>() + (kRelu ? kOpmTile * kOpmOutPitch * int(sizeof(T)) : 0);
 }
 
 // kRelu: the ReLU backward epilogue (OpmGemmParams::relu_out, col_part); the ReLU output tile is
 // copied (cp.async, with step 0's group) into shared memory behind the stages while the products run.
+// The rounded result is staged in the stages' memory and written by 16-byte stores of whole rows of
+// 32-value blocks (the mma fragments' 4-byte pieces would leave half of each 32-byte sector per store).
 template <typename T, bool kRelu>
 __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams p) {
   extern __shared__ __align__(16) unsigned char opm_smem[];
   T* const smem = reinterpret_cast<T*>(opm_smem);
-  T* const relu_tile = smem + kOpmStages * kOpmStageElems;  // [128][kOpmReluPitch] (kRelu)
-  // grid: x = row tile, y = column tile, z = (b, i)
+  T* const relu_tile = smem + kOpmStages * kOpmStageElems;  // [128][kOpmOutPitch] (kRelu)
+  // grid: x = row tile * column_tiles + column tile (the column tiles sharing A's rows run together,
+  // so A comes from DRAM once), z = (b, i)
   const int64_t bi = blockIdx.z;
-  const int row0 = int(blockIdx.x) * kOpmTile;
+  const int row_tile = int(blockIdx.x / unsigned(p.column_tiles)), col_tile = int(blockIdx.x % unsigned(p.column_tiles));
+  const int row0 = row_tile * kOpmTile;
   const int valid_rows = p.rows - row0 < kOpmTile ? p.rows - row0 : kOpmTile;
   const T* const a = static_cast<const T*>(p.a) + bi * p.a_batch + int64_t(row0) * p.a_row;
-  const T* const b = static_cast<const T*>(p.b) + int64_t(blockIdx.y) * p.b_tile;
+  const T* const b = static_cast<const T*>(p.b) + int64_t(col_tile) * p.b_tile;
 
   const int tid = int(threadIdx.x);
   const OpmLane ln(tid);
@@ -126,10 +139,10 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     copy(sa, a + int64_t(step) * p.a_step, p.a_row, valid_rows, kOpmStep);
     copy(sa + kOpmTile * kOpmPitch, b + int64_t(step) * p.b_step, p.b_row, kOpmTile, kOpmStep);
   };
-  if constexpr (kRelu) {  // first group: the ReLU output tile [128 rows, 128 columns]
-    const T* const y = static_cast<const T*>(p.relu_out) + int64_t(row0) * p.relu_row + int64_t(blockIdx.y) * kOpmTile;
-    load_tile_async<T, kOpmTile, kOpmTile, kOpmReluPitch, kOpmThreads>(relu_tile, y, p.relu_row, valid_rows, kOpmTile,
-                                                                       tid);
+  if constexpr (kRelu) {  // first group: the ReLU output tile [128 rows, 128 columns], rows past the end zero
+    const T* const y = static_cast<const T*>(p.relu_out) + int64_t(row0) * p.relu_row + int64_t(col_tile) * kOpmTile;
+    load_tile_async<T, kOpmTile, kOpmTile, kOpmOutPitch, kOpmThreads>(relu_tile, y, p.relu_row, valid_rows, kOpmTile,
+                                                                      tid);
   }
 #pragma unroll
   for (int s = 0; s < kOpmStages - 1; ++s) {
@@ -149,17 +162,18 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     if (step + kOpmStages - 1 < p.steps) load_step(step + kOpmStages - 1);
     cp_async_commit();
     const T* const sa = smem + (step % kOpmStages) * kOpmStageElems;
-    opm_warp_step<T, true, kOpmPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
+    opm_warp_step<T, true, kOpmPitch, true, kOpmPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
   }
-  cp_async_wait<0>();  // no copy in flight at exit (the ReLU tile landed)
+  cp_async_wait<0>();  // no copy in flight (kRelu: this thread's share of the ReLU tile landed)
+  __syncthreads();     // every warp is past its last step: the stages are free; everyone's ReLU tile landed
 
-  T* const out = static_cast<T*>(p.out) + bi * p.out_batch + int64_t(blockIdx.y) * p.out_tile;
+  // the result tile, rounded, staged [128 rows][kOpmOutPitch] in the stages' memory
+  T* const staged = smem;
   if constexpr (kRelu) {
-    // out = the rounded product where the ReLU output is positive; column sums of out: over a thread's
-    // four rows, the warp's eight row groups (shuffles), then the four row warps (shared memory, in
-    // order)
-    __syncthreads();  // everyone's ReLU tile copies landed; the stages are free for the sums
-    float* const col_sums = reinterpret_cast<float*>(smem);  // [4 row warps][128 columns]
+    // the product where the ReLU output is positive; column sums of the rounded values: over a
+    // thread's four rows, the warp's eight row groups (shuffles), then the four row warps (shared
+    // memory, in order). Rows past the end have a zero ReLU tile, so they add nothing.
+    float* const col_sums = reinterpret_cast<float*>(smem + kOpmTile * kOpmOutPitch);  // [4 row warps][128]
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int col = ln.col(nt);
@@ -169,11 +183,11 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = ln.row(mt, h);
-          const float2 y = unpack2<T>(*reinterpret_cast<const uint32_t*>(relu_tile + r * kOpmReluPitch + col));
+          const float2 y = unpack2<T>(*reinterpret_cast<const uint32_t*>(relu_tile + r * kOpmOutPitch + col));
           const float2 v = unpack2<T>(pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]));  // rounded
           const float v0 = y.x > 0.f ? v.x : 0.f, v1 = y.y > 0.f ? v.y : 0.f;
           s0 += v0, s1 += v1;
-          if (r < valid_rows) store2<T>(out + int64_t(row0 + r) * p.out_row + col, v0, v1);
+          store2<T>(staged + r * kOpmOutPitch + col, v0, v1);
         }
 #pragma unroll
       for (int m = 4; m < 32; m *= 2) {
@@ -186,34 +200,41 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     if (tid < kOpmTile) {
       const float total = ((col_sums[tid] + col_sums[kOpmTile + tid]) + col_sums[2 * kOpmTile + tid]) +
                           col_sums[3 * kOpmTile + tid];
-      p.col_part[int64_t(blockIdx.x) * p.col_part_row + int64_t(blockIdx.y) * kOpmTile + tid] = total;
+      p.col_part[int64_t(row_tile) * p.col_part_row + int64_t(col_tile) * kOpmTile + tid] = total;
     }
   } else {
-    // epilogue: (row, col) pairs of adjacent columns, plus the bias where given
+    // the product plus the bias where given
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       const int col = ln.col(nt);
       float b0 = 0.f, b1 = 0.f;
       if (p.bias != nullptr) {
-        const T* const bias = static_cast<const T*>(p.bias) + int(blockIdx.y) * kOpmTile + col;
+        const T* const bias = static_cast<const T*>(p.bias) + col_tile * kOpmTile + col;
         const float2 bb = unpack2<T>(*reinterpret_cast<const uint32_t*>(bias));
         b0 = bb.x, b1 = bb.y;
       }
-      T* const out_col = out + int64_t(col / 32) * p.out_block + col % 32;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = ln.row(mt, h);
-          if (r < valid_rows)
-            store2<T>(out_col + int64_t(row0 + r) * p.out_row, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
-        }
+        for (int h = 0; h < 2; ++h)
+          store2<T>(staged + ln.row(mt, h) * kOpmOutPitch + col, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
     }
+    __syncthreads();
+  }
+  // 16-byte pieces (row r, columns 8 q ..): each 32-value block's row is 64 contiguous bytes of out
+  T* const out = static_cast<T*>(p.out) + bi * p.out_batch + int64_t(col_tile) * p.out_tile;
+  constexpr int kPieces = kOpmTile / 8;  // per row
+#pragma unroll 4
+  for (int idx = tid; idx < kOpmTile * kPieces; idx += kOpmThreads) {
+    const int r = idx / kPieces, col = (idx % kPieces) * 8;
+    if (r < valid_rows)
+      *reinterpret_cast<uint4*>(out + int64_t(row0 + r) * p.out_row + (col / 32) * p.out_block + col % 32) =
+          *reinterpret_cast<const uint4*>(staged + r * kOpmOutPitch + col);
   }
 }
 
-constexpr int kOpmBPitch = kOpmTile + 8;  // the weight gradient's B tile [32 k][128 n]
-constexpr int kOpmWgStageElems = kOpmTile * kOpmPitch + kOpmStep * kOpmBPitch;
+constexpr int kOpmKnPitch = kOpmTile + 8;  // the weight gradient's [32 k][128 m or n] tiles
+constexpr int kOpmWgStageElems = 2 * kOpmStep * kOpmKnPitch;
 
 template <typename T>
 constexpr int opm_weight_grad_smem_bytes() {
@@ -231,21 +252,24 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_weight_grad_kernel(OpmWeig
   const int c0 = int(blockIdx.y) * (kOpmTile / 32);
   const int tid = int(threadIdx.x);
   const OpmLane ln(tid);
-  const TileCopy<T, kOpmTile, kOpmStep, kOpmPitch, kOpmThreads> copy_a(tid);
-  // B: 32 rows j x 16 chunks of 8 (chunk q: c = c0 + q / 4, e from 8 (q % 4)); two per thread
-  const int b_row = tid / 16, b_chunk = tid % 16;
-  const int64_t b_col = int64_t(c0 + b_chunk / 4) * p.J * 32 + (b_chunk % 4) * 8;  // o[., c, 0, e0]
+  // Both tiles [32 j][16 chunks of 8], two rows per thread (j = row, row + 16): A chunk q is
+  // dout[b, i, j, 8 q ..] (zero past Z), B chunk q is o[b, i, c0 + q / 4, j, 8 (q % 4) ..]; rows past J zero
+  const int row = tid / 16, chunk = tid % 16;
+  const bool a_col_ok = chunk * 8 < p.Z;
+  const int64_t b_col = int64_t(c0 + chunk / 4) * p.J * 32 + (chunk % 4) * 8;
   auto load_step = [&](int local) {
     const int step = step_begin + local;  // (b, i) = step / chunks, j from 32 (step % chunks)
     T* const sa = smem + (local % kOpmStages) * kOpmWgStageElems;
-    T* const sb = sa + kOpmTile * kOpmPitch;
-    copy_a(sa, static_cast<const T*>(p.dout_t) + int64_t(step) * kOpmStep, p.dout_t_row, p.Z, kOpmStep);
+    T* const sb = sa + kOpmStep * kOpmKnPitch;
     const int bi = step / p.chunks, j0 = (step - bi * p.chunks) * kOpmStep;
+    const T* const d = static_cast<const T*>(p.dout) + int64_t(bi) * p.J * p.Z + chunk * 8;
     const T* const o = static_cast<const T*>(p.outer) + int64_t(bi) * p.outer_batch + b_col;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int k = b_row + 16 * h, j = j0 + k;
-      cp_async_16(sb + k * kOpmBPitch + b_chunk * 8, o + int64_t(j < p.J ? j : 0) * 32, j < p.J);
+      const int k = row + 16 * h, j = j0 + k;
+      const bool in = j < p.J;
+      cp_async_16(sa + k * kOpmKnPitch + chunk * 8, d + int64_t(in && a_col_ok ? j : 0) * p.Z, in && a_col_ok);
+      cp_async_16(sb + k * kOpmKnPitch + chunk * 8, o + int64_t(in ? j : 0) * 32, in);
     }
   };
 #pragma unroll
@@ -257,17 +281,17 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_weight_grad_kernel(OpmWeig
   float acc[2][8][4];
   opm_zero(acc);
 
-  // A as in opm_gemm_kernel; B [k][n] by transposing ldmatrix: rows k + lane % 8 + 8 ((lane / 8) % 2),
-  // columns n0 + 8 (lane / 16)
-  const int a_off = ln.a_offset();
-  const int b_off = (ln.lane % 8 + 8 * ((ln.lane / 8) % 2)) * kOpmBPitch + ln.wn * 64 + 8 * (ln.lane / 16);
+  // Both operands [k][m or n], read by transposing ldmatrix: lane l addresses row k + l % 8 + 8 (l / 16)
+  // at column m0 + 8 ((l / 8) % 2) (A) or n0 + 8 (l / 16) with rows k + l % 8 + 8 ((l / 8) % 2) (B)
+  const int a_off = (ln.lane % 8 + 8 * (ln.lane / 16)) * kOpmKnPitch + ln.wm * 32 + 8 * ((ln.lane / 8) % 2);
+  const int b_off = (ln.lane % 8 + 8 * ((ln.lane / 8) % 2)) * kOpmKnPitch + ln.wn * 64 + 8 * (ln.lane / 16);
   for (int local = 0; local < n_steps; ++local) {
     cp_async_wait<kOpmStages - 2>();
     __syncthreads();
     if (local + kOpmStages - 1 < n_steps) load_step(local + kOpmStages - 1);
     cp_async_commit();
     const T* const sa = smem + (local % kOpmStages) * kOpmWgStageElems;
-    opm_warp_step<T, false, kOpmBPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
+    opm_warp_step<T, false, kOpmKnPitch, false, kOpmKnPitch>(acc, sa + a_off, sa + kOpmStep * kOpmKnPitch + b_off);
   }
   cp_async_wait<0>();
 
