@@ -14,12 +14,9 @@ Implementations of the whole block:
     graphed     torch.cuda.make_graphed_callables on a copy of the block (CUDA graphs, no compile;
                 a forward with nothing requiring grad is one torch.cuda.graph capture)
     eager       the block on the eager backend (no fused kernels at all)
-    own         the default block with EVOFORMER_BLOCKS_OWN_GEMMS=1 (the library's own tile GEMMs for
-                the outer product mean and the transitions' backward; off by default)
 With --breakdown, each of the nine sub-modules alone on inputs of the block's shapes (default
-backend), the outer product mean and both transitions also with EVOFORMER_BLOCKS_OWN_GEMMS=1, and,
-where `import cuequivariance_torch` works, its triangle multiplication and triangle attention as
-module-level peers of ours on the same weights.
+backend), and, where `import cuequivariance_torch` works, its triangle multiplication and triangle
+attention as module-level peers of ours on the same weights.
 
 Model FLOPs (multiply-add = 2) come from `block_flops` below: every projection 2 * rows * in * out,
 attention cores 4 * rows * H * L^2 * C (q.k and p.v), the outer product 2 * S * R^2 * c^2, the
@@ -73,7 +70,6 @@ from harness import (  # noqa: E402
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass  # noqa: E402
-from evoformer_blocks.ops._fused import OWN_GEMMS_ENV  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -247,7 +243,6 @@ IMPLS = {
     "graphs": Impl("graphs", run_graphs),
     "graphed": Impl("graphed", run_graphed),
     "eager": Impl("eager", run_eager),
-    "own": Impl("own", run_default, env={OWN_GEMMS_ENV: "1"}),
 }
 
 
@@ -301,19 +296,11 @@ def cueq_triangle_attention(module, z, mask):
     return module.linear_o(torch.sigmoid(module.linear_g(x)) * o)
 
 
-OWN_GEMM_MODULES = ("msa_transition", "outer_product_mean", "pair_transition")  # where the own GEMMs run
-
-
 def breakdown(block, m, z, msa_mask, pair_mask, args) -> list[dict]:
     rows = []
     for name, module, inputs, leaves in submodules(block, m, z, msa_mask, pair_mask):
         ours = measure(Impl(name, lambda mod=module: mod(*inputs)), (), leaves, forward_only=args.forward_only)
         row = {"module": name, "ours": ours.as_dict(), "cell": ours.cell()}
-        if name in OWN_GEMM_MODULES:  # the same module with EVOFORMER_BLOCKS_OWN_GEMMS=1, same process
-            own = measure(Impl(name, lambda mod=module: mod(*inputs), env={OWN_GEMMS_ENV: "1"}), (), leaves,
-                          forward_only=args.forward_only)
-            row.update(own=own.as_dict(), own_cell=own.cell(),
-                       own_ratio=f"fwd {speedup(ours.fwd_ms, own.fwd_ms)}, f+b {speedup(ours.fwdbwd_ms, own.fwdbwd_ms)}")
         peer = None
         if name.startswith("tri_mul"):
             peer = Impl("cueq", lambda mod=module: cueq_triangle_multiplication(mod, inputs[0], inputs[1]),
@@ -326,8 +313,7 @@ def breakdown(block, m, z, msa_mask, pair_mask, args) -> list[dict]:
             row.update(peer=theirs.as_dict(), peer_cell=theirs.cell(),
                        ratio=f"fwd {speedup(theirs.fwd_ms, ours.fwd_ms)}, f+b {speedup(theirs.fwdbwd_ms, ours.fwdbwd_ms)}")
         rows.append(row)
-        print(f"  {name}: {row['cell']}" + (f" | cuEquivariance {row['peer_cell']} ({row['ratio']})" if peer else "")
-              + (f" | own GEMMs {row['own_cell']} (default / own: {row['own_ratio']})" if "own" in row else ""),
+        print(f"  {name}: {row['cell']}" + (f" | cuEquivariance {row['peer_cell']} ({row['ratio']})" if peer else ""),
               flush=True)
     return rows
 

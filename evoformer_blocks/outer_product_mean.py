@@ -113,10 +113,10 @@ class OuterProductMean(nn.Module):
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
-        the own GEMMs enabled (``ops._fused.own_gemms``, off by default), CUDA, float16 or bfloat16,
-        c_hidden 32, c_z 128, the linear's fused backend in effect, not under torch.compile."""
+        CUDA, float16 or bfloat16, c_hidden 32, c_z 128, the linear's fused backend in effect, not under
+        torch.compile."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
-        if not (_fused.own_gemms() and outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
+        if not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
                 and self.c_hidden == 32 and self.c_z == 128 and outer.is_contiguous()
                 and not torch.compiler.is_compiling()):
             return False

@@ -9,34 +9,8 @@ import torch.nn as nn
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_tensor
 from ._chunking import chunked
-from .ops import _fused, linear
-from .ops.gating import _linear_relu, fused_bias_gradient
+from .ops import linear
 from .primitives import LayerNorm, Linear
-
-
-class _TransitionMLP(torch.autograd.Function):
-    """``linear_2(relu(linear_1(x)))`` as one node: the forward as the linears compute it (the ReLU in
-    linear_1's GEMM epilogue), the backward with the hidden gradient ``(dy . w2)`` masked by the ReLU
-    and its column sums (linear_1's bias gradient) formed in one GEMM's epilogue (the extension's
-    ``relu_grad_gemm``), where a GEMM and a separate pass over the ``[rows, 4 c]`` gradient ran."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2):
-        h = _linear_relu(x, w1, b1)  # [*, 4 c]
-        ctx.save_for_backward(x, w1, h, w2)
-        ctx.bias_dtypes = (b1.dtype, b2.dtype)
-        return torch.nn.functional.linear(h, w2, b2)  # [*, c]
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w1, h, w2 = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        kernels = _fused.kernels()
-        # linear_2's weight and bias gradients (its input gradient is the fused kernel's product)
-        _, dw2, db2 = kernels.linear_bwd(dy, h, w2, None, False, need[3], need[4], ctx.bias_dtypes[1], 0)
-        dh, db1 = kernels.relu_grad_gemm(dy, w2, h, ctx.bias_dtypes[0])  # [*, 4 c], [4 c]
-        dx, dw1, _ = kernels.linear_bwd(dh, x, w1, None, need[0], need[1], False, ctx.bias_dtypes[0], 0)
-        return dx, dw1, db1 if need[2] else None, dw2, db2
 
 
 class Transition(nn.Module):
@@ -64,25 +38,8 @@ class Transition(nn.Module):
     def _unmasked_update(self, x: torch.Tensor) -> torch.Tensor:
         # x = layer_norm(x) [*, N_b, c]; relu(linear_1(x)), the ReLU in the GEMM's epilogue where the
         # backend can, then linear_2: the update before its mask [*, N_b, c]
-        l1, l2 = self.linear_1, self.linear_2
-        if self._fused_mlp(x):
-            return _TransitionMLP.apply(x, l1.weight, l1.bias, l2.weight, l2.bias)
-        x = linear(x, l1.weight, l1.bias, activation="relu", backend=l1.backend)
-        return l2(x)
-
-    def _fused_mlp(self, x: torch.Tensor) -> bool:
-        """Whether both layers run as one node with the fused hidden gradient (_TransitionMLP): the own
-        GEMMs enabled (``ops._fused.own_gemms``, off by default), a backward will run, CUDA, float16 or
-        bfloat16 throughout (no autocast), c a multiple of 32 and n c of 128, the linears' fused
-        backend in effect, not under torch.compile."""
-        params = (self.linear_1.weight, self.linear_1.bias, self.linear_2.weight, self.linear_2.bias)
-        if not (_fused.own_gemms() and torch.is_grad_enabled() and x.is_cuda
-                and x.dtype in (torch.float16, torch.bfloat16)
-                and (x.requires_grad or any(p.requires_grad for p in params))
-                and all(p.dtype == x.dtype for p in params) and self.c % 32 == 0 and (self.n * self.c) % 128 == 0
-                and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()):
-            return False
-        return fused_bias_gradient(x, self.linear_1.weight, self.linear_1.bias, self.linear_1.backend)
+        x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
+        return self.linear_2(x)
 
     def _after_norm(self, x: torch.Tensor, mask: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x = layer_norm(x) [*, N_b, c], mask [*, N_b, 1]

@@ -91,27 +91,6 @@ def test_outer_product_mean_matches_definition():
     torch.testing.assert_close(opm(m, msa_mask, chunk_size=2), out)
 
 
-def test_own_gemms_setting(monkeypatch):
-    # EVOFORMER_BLOCKS_OWN_GEMMS: off unless 1, any other value an error; where the own GEMMs cannot
-    # run (here: CPU tensors) the modules keep their path with it on, to the bit
-    from evoformer_blocks.ops import _fused
-
-    monkeypatch.delenv(_fused.OWN_GEMMS_ENV, raising=False)
-    assert not _fused.own_gemms()
-    opm = randomize_(OuterProductMean(c_m=6, c_z=128, c_hidden=32))
-    transition = randomize_(PairTransition(32))
-    m, z, msa_mask, pair_mask = inputs(batch=(1,), n_seq=3, n_res=4)
-    m, z = m.float(), torch.randn(1, 4, 4, 32)
-    before = opm(m, msa_mask.float()), transition(z, pair_mask.float())
-    monkeypatch.setenv(_fused.OWN_GEMMS_ENV, "1")
-    assert _fused.own_gemms()
-    after = opm(m, msa_mask.float()), transition(z, pair_mask.float())
-    assert all(torch.equal(x, y) for x, y in zip(before, after))
-    monkeypatch.setenv(_fused.OWN_GEMMS_ENV, "yes")
-    with pytest.raises(ValueError, match="EVOFORMER_BLOCKS_OWN_GEMMS must be 0 or 1"):
-        _fused.own_gemms()
-
-
 @pytest.mark.parametrize("dtype, e", [(torch.bfloat16, 4), (torch.bfloat16, 3), (torch.float32, 2), (F64, 1)])
 def test_outer_product_swap_is_an_exact_permute(dtype, e):
     # the outer product mean's [i, c, j, e] -> [i, j, c, e] copy, moved as int64 words where the

@@ -344,11 +344,10 @@ def run_with_grads(make, module, x, mask, dout, dtype, backend, device, **kwargs
     return [t.double().cpu() for t in (out, xi.grad, *(p.grad for p in mod.parameters()))]
 
 
-def check_own_gemm_path(monkeypatch, function, run, labels):
-    """With EVOFORMER_BLOCKS_OWN_GEMMS=1, run(dtype, backend, device) (run_with_grads of a module) goes
-    through the autograd Function `function` in bfloat16 on the default backend (counted) and not on
-    eager; its results are within 2x eager bfloat16's error against float64 and bitwise repeatable."""
-    monkeypatch.setenv("EVOFORMER_BLOCKS_OWN_GEMMS", "1")
+def check_fused_path(monkeypatch, function, run, labels):
+    """run(dtype, backend, device) (run_with_grads of a module) goes through the autograd Function
+    `function` in bfloat16 on the default backend (counted) and not on eager; its results are within
+    2x eager bfloat16's error against float64 and bitwise repeatable."""
     calls = []
     apply = function.apply
     monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or apply(*a))
@@ -390,25 +389,6 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
     dout = torch.randn(*shape[:-2], n_res, n_res, 128, generator=gen)
     run = partial(run_with_grads, make, module, m, mask, dout, chunk_size=chunk_size)
     labels = ["out", "dm"] + [name for name, _ in module.named_parameters()]
-    check_own_gemm_path(monkeypatch, opm_module._OuterProjection, run, labels)
+    check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels)
 
 
-@pytest.mark.parametrize("c, rows", [(64, 37), (32, 300)])
-def test_transition_fused_hidden_gradient(monkeypatch, c, rows):
-    # the transition as one node whose hidden gradient and first bias gradient come from one GEMM's
-    # epilogue, in bfloat16, against the eager backend in bfloat16, both against float64: outputs and
-    # the gradients of x and every parameter within 2x eager bfloat16's error; bitwise repeatable
-    from evoformer_blocks import transitions
-
-    def make(backend=None):
-        return eb.PairTransition(c, backend=backend)
-
-    module = randomize(make())
-    scale_weights(module, module.linear_1, module.linear_2)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(2, rows, 5, c, generator=gen)
-    mask = (torch.rand(2, rows, 5, generator=gen) > 0.15).float()
-    dout = torch.randn(2, rows, 5, c, generator=gen)
-    run = partial(run_with_grads, make, module, x, mask, dout)
-    labels = ["out", "dx"] + [name for name, _ in module.named_parameters()]
-    check_own_gemm_path(monkeypatch, transitions._TransitionMLP, run, labels)

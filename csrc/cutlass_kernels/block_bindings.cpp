@@ -38,9 +38,6 @@
 //   opm_project_input_grad(dout [B, I, J, Z], weight [Z, C C]) -> [B, I, C, J, C]: its input gradient
 //   opm_project_weight_grad(dout [B, I, J, Z], outer [B, I, C, J, C], weight_dtype) -> [Z, C C]: its
 //       weight gradient (Z at most 128), float32 partial sums added in a fixed order
-//   relu_grad_gemm(dy [..., C], w2 [C, H], relu_out [..., H], bias_dtype) -> (dh [..., H], db [H]): a
-//       two-layer MLP's hidden gradient (dy . w2 where relu_out > 0) and the first layer's bias
-//       gradient in one kernel; C a multiple of 32, H of 128, float16 or bfloat16
 //   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype,
 //              bias_from=0)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted;
@@ -1059,47 +1056,6 @@ at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weig
   return d_outer;
 }
 
-// The transitions' hidden gradient: dh = (dy . w2) where relu_out > 0, and its column sums (the first
-// layer's bias gradient, in bias_dtype) in one tile GEMM's epilogue (opm_gemm.cuh, kRelu).
-std::tuple<at::Tensor, at::Tensor> relu_grad_gemm(const at::Tensor& dy_in, const at::Tensor& w2_in,
-                                                  const at::Tensor& relu_out_in, at::ScalarType bias_dtype) {
-  const char* op = "ReLU backward GEMM";
-  check_cuda(dy_in, "dy", op);
-  TORCH_CHECK(w2_in.dim() == 2 && dy_in.dim() >= 1 && dy_in.size(-1) == w2_in.size(0) &&
-                  relu_out_in.size(-1) == w2_in.size(1) &&
-                  relu_out_in.numel() / std::max<int64_t>(1, w2_in.size(1)) ==
-                      dy_in.numel() / std::max<int64_t>(1, w2_in.size(0)) &&
-                  relu_out_in.scalar_type() == dy_in.scalar_type() && relu_out_in.device() == dy_in.device(),
-              op, ": `dy` [..., C], `w2` [C, H] and `relu_out` [..., H] do not match: ", dy_in.sizes(), ", ",
-              w2_in.sizes(), ", ", relu_out_in.sizes());
-  TORCH_CHECK(is_param_dtype(bias_dtype), op, ": `bias_dtype` must be a float type, got ", bias_dtype);
-  const int64_t C = w2_in.size(0), H = w2_in.size(1);
-  const c10::cuda::CUDAGuard guard(dy_in.device());
-  const at::Tensor dy = dy_in.reshape({-1, C}).contiguous(), relu_out = relu_out_in.reshape({-1, H}).contiguous();
-  check_opm_operand(dy, "dy", op);
-  check_opm_operand(relu_out, "relu_out", op);
-  const int64_t M = dy.size(0);
-  TORCH_CHECK(C % kOpmStep == 0 && H % kOpmTile == 0 && M < (int64_t(1) << 31), op, ": C must be a multiple of ",
-              kOpmStep, " and H of ", kOpmTile, ", got C = ", C, ", H = ", H);
-  check_tile_grid(M, H / kOpmTile, op);
-  const at::Tensor w2t = w2_in.to(dy.scalar_type()).t().contiguous();  // [H, C]: B rows n, k along C
-  at::Tensor dh = output({M, H}, dy.options());
-  const int64_t row_tiles = (M + kOpmTile - 1) / kOpmTile;
-  if (M == 0) return {dh.view(relu_out_in.sizes()), at::zeros({H}, dy.options().dtype(bias_dtype))};
-  at::Tensor col_part = output({row_tiles, H}, dy.options().dtype(at::kFloat));
-  OpmGemmParams p{};
-  p.a = dy.data_ptr(), p.b = w2t.data_ptr(), p.bias = nullptr, p.out = dh.data_ptr();
-  p.a_batch = 0, p.a_row = C, p.a_step = kOpmStep;
-  p.b_tile = int64_t(kOpmTile) * C, p.b_row = C, p.b_step = kOpmStep;
-  p.out_batch = 0, p.out_tile = kOpmTile, p.out_row = H, p.out_block = 32;
-  p.rows = int(M), p.steps = int(C / kOpmStep);
-  p.relu_out = relu_out.data_ptr(), p.relu_row = H, p.col_part = col_part.data_ptr<float>(), p.col_part_row = H;
-  by_half_dtype(dy.scalar_type(), [&](auto e) {
-    launch_relu_grad_gemm<decltype(e)>(p, int(H / kOpmTile), c10::cuda::getCurrentCUDAStream());
-  });
-  return {dh.view(relu_out_in.sizes()), col_part.sum(0).to(bias_dtype)};  // row tiles added in order
-}
-
 at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& outer, at::ScalarType weight_dtype) {
   const char* op = "outer product mean projection weight gradient";
   check_opm_operand(dout, "dout", op);
@@ -1155,7 +1111,6 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("opm_project(Tensor outer, Tensor weight, Tensor? bias) -> Tensor");
   m.def("opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor");
   m.def("opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor");
-  m.def("relu_grad_gemm(Tensor dy, Tensor w2, Tensor relu_out, ScalarType bias_dtype) -> (Tensor, Tensor)");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
         "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)");
   m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
@@ -1176,7 +1131,6 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("opm_project", &evoformer::block::opm_project);
   m.impl("opm_project_input_grad", &evoformer::block::opm_project_input_grad);
   m.impl("opm_project_weight_grad", &evoformer::block::opm_project_weight_grad);
-  m.impl("relu_grad_gemm", &evoformer::block::relu_grad_gemm);
   m.impl("linear_bwd", &evoformer::block::linear_bwd);
   m.impl("add_layer_norm_fwd", &evoformer::block::add_layer_norm_fwd);
   m.impl("add_layer_norm_bwd", &evoformer::block::add_layer_norm_bwd);

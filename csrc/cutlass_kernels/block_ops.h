@@ -394,21 +394,11 @@ struct OpmGemmParams {
   int rows;          // valid rows of A per batch index
   int steps;         // k-steps of 32
   int column_tiles;  // grid x = row tiles * column_tiles
-  // ReLU backward (launch_relu_grad_gemm; batch 1): out[r, n] = the rounded product where
-  // relu_out[r, n] > 0, else 0, and col_part[row tile, n] the float32 column sums of out per row tile
-  const void* relu_out = nullptr;  // [rows, columns], rows relu_row values apart
-  int64_t relu_row = 0;
-  float* col_part = nullptr;  // [row tiles, columns]
-  int64_t col_part_row = 0;   // columns
 };
 
 // grid (row tiles * column_tiles, 1, batches <= 65535)
 template <typename T>
 void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream);
-// The same tile GEMM with the ReLU's backward in its epilogue (the transitions' hidden gradient):
-// grid (row tiles * column_tiles), p.relu_out, p.col_part set.
-template <typename T>
-void launch_relu_grad_gemm(const OpmGemmParams& p, int column_tiles, cudaStream_t stream);
 
 // The outer product mean's weight gradient (opm_gemm.cuh): dW[z, c C + e] = sum over (b, i, j) of
 // dout[b, i, j, z] o[b, i, c, j, e], C = 32, Z <= 128, as float32 partials [splits, Z, C C].

@@ -16,25 +16,15 @@ void launch_with_smem(void (*kernel)(Params), dim3 grid, int smem, cudaStream_t 
   check_launch(name);
 }
 
-template <typename T, bool kRelu>
-void launch_tile_gemm(const OpmGemmParams& params, int64_t batches, int column_tiles, cudaStream_t stream,
-                      const char* name) {
+}  // namespace
+
+template <typename T>
+void launch_opm_gemm(const OpmGemmParams& params, int64_t batches, int column_tiles, cudaStream_t stream) {
   if (params.rows == 0 || batches == 0 || column_tiles == 0) return;
   OpmGemmParams p = params;
   p.column_tiles = column_tiles;
   const dim3 grid(unsigned((p.rows + kOpmTile - 1) / kOpmTile * column_tiles), 1, unsigned(batches));
-  launch_with_smem(opm_gemm_kernel<T, kRelu>, grid, opm_tile_gemm_smem_bytes<T, kRelu>(), stream, name, p);
-}
-}  // namespace
-
-template <typename T>
-void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream) {
-  launch_tile_gemm<T, false>(p, batches, column_tiles, stream, "evoformer outer product mean GEMM");
-}
-
-template <typename T>
-void launch_relu_grad_gemm(const OpmGemmParams& p, int column_tiles, cudaStream_t stream) {
-  launch_tile_gemm<T, true>(p, 1, column_tiles, stream, "evoformer ReLU backward GEMM");
+  launch_with_smem(opm_gemm_kernel<T>, grid, opm_gemm_smem_bytes<T>(), stream, "evoformer outer product mean GEMM", p);
 }
 
 template <typename T>
@@ -46,8 +36,6 @@ void launch_opm_weight_grad(const OpmWeightGradParams& p, int splits, cudaStream
 
 template void launch_opm_gemm<cutlass::half_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
 template void launch_opm_gemm<cutlass::bfloat16_t>(const OpmGemmParams&, int64_t, int, cudaStream_t);
-template void launch_relu_grad_gemm<cutlass::half_t>(const OpmGemmParams&, int, cudaStream_t);
-template void launch_relu_grad_gemm<cutlass::bfloat16_t>(const OpmGemmParams&, int, cudaStream_t);
 template void launch_opm_weight_grad<cutlass::half_t>(const OpmWeightGradParams&, int, cudaStream_t);
 template void launch_opm_weight_grad<cutlass::bfloat16_t>(const OpmWeightGradParams&, int, cudaStream_t);
 

@@ -104,24 +104,15 @@ __device__ __forceinline__ void opm_zero(float (&acc)[2][8][4]) {
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 }
 
-constexpr int kOpmOutPitch = kOpmTile + 8;  // [128 rows][128 columns] tiles: the ReLU output, the staged result
-static_assert(kOpmTile * kOpmOutPitch * 2 + 4 * kOpmTile * 4 <= kOpmStages * kOpmStageElems * 2,
-              "the staged result and the column sums must fit the stages");
+constexpr int kOpmOutPitch = kOpmTile + 8;  // the staged result tile [128 rows][128 columns]
+static_assert(kOpmTile * kOpmOutPitch * 2 <= kOpmStages * kOpmStageElems * 2, "the staged result must fit the stages");
 
-template <typename T, bool kRelu>
-constexpr int opm_tile_gemm_smem_bytes() {
-  return opm_gemm_smem_bytes<T>() + (kRelu ? kOpmTile * kOpmOutPitch * int(sizeof(T)) : 0);
-}
-
-// kRelu: the ReLU backward epilogue (OpmGemmParams::relu_out, col_part); the ReLU output tile is
-// copied (cp.async, with step 0's group) into shared memory behind the stages while the products run.
 // The rounded result is staged in the stages' memory and written by 16-byte stores of whole rows of
 // 32-value blocks (the mma fragments' 4-byte pieces would leave half of each 32-byte sector per store).
-template <typename T, bool kRelu>
+template <typename T>
 __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams p) {
   extern __shared__ __align__(16) unsigned char opm_smem[];
   T* const smem = reinterpret_cast<T*>(opm_smem);
-  T* const relu_tile = smem + kOpmStages * kOpmStageElems;  // [128][kOpmOutPitch] (kRelu)
   // grid: x = row tile * column_tiles + column tile (the column tiles sharing A's rows run together,
   // so A comes from DRAM once), z = (b, i)
   const int64_t bi = blockIdx.z;
@@ -139,15 +130,10 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     copy(sa, a + int64_t(step) * p.a_step, p.a_row, valid_rows, kOpmStep);
     copy(sa + kOpmTile * kOpmPitch, b + int64_t(step) * p.b_step, p.b_row, kOpmTile, kOpmStep);
   };
-  if constexpr (kRelu) {  // first group: the ReLU output tile [128 rows, 128 columns], rows past the end zero
-    const T* const y = static_cast<const T*>(p.relu_out) + int64_t(row0) * p.relu_row + int64_t(col_tile) * kOpmTile;
-    load_tile_async<T, kOpmTile, kOpmTile, kOpmOutPitch, kOpmThreads>(relu_tile, y, p.relu_row, valid_rows, kOpmTile,
-                                                                      tid);
-  }
 #pragma unroll
   for (int s = 0; s < kOpmStages - 1; ++s) {
     if (s < p.steps) load_step(s);
-    cp_async_commit();  // (kRelu: the ReLU tile joins step 0's group)
+    cp_async_commit();
   }
 
   float acc[2][8][4];
@@ -164,63 +150,27 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     const T* const sa = smem + (step % kOpmStages) * kOpmStageElems;
     opm_warp_step<T, true, kOpmPitch, true, kOpmPitch>(acc, sa + a_off, sa + kOpmTile * kOpmPitch + b_off);
   }
-  cp_async_wait<0>();  // no copy in flight (kRelu: this thread's share of the ReLU tile landed)
-  __syncthreads();     // every warp is past its last step: the stages are free; everyone's ReLU tile landed
+  cp_async_wait<0>();  // no copy in flight
+  __syncthreads();     // every warp is past its last step: the stages are free
 
-  // the result tile, rounded, staged [128 rows][kOpmOutPitch] in the stages' memory
+  // the product plus the bias where given, rounded, staged [128 rows][kOpmOutPitch] in the stages' memory
   T* const staged = smem;
-  if constexpr (kRelu) {
-    // the product where the ReLU output is positive; column sums of the rounded values: over a
-    // thread's four rows, the warp's eight row groups (shuffles), then the four row warps (shared
-    // memory, in order). Rows past the end have a zero ReLU tile, so they add nothing.
-    float* const col_sums = reinterpret_cast<float*>(smem + kOpmTile * kOpmOutPitch);  // [4 row warps][128]
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int col = ln.col(nt);
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = ln.row(mt, h);
-          const float2 y = unpack2<T>(*reinterpret_cast<const uint32_t*>(relu_tile + r * kOpmOutPitch + col));
-          const float2 v = unpack2<T>(pack2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]));  // rounded
-          const float v0 = y.x > 0.f ? v.x : 0.f, v1 = y.y > 0.f ? v.y : 0.f;
-          s0 += v0, s1 += v1;
-          store2<T>(staged + r * kOpmOutPitch + col, v0, v1);
-        }
-#pragma unroll
-      for (int m = 4; m < 32; m *= 2) {
-        s0 += __shfl_xor_sync(0xffffffffu, s0, m);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, m);
-      }
-      if (ln.g == 0) col_sums[ln.wm * kOpmTile + col] = s0, col_sums[ln.wm * kOpmTile + col + 1] = s1;
+  for (int nt = 0; nt < 8; ++nt) {
+    const int col = ln.col(nt);
+    float b0 = 0.f, b1 = 0.f;
+    if (p.bias != nullptr) {
+      const T* const bias = static_cast<const T*>(p.bias) + col_tile * kOpmTile + col;
+      const float2 bb = unpack2<T>(*reinterpret_cast<const uint32_t*>(bias));
+      b0 = bb.x, b1 = bb.y;
     }
-    __syncthreads();
-    if (tid < kOpmTile) {
-      const float total = ((col_sums[tid] + col_sums[kOpmTile + tid]) + col_sums[2 * kOpmTile + tid]) +
-                          col_sums[3 * kOpmTile + tid];
-      p.col_part[int64_t(row_tile) * p.col_part_row + int64_t(col_tile) * kOpmTile + tid] = total;
-    }
-  } else {
-    // the product plus the bias where given
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int col = ln.col(nt);
-      float b0 = 0.f, b1 = 0.f;
-      if (p.bias != nullptr) {
-        const T* const bias = static_cast<const T*>(p.bias) + col_tile * kOpmTile + col;
-        const float2 bb = unpack2<T>(*reinterpret_cast<const uint32_t*>(bias));
-        b0 = bb.x, b1 = bb.y;
-      }
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          store2<T>(staged + ln.row(mt, h) * kOpmOutPitch + col, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
-    }
-    __syncthreads();
+      for (int h = 0; h < 2; ++h)
+        store2<T>(staged + ln.row(mt, h) * kOpmOutPitch + col, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
   }
+  __syncthreads();
   // 16-byte pieces (row r, columns 8 q ..): each 32-value block's row is 64 contiguous bytes of out
   T* const out = static_cast<T*>(p.out) + bi * p.out_batch + int64_t(col_tile) * p.out_tile;
   constexpr int kPieces = kOpmTile / 8;  // per row

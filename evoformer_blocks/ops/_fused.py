@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import _build
@@ -36,17 +34,3 @@ def kernel_parameter(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in PARAMETER_DTYPES:
         t = t.float()
     return t.contiguous()
-
-
-OWN_GEMMS_ENV = "EVOFORMER_BLOCKS_OWN_GEMMS"
-
-
-def own_gemms() -> bool:
-    """Whether the modules may run the library's own tile GEMMs (the outer product mean without its
-    swap, the transitions' hidden gradient in one GEMM's epilogue): ``EVOFORMER_BLOCKS_OWN_GEMMS=1``.
-    Off by default (unset or ``0``): these kernels have not yet been validated on a GPU. Any other
-    value raises ValueError. Read at every call."""
-    value = os.environ.get(OWN_GEMMS_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{OWN_GEMMS_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
