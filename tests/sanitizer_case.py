@@ -1,5 +1,5 @@
-"""Small forwards + backwards of every attention bias variant and of the fused triangle multiplication,
-run under compute-sanitizer by test_cutlass.py."""
+"""Small forwards + backwards of every attention bias variant, of the fused triangle multiplication and
+of the outer product mean's tile GEMMs, run under compute-sanitizer by test_cutlass.py."""
 
 import torch
 
@@ -33,6 +33,15 @@ def main() -> None:
         module(z, mask).float().square().sum().backward()
         with torch.no_grad():  # the output kernel that writes no n_hat
             module(z, mask)
+    # the outer product mean's tile GEMMs (c_hidden 32, c_z 128): rows past a tile, J not a multiple of 32
+    for n_res in (37, 130):
+        opm = eb.OuterProductMean(16, 128, 32).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            for p in opm.parameters():
+                p.copy_(torch.randn_like(p) * 0.2)
+        m = torch.randn(2, 5, n_res, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        mask = (torch.rand(2, 5, n_res, device="cuda") > 0.2).to(torch.bfloat16)
+        opm(m, mask).float().square().sum().backward()
     torch.cuda.synchronize()
     print("sanitizer case done")
 

@@ -344,19 +344,19 @@ def run_with_grads(make, module, x, mask, dout, dtype, backend, device, **kwargs
     return [t.double().cpu() for t in (out, xi.grad, *(p.grad for p in mod.parameters()))]
 
 
-def check_fused_path(monkeypatch, function, run, labels):
+def check_fused_path(monkeypatch, function, run, labels, dtype=torch.bfloat16):
     """run(dtype, backend, device) (run_with_grads of a module) goes through the autograd Function
-    `function` in bfloat16 on the default backend (counted) and not on eager; its results are within
-    2x eager bfloat16's error against float64 and bitwise repeatable."""
+    `function` in `dtype` on the default backend (counted) and not on eager; its results are within
+    2x eager's error in the same dtype against float64 and bitwise repeatable."""
     calls = []
     apply = function.apply
     monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or apply(*a))
     ref = run(torch.float64, "eager", "cpu")
-    eager = run(torch.bfloat16, "eager", "cuda")
+    eager = run(dtype, "eager", "cuda")
     assert not calls
-    fused = run(torch.bfloat16, None, "cuda")
+    fused = run(dtype, None, "cuda")
     assert calls, f"{function.__name__} did not run"
-    again = run(torch.bfloat16, None, "cuda")
+    again = run(dtype, None, "cuda")
     assert all(torch.equal(f, a) for f, a in zip(fused, again)), "the fused path is not bitwise repeatable"
     assert_within_eager(labels, fused, eager, ref)
 
@@ -368,12 +368,14 @@ def scale_weights(module, *linears):
     return module
 
 
-@pytest.mark.parametrize("n_res, chunk_size, batched", [(37, None, True), (130, None, False), (130, 48, True)])
-def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, batched):
+@pytest.mark.parametrize("n_res, chunk_size, batched, dtype", [
+    (37, None, True, torch.bfloat16), (130, None, False, torch.bfloat16), (130, 48, True, torch.bfloat16),
+    (37, None, False, torch.float16), (1, None, True, torch.bfloat16)])
+def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, batched, dtype):
     # linear_out on the outer product's [i, c, j, e] layout (c_hidden 32, c_z 128: the projection,
-    # its input and weight gradients, no swap) in bfloat16 against the eager backend's swap and linear
-    # in bfloat16, both against float64: outputs and the gradients of m and every parameter within 2x
-    # eager bfloat16's error; rows past a 128-row tile (N_res 130) and chunks (N_i != N_j)
+    # its input and weight gradients, no swap) against the eager backend's swap and linear in the same
+    # dtype, both against float64: outputs and the gradients of m and every parameter within 2x
+    # eager's error; rows past a 128-row tile (N_res 130), chunks (N_i != N_j), a single residue
     from evoformer_blocks import outer_product_mean as opm_module
 
     def make(backend=None):
@@ -389,6 +391,6 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
     dout = torch.randn(*shape[:-2], n_res, n_res, 128, generator=gen)
     run = partial(run_with_grads, make, module, m, mask, dout, chunk_size=chunk_size)
     labels = ["out", "dm"] + [name for name, _ in module.named_parameters()]
-    check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels)
+    check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
 
 
