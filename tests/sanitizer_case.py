@@ -5,6 +5,7 @@ import torch
 
 import evoformer_blocks as eb
 from evoformer_blocks import ops
+from evoformer_blocks.ops import _fused
 
 
 def main() -> None:
@@ -33,15 +34,18 @@ def main() -> None:
         module(z, mask).float().square().sum().backward()
         with torch.no_grad():  # the output kernel that writes no n_hat
             module(z, mask)
-    # the outer product mean's tile GEMMs (c_hidden 32, c_z 128): rows past a tile, J not a multiple of 32
+    # the outer product mean's tile GEMMs (c_hidden 32, c_z 128) called directly (the module's other
+    # projections would add cuBLAS kernels, whose barriers racecheck does not model): rows past a
+    # tile, J not a multiple of 32
+    kernels = _fused.kernels()
     for n_res in (37, 130):
-        opm = eb.OuterProductMean(16, 128, 32).to("cuda", torch.bfloat16)
-        with torch.no_grad():
-            for p in opm.parameters():
-                p.copy_(torch.randn_like(p) * 0.2)
-        m = torch.randn(2, 5, n_res, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        mask = (torch.rand(2, 5, n_res, device="cuda") > 0.2).to(torch.bfloat16)
-        opm(m, mask).float().square().sum().backward()
+        outer = torch.randn(2, 3, 32, n_res, 32, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(128, 32 * 32, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+        dout = torch.randn(2, 3, n_res, 128, device="cuda", dtype=torch.bfloat16)
+        kernels.opm_project(outer, weight, bias)
+        kernels.opm_project_input_grad(dout, weight)
+        kernels.opm_project_weight_grad(dout, outer, torch.float32)
     torch.cuda.synchronize()
     print("sanitizer case done")
 
