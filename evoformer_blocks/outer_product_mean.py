@@ -28,31 +28,83 @@ class _SwapMiddle(torch.autograd.Function):
         return _swap_middle(grad)
 
 
+@torch.library.custom_op("evoformer_blocks::fused_opm_project", mutates_args=(), device_types="cuda")
+def opm_project(outer: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """linear_out on the outer product's GEMM output ``outer [B, I, c, J, c]`` as it lies: ``[B, I, J, Z]``."""
+    return _fused.kernels().opm_project(outer, weight, bias)
+
+
+@opm_project.register_fake
+def _(outer, weight, bias):
+    return outer.new_empty(outer.shape[0], outer.shape[1], outer.shape[3], weight.shape[0])
+
+
+@torch.library.custom_op("evoformer_blocks::fused_opm_project_input_grad", mutates_args=(), device_types="cuda")
+def opm_project_input_grad(dout: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``outer`` from ``dout [B, I, J, Z]`` (contiguous): ``[B, I, c, J, c]``."""
+    return _fused.kernels().opm_project_input_grad(dout, weight)
+
+
+@opm_project_input_grad.register_fake
+def _(dout, weight):
+    c = 32  # the kernels' c_hidden
+    return dout.new_empty(dout.shape[0], dout.shape[1], c, dout.shape[2], c)
+
+
+@torch.library.custom_op("evoformer_blocks::fused_opm_project_weight_grad", mutates_args=(), device_types="cuda")
+def opm_project_weight_grad(dout: torch.Tensor, outer: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of the weight ``[Z, c²]`` in ``weight_dtype`` (float32 partials added in a fixed order)."""
+    return _fused.kernels().opm_project_weight_grad(dout, outer, weight_dtype)
+
+
+@opm_project_weight_grad.register_fake
+def _(dout, outer, weight_dtype):
+    return dout.new_empty(dout.shape[-1], outer.shape[2] * outer.shape[4], dtype=weight_dtype)
+
+
+def _projection_grads(ctx, dout, custom_ops: bool):
+    """(d outer, d weight, d bias) of the projection from ``dout [B, I, J, Z]``: by the custom ops (the
+    custom op's backward, traced by torch.compile) or the extension's calls (outside it)."""
+    if custom_ops:
+        input_grad, weight_grad = opm_project_input_grad, opm_project_weight_grad
+    else:
+        kernels = _fused.kernels()
+        input_grad, weight_grad = kernels.opm_project_input_grad, kernels.opm_project_weight_grad
+    outer, weight = ctx.saved_tensors
+    dout = dout.contiguous()  # [B, I, J, Z]
+    need = ctx.needs_input_grad
+    d_outer = input_grad(dout, weight) if need[0] else None  # [B, I, c, J, c]
+    dw = weight_grad(dout, outer, weight.dtype) if need[1] else None  # [Z, c²]
+    db = None
+    if ctx.bias_dtype is not None and need[2]:
+        db = bias_gradient(dout, ctx.bias_dtype, custom_ops)  # [Z]
+    return d_outer, dw, db
+
+
+def _projection_setup(ctx, inputs, output) -> None:
+    outer, weight, bias = inputs
+    ctx.save_for_backward(outer, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+opm_project.register_autograd(lambda ctx, dout: _projection_grads(ctx, dout, True), setup_context=_projection_setup)
+
+
 class _OuterProjection(torch.autograd.Function):
-    """``linear_out`` on the outer product's GEMM output ``o [B, I, c, J, c]`` as it lies, without the
-    swap to ``[B, I, J, c, c]``: the extension's ``opm_project`` (forward) and
-    ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
+    """The projection with the custom op's autograd, calling the extension without the custom-op
+    layers (less host time per call outside torch.compile). Its kernels: ``opm_project`` (forward)
+    and ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
     or writes o's layout directly, and ``opm_project_weight_grad`` (a sum over (b, i, j) that reads o
     as it lies, float32 partials added in a fixed order)."""
 
     @staticmethod
     def forward(ctx, outer, weight, bias):
-        ctx.save_for_backward(outer, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        _projection_setup(ctx, (outer, weight, bias), None)
         return _fused.kernels().opm_project(outer, weight, bias)  # [B, I, J, Z]
 
     @staticmethod
     def backward(ctx, dout):
-        outer, weight = ctx.saved_tensors
-        dout = dout.contiguous()  # [B, I, J, Z]
-        d_outer = dw = db = None
-        if ctx.needs_input_grad[0]:
-            d_outer = _fused.kernels().opm_project_input_grad(dout, weight)  # [B, I, c, J, c]
-        if ctx.needs_input_grad[1]:
-            dw = _fused.kernels().opm_project_weight_grad(dout, outer, weight.dtype)  # [Z, c²]
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = bias_gradient(dout, ctx.bias_dtype)  # [Z]
-        return d_outer, dw, db
+        return _projection_grads(ctx, dout, False)
 
 
 def _swap_middle(x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +157,11 @@ class OuterProductMean(nn.Module):
         if self._fused_projection(outer):
             lead = outer.shape[:-4]
             outer = outer.reshape(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
-            out = _OuterProjection.apply(outer, self.linear_out.weight, self.linear_out.bias)  # [B, N_i, N_j, c_z]
+            weight, bias = self.linear_out.weight, self.linear_out.bias
+            if torch.compiler.is_compiling():
+                out = opm_project(outer, weight, bias)  # [B, N_i, N_j, c_z]
+            else:
+                out = _OuterProjection.apply(outer, weight, bias)  # [B, N_i, N_j, c_z]
             return out.view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
         outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
         outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
@@ -113,12 +169,10 @@ class OuterProductMean(nn.Module):
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
-        CUDA, float16 or bfloat16, c_hidden 32, c_z 128, the linear's fused backend in effect, not under
-        torch.compile."""
+        CUDA, float16 or bfloat16, c_hidden 32, c_z 128, the linear's fused backend in effect."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
         if not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
-                and self.c_hidden == 32 and self.c_z == 128 and outer.is_contiguous()
-                and not torch.compiler.is_compiling()):
+                and self.c_hidden == 32 and self.c_z == 128 and outer.is_contiguous()):
             return False
         lead = outer.numel() // (outer.shape[-4] * outer.shape[-3] * outer.shape[-2] * outer.shape[-1])
         if lead * outer.shape[-4] > 65535:

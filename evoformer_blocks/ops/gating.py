@@ -234,13 +234,17 @@ def _(x, dtype):
     return x.new_empty(x.shape[-1], dtype=dtype)
 
 
-def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
+def bias_gradient(dy: Tensor, dtype: torch.dtype, custom_op: bool = False) -> Tensor:
     """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
-    kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
+    kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``. The kernel runs as
+    its custom op under torch.compile and where ``custom_op`` (a custom op's backward, which
+    torch.compile traces outside Dynamo)."""
     fits = dy.dtype in ROW_KERNEL_DTYPES and dtype in ROW_KERNEL_DTYPES and not row_reasons(
         dy.shape[-1], dy.element_size(), "out")
     if dy.is_cuda and fits:
-        return column_sum(dy, dtype) if torch.compiler.is_compiling() else _fused.kernels().column_sum(dy, dtype)
+        if custom_op or torch.compiler.is_compiling():
+            return column_sum(dy, dtype)
+        return _fused.kernels().column_sum(dy, dtype)
     return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(dtype)
 
 
