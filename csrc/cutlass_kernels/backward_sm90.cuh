@@ -553,16 +553,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     Cfg::Tma::issue(maps, row_full, p, step, b, tile.n_begin + step, h, tile.m0, tile.n0, tile_smem(st, 0),
                     tile_smem(st, 1), tile_smem(st, 2), tile_smem(st, 3), mask_smem(st));
   };
-  if (Cfg::Tma::RowsQ::narrow(p.D)) {  // the columns past D, which the copies never write, stay zero
-    for (int i = tid * 16; i < Cfg::kRingBytes; i += kThreads * 16)
-      *reinterpret_cast<uint4*>(ring + i) = make_uint4(0, 0, 0, 0);
-    cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
-    __syncthreads();
-  }
-  if (tid == 0) {
-    Cfg::Tma::init(row_full);
-    issue_row(0);
-  }
+  Cfg::Tma::template start<kThreads>(row_full, issue_row, p, ring, Cfg::kRingBytes);
   // Row n's statistics are loaded into registers one step ahead and stored to its stage after the
   // products of the row before are issued.
   PendingRowStats pending;

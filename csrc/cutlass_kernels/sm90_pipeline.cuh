@@ -47,6 +47,26 @@ struct StageBarriers {
   __device__ __forceinline__ static void wait(uint64_t* full, int step) {
     Barrier::wait(&full[step % kStages], (step / kStages) % 2);
   }
+
+  // Prologue: where the copies leave columns of their tiles unwritten (`narrow`: rows narrower than
+  // the tiles), every thread of the CTA (kThreads where the caller knows it, else blockDim.x) zeroes
+  // the rings [rings, rings + ring_bytes) first (the products read those columns); then thread 0
+  // initialises the barriers and issues step 0 (issue(0)).
+  template <int kThreads = 0, typename Issue>
+  __device__ __forceinline__ static void start(uint64_t* full, Issue&& issue, bool narrow, char* rings,
+                                               int ring_bytes) {
+    if (narrow) {
+      const int threads = kThreads > 0 ? kThreads : int(blockDim.x);
+      for (int i = int(threadIdx.x) * 16; i < ring_bytes; i += threads * 16)
+        *reinterpret_cast<uint4*>(rings + i) = make_uint4(0, 0, 0, 0);
+      cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      init(full);
+      issue(0);
+    }
+  }
 };
 
 // TMA copies of [kCols] key tiles of row (b, n) of the prepared mask bias [B|1, N|1, Lk_pad] (float32).
@@ -104,23 +124,12 @@ struct KeyBlockTma : StageBarriers<2> {  // two key blocks in flight, one transa
     if (has_mask) Mask::copy(&maps.mask, bar, mask_dst, n0, p, b, n);
   }
 
-  // Prologue: where K and V rows are narrower than their tiles (Rows::narrow), every thread zeroes
-  // the rings [rings, rings + ring_bytes) first (the copies never write the columns past D, which
-  // the products read); then thread 0 initialises the barriers and starts key block 0
-  // (issue_block(0)).
+  // Prologue (StageBarriers::start): the rings zeroed where K and V rows are narrower than their
+  // tiles (Rows::narrow), then key block 0 issued (issue_block(0)).
   template <typename IssueBlock>
   __device__ __forceinline__ static void start(uint64_t* full, IssueBlock&& issue_block, const AttentionParams& p,
                                                char* rings, int ring_bytes) {
-    if (Rows::narrow(p.D)) {
-      for (int i = int(threadIdx.x) * 16; i < ring_bytes; i += int(blockDim.x) * 16)
-        *reinterpret_cast<uint4*>(rings + i) = make_uint4(0, 0, 0, 0);
-      cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-      init(full);
-      issue_block(0);
-    }
+    StageBarriers<2>::start(full, issue_block, Rows::narrow(p.D), rings, ring_bytes);
   }
 
   // Ends the prologue after the kernel's own committed cp.async copies: waits for this thread's,
@@ -148,8 +157,7 @@ struct KeyBlockTma : StageBarriers<2> {  // two key blocks in flight, one transa
 // tile of (b, h) and steps through rows n: row n brings Q and dO [kBlockM, D] (queries from m0), K
 // and V [kBlockN, D] (keys from n0) (RowTileTma) and the mask tile [kBlockN]. Thread 0 issues a
 // row's copies; they complete on the transaction barrier of its stage (step s on full[s % kStages],
-// phase (s / kStages) % 2), as in KeyBlockTma. Narrow rows (RowTileTma::narrow) need the ring zeroed
-// once first (KeyBlockTma::start).
+// phase (s / kStages) % 2), as in KeyBlockTma; start() zeroes the ring first where rows are narrow.
 struct RowStepMaps {
   CUtensorMap q, dout, k, v, mask;  // mask left unset when absent
 };
@@ -182,6 +190,14 @@ struct RowStepTma : StageBarriers<2> {  // two rows in flight
     RowsK::copy(&maps.k, bar, k_dst, n0, p.k_strides, b, n, h);
     RowsK::copy(&maps.v, bar, v_dst, n0, p.v_strides, b, n, h);
     if (has_mask) Mask::copy(&maps.mask, bar, mask_dst, n0, p, b, n);
+  }
+
+  // Prologue (StageBarriers::start): the ring zeroed where Q, dO, K and V rows are narrower than
+  // their tiles (one head dim for all four), then row step 0 issued (issue_row(0)); kThreads: the CTA's.
+  template <int kThreads, typename IssueRow>
+  __device__ __forceinline__ static void start(uint64_t* full, IssueRow&& issue_row, const AttentionParams& p,
+                                               char* ring, int ring_bytes) {
+    StageBarriers<2>::start<kThreads>(full, issue_row, RowsQ::narrow(p.D), ring, ring_bytes);
   }
 };
 
