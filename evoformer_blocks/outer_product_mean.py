@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -174,8 +175,7 @@ class OuterProductMean(nn.Module):
         if not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
                 and self.c_hidden == 32 and self.c_z == 128 and outer.is_contiguous()):
             return False
-        lead = outer.numel() // (outer.shape[-4] * outer.shape[-3] * outer.shape[-2] * outer.shape[-1])
-        if lead * outer.shape[-4] > 65535:
+        if math.prod(outer.shape[:-3]) > 65535:  # the kernels' grid: one z index per (batch, i)
             return False
         rows = outer.view(-1, self.c_hidden * self.c_hidden)  # shapes and dtype for the backend's choice
         return fused_bias_gradient(rows, weight, bias, self.linear_out.backend)

@@ -394,6 +394,16 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
     check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
 
 
+def opm_operands(gen, batch, n_res):
+    """Float32 CUDA operands of the outer product mean's tile GEMMs: outer [*batch, 32, n_res, 32],
+    weight [128, 1024], bias [128] and the output gradient dout [*batch, n_res, 128]."""
+    outer = torch.randn(*batch, 32, n_res, 32, generator=gen).cuda()
+    weight = (torch.randn(128, 1024, generator=gen) * 0.03).cuda()
+    bias = torch.randn(128, generator=gen).cuda()
+    dout = torch.randn(*batch, n_res, 128, generator=gen).cuda()
+    return outer, weight, bias, dout
+
+
 @pytest.mark.parametrize("n_res", [37, 520, 700])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_outer_product_mean_tile_gemms(n_res, dtype):
@@ -401,11 +411,7 @@ def test_outer_product_mean_tile_gemms(n_res, dtype):
     # PyTorch in the same dtype; partial last row tiles (37, 520, 700) and several of them
     from evoformer_blocks import outer_product_mean as opm_module
 
-    gen = torch.Generator().manual_seed(9)
-    outer = torch.randn(1, 2, 32, n_res, 32, generator=gen).cuda()
-    weight = (torch.randn(128, 1024, generator=gen) * 0.03).cuda()
-    bias = torch.randn(128, generator=gen).cuda()
-    dout = torch.randn(1, 2, n_res, 128, generator=gen).cuda()
+    outer, weight, bias, dout = opm_operands(torch.Generator().manual_seed(9), (1, 2), n_res)
     w3 = weight.view(128, 32, 32)  # [z, c, e]
     refs = [torch.einsum("bicje,zce->bijz", outer, w3) + bias, torch.einsum("bijz,zce->bicje", dout, w3),
             torch.einsum("bijz,bicje->zce", dout, outer).reshape(128, 1024)]
@@ -423,11 +429,7 @@ def test_outer_product_mean_projection_custom_ops():
     # the projection's three custom ops (torch.compile's path) pass opcheck's schema and fake checks
     from evoformer_blocks import outer_product_mean as opm_module
 
-    gen = torch.Generator().manual_seed(6)
-    outer = torch.randn(2, 3, 32, 37, 32, generator=gen).cuda().bfloat16()
-    weight = (torch.randn(128, 1024, generator=gen) * 0.03).cuda().bfloat16()
-    bias = torch.randn(128, generator=gen).cuda().bfloat16()
-    dout = torch.randn(2, 3, 37, 128, generator=gen).cuda().bfloat16()
+    outer, weight, bias, dout = (t.bfloat16() for t in opm_operands(torch.Generator().manual_seed(6), (2, 3), 37))
     utils = ("test_schema", "test_faketensor")
     torch.library.opcheck(opm_module.opm_project, (outer, weight, bias), test_utils=utils)
     torch.library.opcheck(opm_module.opm_project, (outer, weight, None), test_utils=utils)
