@@ -341,7 +341,7 @@ struct UnfoldParams {
 };
 
 // One launch each; rows of every group are spread over warps, the layer norms' column sums over
-// CTAs of 32 columns whose warps split the rows.
+// CTAs of a few columns whose threads split the rows (weight_fold.cuh).
 void launch_fold_affine(const FoldParams& p, cudaStream_t stream);
 void launch_unfold_affine_grads(const UnfoldParams& p, cudaStream_t stream);
 
