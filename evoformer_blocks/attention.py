@@ -33,7 +33,7 @@ from torch import nn
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
 from .ops import gated_evoformer_attention
 from .ops._inputs import compute_dtype
-from .primitives import LayerNorm, Linear, mask_to_bias, stacked_projection
+from .primitives import LayerNorm, Linear, _head_major, mask_to_bias, stacked_projection
 
 __all__ = [
     "MSARowAttentionWithPairBias",
@@ -82,19 +82,11 @@ class _GatedAttention(nn.Module):
     def _pair_bias(self, z: torch.Tensor) -> torch.Tensor:
         """z: [*, L, L, c_z], already normalized. Returns the op's ``pair_bias`` [B, 1, H, L, L],
         contiguous: ``bias[b, 0, h, i, j] = linear_z(z[b, i, j])[h]``, the logit bias of query i
-        and key j in head h.
+        and key j in head h (head-major as ``W @ z^T``, so no permute or copy follows)."""
+        return _head_major(_flatten_batch(z, 3), self.linear_z.weight)  # [B, 1, H, L, L]
 
-        Computed head-major as ``W @ z^T`` (W: ``linear_z.weight`` [H, c_z]), so no permute or copy
-        follows; the dtype is what ``linear_z(z)`` would give (autocast included).
-        """
-        length, c_z = z.shape[-2], z.shape[-1]
-        batch = math.prod(z.shape[:-3])
-        weight = self.linear_z.weight  # [H, c_z]
-        if batch == 1:  # one GEMM call, without matmul's broadcast of W over a batch
-            bias = torch.mm(weight, z.reshape(length * length, c_z).t())  # [H, L * L]
-        else:
-            bias = torch.matmul(weight, z.reshape(batch, length * length, c_z).transpose(1, 2))  # [B, H, L * L]
-        return bias.view(batch, 1, weight.shape[0], length, length)  # [B, 1, H, L, L]
+    def _qkvg(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.linear_q, self.linear_k, self.linear_v, self.linear_g
 
     def _add_projections(self, c_in: int) -> None:
         hidden = self.c_hidden * self.no_heads
@@ -111,22 +103,24 @@ class _GatedAttention(nn.Module):
         pair_bias: Optional[torch.Tensor],
         chunk_size: Optional[int],
         transposed: bool = False,
+        qkvg: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: [*, N, L, c_in] (normalized), or with ``transposed`` [*, L, N, c_in]: the rows n along
         dim -2 and the positions they attend over along dim -3 (column attention and the ending node
         run on their input's own layout, so nothing is transposed in memory: the attention op takes
         strided q, k, v). mask_bias: [*, N, L] (``mask_to_bias`` of the mask, any strides) or None,
-        in the attention's orientation; pair_bias: [B, 1, H, L, L] (from :meth:`_pair_bias`) or None.
+        in the attention's orientation; pair_bias: [B, 1, H, L, L] (from :meth:`_pair_bias`) or None;
+        qkvg: the stacked q, k, v, g projection of x [B, A, B', 4 H C] where the caller made it.
 
         Row ``n`` attends over its ``L`` positions; ``pair_bias[b, 0, h, i, j]`` is added to the
         logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns the update in x's
         layout.
         """
         batch_shape = x.shape[:-3]
-        x = _flatten_batch(x, 3)  # [B, A, B', c_in] in x's layout
-        qkvg = stacked_projection(
-            x, (self.linear_q, self.linear_k, self.linear_v, self.linear_g)
-        )  # [B, A, B', 4 * H * C]: q, k, v, g side by side, one GEMM's output
+        if qkvg is None:
+            qkvg = stacked_projection(
+                _flatten_batch(x, 3), self._qkvg()
+            )  # [B, A, B', 4 * H * C]: q, k, v, g side by side, one GEMM's output
 
         if mask_bias is not None:
             mask_bias = _flatten_batch(mask_bias, 2)[:, :, None, None, :]  # [B, N, 1, 1, L]
@@ -342,17 +336,20 @@ class _TriangleAttention(_GatedAttention):
         [*, I, J] when it has it already)."""
         mask_bias = self._mask_bias(mask, z, mask_bias)  # [*, I, J] or None
         # Starting node: row i, query j, key k; the bias comes from the third edge z[j, k], i.e.
-        # pair_bias[b, 0, h, j, k] = linear_z(z[j, k])[h], the same for every row i.
-        triangle_bias = self._pair_bias(z)  # [B, 1, H, I, J]
+        # pair_bias[b, 0, h, j, k] = linear_z(z[j, k])[h], the same for every row i. It comes from the
+        # node of the q, k, v, g projection, which adds its gradient of z into theirs.
+        qkvg, triangle_bias = stacked_projection(
+            _flatten_batch(z, 3), self._qkvg(), head_major=self.linear_z
+        )  # [B, I, J, 4 H C], [B, 1, H, I, J]
         if self._starting:
-            return self._attend(z, mask_bias, triangle_bias, chunk_size)  # [*, I, J, c_z]
+            return self._attend(z, mask_bias, triangle_bias, chunk_size, qkvg=qkvg)  # [*, I, J, c_z]
         # Ending node = the starting node on z^T, run on z's own layout: row j attends over the
         # edges (k, j) with the bias of the third edge z[k, i], i.e. the starting node's bias of z^T.
         # (the one copy here is of the bias, H * N_res^2 values, instead of z's c_z * N_res^2)
         triangle_bias = triangle_bias.transpose(-1, -2).contiguous()  # [B, 1, H, J, I]
         if mask_bias is not None:
             mask_bias = mask_bias.transpose(-1, -2)  # [*, J, I]: row j attends over i
-        return self._attend(z, mask_bias, triangle_bias, chunk_size, transposed=True)  # [*, I, J, c_z]
+        return self._attend(z, mask_bias, triangle_bias, chunk_size, transposed=True, qkvg=qkvg)  # [*, I, J, c_z]
 
 
 class TriangleAttentionStartingNode(_TriangleAttention):

@@ -143,6 +143,40 @@ def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
     return zeros
 
 
+def _head_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [B, L, L, c] -> [B, 1, H, L, L]`` with ``[b, 0, h, i, j] = x[b, i, j] . weight[h]``
+    (weight ``[H, c]``): computed head-major as ``weight @ x^T``, so no permute or copy follows; the
+    dtype is what ``F.linear(x, weight)`` would give (autocast included)."""
+    batch, length, c = x.shape[0], x.shape[-2], x.shape[-1]
+    if batch == 1:  # one GEMM call, without matmul's broadcast of the weight over a batch
+        out = torch.mm(weight, x.reshape(length * length, c).t())  # [H, L * L]
+    else:
+        out = torch.matmul(weight, x.reshape(batch, length * length, c).transpose(1, 2))  # [B, H, L * L]
+    return out.view(batch, 1, weight.shape[0], length, length)  # [B, 1, H, L, L]
+
+
+def _head_major_grads(dx, dh, x, weight, need_dx: bool, need_dw: bool):
+    """The head-major projection's share of the input gradient, added into ``dx [B, L, L, c]`` in place
+    (``dx += dh^T . weight``: one GEMM that reads and writes dx instead of a GEMM of its own and an
+    addition of the two gradients), and its weight's gradient ``dh . x`` (summed over B). ``dh``:
+    ``[B, 1, H, L, L]``."""
+    batch, heads, c, positions = x.shape[0], weight.shape[0], x.shape[-1], x.shape[-3] * x.shape[-2]
+    dh3 = dh.reshape(batch, heads, positions)  # [B, H, L * L]
+    if need_dx:
+        dx3 = dx.view(batch, positions, c)  # [B, L * L, c]
+        w = as_dtype(weight, dx.dtype)  # [H, c]
+        if batch == 1:
+            dx3[0].addmm_(as_dtype(dh3[0], dx.dtype).t(), w)
+        else:
+            dx3.baddbmm_(as_dtype(dh3, dx.dtype).transpose(1, 2), w.expand(batch, heads, c))
+    dw = None
+    if need_dw:
+        x3 = as_dtype(x.reshape(batch, positions, c), dh3.dtype)  # [B, L * L, c]
+        dw = torch.mm(dh3[0], x3[0]) if batch == 1 else torch.bmm(dh3, x3).sum(0)  # [H, c]
+        dw = as_dtype(dw, weight.dtype)
+    return dx, dw
+
+
 class _StackedProjection(torch.autograd.Function):
     """``x [..., c_in] -> [x W_1^T + b_1, ..., x W_k^T + b_k]`` side by side in one ``[..., width_1 + ...
     + width_k]`` tensor, each bias optional: several projections of one input as ONE GEMM (x is read once). The
@@ -150,11 +184,17 @@ class _StackedProjection(torch.autograd.Function):
     k, v and g so, or autograd gathers those of views of the output), so the backward takes one GEMM
     for dx, one for every weight, and one column sum for the biases (over the columns from the first
     biased projection on): one extension call (``linear_bwd`` from that column) where the bias sums
-    run on the column-sum kernel, outside torch.compile. Inputs: ``x, fused_bias_grad, k, W_1..W_k,
-    b_1..b_k``."""
+    run on the column-sum kernel, outside torch.compile. Inputs: ``x, fused_bias_grad, k,
+    head_weight, W_1..W_k, b_1..b_k``.
+
+    With ``head_weight`` ``[H, c_in]`` (x then ``[B, L, L, c_in]``), a second output: the head-major
+    projection ``[B, 1, H, L, L]`` of :func:`_head_major` (a triangle attention's pair bias). Its
+    input gradient is added into dx by the GEMM that computes it, in this node: as a separate node
+    its gradient of x and the stacked one were added by autograd, a pass over two ``[B, L, L, c_in]``
+    tensors."""
 
     @staticmethod
-    def forward(ctx, x, fused_bias_grad, count, *params):
+    def forward(ctx, x, fused_bias_grad, count, head_weight, *params):
         weights, biases = params[:count], params[count:]
         stacked = torch.cat(weights)  # [sum of widths, c_in]
         biased = [b is not None for b in biases]
@@ -164,18 +204,21 @@ class _StackedProjection(torch.autograd.Function):
             stacked_bias = torch.cat(
                 [b if b is not None else _zeros(w.shape[0], some) for w, b in zip(weights, biases)]
             )  # [sum of widths]
-        ctx.save_for_backward(x, stacked)
+        ctx.save_for_backward(x, stacked, head_weight)
         ctx.weight_dtypes = [w.dtype for w in weights]
         ctx.widths = [w.shape[0] for w in weights]
         ctx.bias_dtypes = [b.dtype if b is not None else None for b in biases]
         ctx.fused_bias_grad = fused_bias_grad
-        return F.linear(x, stacked, stacked_bias)  # [..., sum of widths]
+        out = F.linear(x, stacked, stacked_bias)  # [..., sum of widths]
+        if head_weight is None:
+            return out
+        return out, _head_major(x, head_weight)  # [B, L, L, sum of widths], [B, 1, H, L, L]
 
     @staticmethod
-    def backward(ctx, dy):
-        x, stacked = ctx.saved_tensors
+    def backward(ctx, dy, dh=None):
+        x, stacked, head_weight = ctx.saved_tensors
         count = len(ctx.weight_dtypes)
-        need_weights, need_biases = ctx.needs_input_grad[3 : 3 + count], ctx.needs_input_grad[3 + count :]
+        need_weights, need_biases = ctx.needs_input_grad[4 : 4 + count], ctx.needs_input_grad[4 + count :]
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], any(need_weights), any(need_biases)
         widths = ctx.widths
         first = need_biases.index(True) if need_db else 0  # the first projection whose bias is wanted
@@ -198,6 +241,9 @@ class _StackedProjection(torch.autograd.Function):
             if need_db:
                 tail = dy2[:, bias_from:]  # [rows, ...]: the columns from the first wanted bias on
                 sums = bias_gradient(tail, dtype) if ctx.fused_bias_grad else as_dtype(tail.sum(0), dtype)
+        d_head = None
+        if head_weight is not None and dh is not None:
+            dx, d_head = _head_major_grads(dx, dh, x, head_weight, need_dx, ctx.needs_input_grad[3])
         dweights = [None] * count
         if need_dw:
             dweights = [
@@ -208,17 +254,22 @@ class _StackedProjection(torch.autograd.Function):
         if need_db:
             for i, db in enumerate(sums.split(widths[first:]), start=first):
                 dbiases[i] = as_dtype(db, ctx.bias_dtypes[i]) if need_biases[i] else None
-        return (dx, None, None, *dweights, *dbiases)
+        return (dx, None, None, d_head, *dweights, *dbiases)
 
 
-def stacked_projection(x: torch.Tensor, linears: Sequence[Linear]) -> torch.Tensor:
+def stacked_projection(x: torch.Tensor, linears: Sequence[Linear], head_major: Optional[Linear] = None):
     """``x [..., c_in] -> [..., sum of out_dims]``: the k :class:`Linear` (biases optional) side by
     side, as one GEMM and one autograd node (:class:`_StackedProjection`). The bias
-    gradients use the column-sum kernel where the first biased projection's :func:`ops.linear` would."""
+    gradients use the column-sum kernel where the first biased projection's :func:`ops.linear` would.
+
+    With ``head_major`` (a :class:`Linear` ``c_in -> H`` without bias; x ``[B, L, L, c_in]``), returns
+    ``(stacked, head)`` where ``head [B, 1, H, L, L]`` is that projection, head-major
+    (``head[b, 0, h, i, j] = head_major(x[b, i, j])[h]``), from the same node."""
     biased = [lin for lin in linears if lin.bias is not None]
     fused = len(biased) > 0 and fused_bias_gradient(x, biased[0].weight, biased[0].bias, biased[0].backend)
+    head_weight = None if head_major is None else head_major.weight
     return _StackedProjection.apply(
-        x, fused, len(linears), *[lin.weight for lin in linears], *[lin.bias for lin in linears]
+        x, fused, len(linears), head_weight, *[lin.weight for lin in linears], *[lin.bias for lin in linears]
     )
 
 

@@ -644,6 +644,34 @@ def test_stacked_projection_is_the_separate_linears(biased, widths):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 0])
+def test_stacked_projection_with_a_head_major_output(batch):
+    # a triangle attention's q, k, v, g and pair bias from one node: the same values and gradients
+    # as the separate projections, the bias head-major [B, 1, H, L, L]
+    from evoformer_blocks.primitives import Linear, stacked_projection
+
+    length, c, heads = 6, 16, 3
+    x = torch.randn(batch, length, length, c, dtype=torch.float64, requires_grad=True)
+    linears = [Linear(c, 8, bias=b, dtype=torch.float64) for b in (False, True)]
+    head = Linear(c, heads, bias=False, dtype=torch.float64)
+    for lin in (*linears, head):
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.normal_()
+    y, h = stacked_projection(x, linears, head_major=head)  # [B, L, L, 16], [B, 1, H, L, L]
+    ref_y = torch.cat([F.linear(x, lin.weight, lin.bias) for lin in linears], dim=-1)
+    ref_h = F.linear(x, head.weight).permute(0, 3, 1, 2).unsqueeze(1)
+    assert h.shape == (batch, 1, heads, length, length) and h.is_contiguous()
+    torch.testing.assert_close(y, ref_y)
+    torch.testing.assert_close(h, ref_h)
+    cots = torch.randn_like(y), torch.randn_like(h)
+    leaves = (x, head.weight, *[p for lin in linears for p in lin.parameters()])
+    got = torch.autograd.grad((y, h), leaves, cots)
+    want = torch.autograd.grad((ref_y, ref_h), leaves, cots)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_separate_gradients_follow_the_input_layout(transposed):
     # dq, dk, dv as the backward allocates them when they are not stacked (torch.compile's path):
