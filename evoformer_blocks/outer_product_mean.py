@@ -30,13 +30,21 @@ class _SwapMiddle(torch.autograd.Function):
 
 
 @torch.library.custom_op("evoformer_blocks::fused_opm_project", mutates_args=(), device_types="cuda")
-def opm_project(outer: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """linear_out on the outer product's GEMM output ``outer [B, I, c, J, c]`` as it lies: ``[B, I, J, Z]``."""
-    return _fused.kernels().opm_project(outer, weight, bias)
+def opm_project(
+    outer: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    denom: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """linear_out on the outer product's GEMM output ``outer [B, I, c, J, c]`` as it lies: ``[B, I, J, Z]``,
+    divided by ``denom [B, I, J]`` and added to ``residual [B, I, J, Z]`` where given (in the kernel's
+    epilogue)."""
+    return _fused.kernels().opm_project(outer, weight, bias, denom, residual)
 
 
 @opm_project.register_fake
-def _(outer, weight, bias):
+def _(outer, weight, bias, denom, residual):
     return outer.new_empty(outer.shape[0], outer.shape[1], outer.shape[3], weight.shape[0])
 
 
@@ -64,27 +72,30 @@ def _(dout, outer, weight_dtype):
 
 
 def _projection_grads(ctx, dout, custom_ops: bool):
-    """(d outer, d weight, d bias) of the projection from ``dout [B, I, J, Z]``: by the custom ops (the
-    custom op's backward, traced by torch.compile) or the extension's calls (outside it)."""
+    """(d outer, d weight, d bias, None, d residual) of the projection from the gradient ``dout [B, I, J,
+    Z]`` of its result: by the custom ops (the custom op's backward, traced by torch.compile) or the
+    extension's calls (outside it). The residual's gradient is dout itself; the projection's is
+    ``dout / denom`` where it was divided (one pass, as the division's backward took)."""
     if custom_ops:
         input_grad, weight_grad = opm_project_input_grad, opm_project_weight_grad
     else:
         kernels = _fused.kernels()
         input_grad, weight_grad = kernels.opm_project_input_grad, kernels.opm_project_weight_grad
-    outer, weight = ctx.saved_tensors
-    dout = dout.contiguous()  # [B, I, J, Z]
+    outer, weight, denom = ctx.saved_tensors
     need = ctx.needs_input_grad
+    d_residual = dout if need[4] else None  # [B, I, J, Z]
+    dout = dout.contiguous() if denom is None else dout / denom.unsqueeze(-1)  # [B, I, J, Z] contiguous
     d_outer = input_grad(dout, weight) if need[0] else None  # [B, I, c, J, c]
     dw = weight_grad(dout, outer, weight.dtype) if need[1] else None  # [Z, c²]
     db = None
     if ctx.bias_dtype is not None and need[2]:
         db = bias_gradient(dout, ctx.bias_dtype, custom_ops)  # [Z]
-    return d_outer, dw, db
+    return d_outer, dw, db, None, d_residual
 
 
 def _projection_setup(ctx, inputs, output) -> None:
-    outer, weight, bias = inputs
-    ctx.save_for_backward(outer, weight)
+    outer, weight, bias, denom, _residual = inputs
+    ctx.save_for_backward(outer, weight, denom)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
@@ -93,19 +104,27 @@ opm_project.register_autograd(lambda ctx, dout: _projection_grads(ctx, dout, Tru
 
 class _OuterProjection(torch.autograd.Function):
     """The projection with the custom op's autograd, calling the extension without the custom-op
-    layers (less host time per call outside torch.compile). Its kernels: ``opm_project`` (forward)
-    and ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
+    layers (less host time per call outside torch.compile). Its kernels: ``opm_project`` (forward,
+    with the mean's division and the residual add in its epilogue where given) and
+    ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
     or writes o's layout directly, and ``opm_project_weight_grad`` (a sum over (b, i, j) that reads o
     as it lies, float32 partials added in a fixed order)."""
 
     @staticmethod
-    def forward(ctx, outer, weight, bias):
-        _projection_setup(ctx, (outer, weight, bias), None)
-        return _fused.kernels().opm_project(outer, weight, bias)  # [B, I, J, Z]
+    def forward(ctx, outer, weight, bias, denom, residual):
+        _projection_setup(ctx, (outer, weight, bias, denom, residual), None)
+        return _fused.kernels().opm_project(outer, weight, bias, denom, residual)  # [B, I, J, Z]
 
     @staticmethod
     def backward(ctx, dout):
         return _projection_grads(ctx, dout, False)
+
+
+def _epilogue_fits(outer: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+    """Whether the fused projection of ``outer [B, I, c, J, c]`` can divide by ``denom [*, I, J, 1]`` and
+    add ``residual [*, I, J, Z]`` in its epilogue: both contiguous, in outer's dtype and on its device."""
+    tensors = (denom,) if residual is None else (denom, residual)
+    return all(t.dtype == outer.dtype and t.device == outer.device and t.is_contiguous() for t in tensors)
 
 
 def _swap_middle(x: torch.Tensor) -> torch.Tensor:
@@ -147,8 +166,13 @@ class OuterProductMean(nn.Module):
         self.linear_2 = Linear(c_m, c_hidden, backend=backend)
         self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final", backend=backend)
 
-    def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # a: [*, N_seq, N_i, c_hidden]; b: [*, N_seq, N_j, c_hidden]
+    def _outer(
+        self, a: torch.Tensor, b: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The update ``linear_out(outer) / denom`` from a: [*, N_seq, N_i, c_hidden] and b: [*, N_seq,
+        N_j, c_hidden] (denom [*, N_i, N_j, 1]: eps + the counts), or ``residual + update`` with
+        residual [*, N_i, N_j, c_z]: in the fused projection's epilogue where it runs and the
+        tensors' dtypes and layouts fit, else by one elementwise pass after it."""
         c, n_i, n_j = a.shape[-1], a.shape[-2], b.shape[-2]
         a2 = a.flatten(-2).transpose(-1, -2)  # [*, N_i * c_hidden, N_seq]
         b2 = b.flatten(-2)  # [*, N_seq, N_j * c_hidden]
@@ -159,14 +183,19 @@ class OuterProductMean(nn.Module):
             lead = outer.shape[:-4]
             outer = outer.reshape(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
             weight, bias = self.linear_out.weight, self.linear_out.bias
-            if torch.compiler.is_compiling():
-                out = opm_project(outer, weight, bias)  # [B, N_i, N_j, c_z]
-            else:
-                out = _OuterProjection.apply(outer, weight, bias)  # [B, N_i, N_j, c_z]
-            return out.view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
-        outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
-        outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
-        return self.linear_out(outer)  # [*, N_i, N_j, c_z]
+            project = opm_project if torch.compiler.is_compiling() else _OuterProjection.apply
+            if _epilogue_fits(outer, denom, residual):
+                d = denom.reshape(-1, n_i, n_j)  # [B, N_i, N_j]
+                r = None if residual is None else residual.reshape(-1, n_i, n_j, self.c_z)  # [B, N_i, N_j, c_z]
+                return project(outer, weight, bias, d, r).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
+            out = project(outer, weight, bias, None, None).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
+        else:
+            outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
+            outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
+            out = self.linear_out(outer)  # [*, N_i, N_j, c_z]
+        if residual is not None:
+            return torch.addcdiv(residual, out, denom)  # [*, N_i, N_j, c_z]
+        return out / denom  # [*, N_i, N_j, c_z]
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
@@ -202,12 +231,15 @@ class OuterProductMean(nn.Module):
         a, b = ab.unflatten(-1, (2, self.c_hidden)).unbind(-2)  # 2 x [*, N_seq, N_res, c_hidden], strided
         a, b = a * mask_c, b * mask_c  # [*, N_seq, N_res, c_hidden] each, contiguous
         n_res = m.shape[-2]
-        if chunk_size is None or chunk_size >= n_res:
-            out = self._outer(a, b)  # [*, N_res, N_res, c_z]
-        else:
-            parts = [self._outer(a[..., i : i + chunk_size, :], b) for i in range(0, n_res, chunk_size)]
-            out = torch.cat(parts, dim=-3)  # [*, N_res, N_res, c_z]
         norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
-        if residual is not None:
-            return torch.addcdiv(residual, out, self.eps + norm)  # [*, N_res, N_res, c_z]
-        return out / (self.eps + norm)  # [*, N_res, N_res, c_z]
+        denom = self.eps + norm  # [*, N_res, N_res, 1]
+        if chunk_size is None or chunk_size >= n_res:
+            return self._outer(a, b, denom, residual)  # [*, N_res, N_res, c_z]
+        parts = [
+            self._outer(
+                a[..., i : i + chunk_size, :], b, denom[..., i : i + chunk_size, :, :],
+                None if residual is None else residual[..., i : i + chunk_size, :, :],
+            )
+            for i in range(0, n_res, chunk_size)
+        ]
+        return torch.cat(parts, dim=-3)  # [*, N_res, N_res, c_z]

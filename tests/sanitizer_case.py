@@ -43,7 +43,10 @@ def main() -> None:
         weight = torch.randn(128, 32 * 32, device="cuda", dtype=torch.bfloat16)
         bias = torch.randn(128, device="cuda", dtype=torch.bfloat16)
         dout = torch.randn(2, 3, n_res, 128, device="cuda", dtype=torch.bfloat16)
-        kernels.opm_project(outer, weight, bias)
+        kernels.opm_project(outer, weight, bias, None, None)
+        denom = torch.rand(2, 3, n_res, device="cuda").add(1.0).to(torch.bfloat16)
+        residual = torch.randn(2, 3, n_res, 128, device="cuda", dtype=torch.bfloat16)
+        kernels.opm_project(outer, weight, bias, denom, residual)  # with the division and residual add
         kernels.opm_project_input_grad(dout, weight)
         kernels.opm_project_weight_grad(dout, outer, torch.float32)
     torch.cuda.synchronize()

@@ -394,6 +394,42 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
     check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
 
 
+@pytest.mark.parametrize("n_res, dtype", [(37, torch.bfloat16), (130, torch.float16)])
+def test_outer_product_mean_residual_in_the_projection_epilogue(monkeypatch, n_res, dtype):
+    # the block's path (residual + update): the projection's epilogue divides by the counts and adds
+    # the residual; the output and the gradients of m, the residual and every parameter within 2x the
+    # eager backend's error in the same dtype, against float64
+    from evoformer_blocks import outer_product_mean as opm_module
+
+    def make(backend=None):
+        return eb.OuterProductMean(C_M, 128, 32, backend=backend)
+
+    module = randomize(make())
+    scale_weights(module, module.linear_1, module.linear_2, module.linear_out)
+    gen = torch.Generator().manual_seed(11)
+    m = torch.randn(2, N_SEQ, n_res, C_M, generator=gen)
+    z = torch.randn(2, n_res, n_res, 128, generator=gen)
+    mask = (torch.rand(2, N_SEQ, n_res, generator=gen) > 0.15).float()
+    dout = torch.randn(2, n_res, n_res, 128, generator=gen)
+
+    def run(dtype, backend, device):
+        mod = make(backend)
+        mod.load_state_dict(module.state_dict())
+        mod = mod.to(device=device, dtype=dtype)
+        mi, zi = (t.to(device, dtype).requires_grad_(True) for t in (m, z))
+        out = mod._normalized(mod.layer_norm(mi), mask.to(device, dtype), None, residual=zi)
+        out.backward(dout.to(device, dtype))
+        return [t.double().cpu() for t in (out, mi.grad, zi.grad, *(p.grad for p in mod.parameters()))]
+
+    epilogue = []
+    apply = opm_module._OuterProjection.apply
+    monkeypatch.setattr(opm_module._OuterProjection, "apply",
+                        lambda *a: epilogue.append(a[3] is not None and a[4] is not None) or apply(*a))
+    labels = ["out", "dm", "dz"] + [name for name, _ in module.named_parameters()]
+    check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
+    assert epilogue and all(epilogue), "the projection did not take the division and the residual"
+
+
 def opm_operands(gen, batch, n_res):
     """Float32 CUDA operands of the outer product mean's tile GEMMs: outer [*batch, 32, n_res, 32],
     weight [128, 1024], bias [128] and the output gradient dout [*batch, n_res, 128]."""
@@ -411,18 +447,25 @@ def test_outer_product_mean_tile_gemms(n_res, dtype):
     # PyTorch in the same dtype; partial last row tiles (37, 520, 700) and several of them
     from evoformer_blocks import outer_product_mean as opm_module
 
-    outer, weight, bias, dout = opm_operands(torch.Generator().manual_seed(9), (1, 2), n_res)
+    gen = torch.Generator().manual_seed(9)
+    outer, weight, bias, dout = opm_operands(gen, (1, 2), n_res)
+    # the epilogue's operands: denominators eps + a count of sequences, a residual
+    denom = (torch.randint(1, 40, (1, 2, n_res), generator=gen) + 1e-3).cuda()
+    residual = torch.randn(1, 2, n_res, 128, generator=gen).cuda()
     w3 = weight.view(128, 32, 32)  # [z, c, e]
-    refs = [torch.einsum("bicje,zce->bijz", outer, w3) + bias, torch.einsum("bijz,zce->bicje", dout, w3),
-            torch.einsum("bijz,bicje->zce", dout, outer).reshape(128, 1024)]
-    o, w, b, d = (t.to(dtype) for t in (outer, weight, bias, dout))
-    ours = [opm_module.opm_project(o, w, b), opm_module.opm_project_input_grad(d, w),
-            opm_module.opm_project_weight_grad(d, o, torch.float32)]
+    project = torch.einsum("bicje,zce->bijz", outer, w3) + bias
+    refs = [project, torch.einsum("bijz,zce->bicje", dout, w3),
+            torch.einsum("bijz,bicje->zce", dout, outer).reshape(128, 1024), residual + project / denom[..., None]]
+    o, w, b, d, dn, r = (t.to(dtype) for t in (outer, weight, bias, dout, denom, residual))
+    ours = [opm_module.opm_project(o, w, b, None, None), opm_module.opm_project_input_grad(d, w),
+            opm_module.opm_project_weight_grad(d, o, torch.float32), opm_module.opm_project(o, w, b, dn, r)]
     swapped = o.transpose(2, 3).reshape(1, 2, n_res, 1024)  # [b, i, j, (c e)]
-    torch_ = [torch.nn.functional.linear(swapped, w, b), (d @ w).view(1, 2, n_res, 32, 32).transpose(2, 3),
-              (d.reshape(-1, 128).t() @ swapped.reshape(-1, 1024)).float()]
-    assert_within_eager(["project", "input grad", "weight grad"], [t.double().cpu() for t in ours],
-                        [t.double().cpu() for t in torch_], [t.double().cpu() for t in refs])
+    linear = torch.nn.functional.linear(swapped, w, b)
+    torch_ = [linear, (d @ w).view(1, 2, n_res, 32, 32).transpose(2, 3),
+              (d.reshape(-1, 128).t() @ swapped.reshape(-1, 1024)).float(), torch.addcdiv(r, linear, dn[..., None])]
+    assert_within_eager(["project", "input grad", "weight grad", "project + epilogue"],
+                        [t.double().cpu() for t in ours], [t.double().cpu() for t in torch_],
+                        [t.double().cpu() for t in refs])
 
 
 def test_outer_product_mean_projection_custom_ops():
@@ -431,8 +474,11 @@ def test_outer_product_mean_projection_custom_ops():
 
     outer, weight, bias, dout = (t.bfloat16() for t in opm_operands(torch.Generator().manual_seed(6), (2, 3), 37))
     utils = ("test_schema", "test_faketensor")
-    torch.library.opcheck(opm_module.opm_project, (outer, weight, bias), test_utils=utils)
-    torch.library.opcheck(opm_module.opm_project, (outer, weight, None), test_utils=utils)
+    denom = torch.rand(2, 3, 37, device="cuda").add(1.0).bfloat16()
+    residual = torch.randn(2, 3, 37, 128, device="cuda").bfloat16()
+    torch.library.opcheck(opm_module.opm_project, (outer, weight, bias, None, None), test_utils=utils)
+    torch.library.opcheck(opm_module.opm_project, (outer, weight, None, None, None), test_utils=utils)
+    torch.library.opcheck(opm_module.opm_project, (outer, weight, bias, denom, residual), test_utils=utils)
     torch.library.opcheck(opm_module.opm_project_input_grad, (dout, weight), test_utils=utils)
     torch.library.opcheck(opm_module.opm_project_weight_grad, (dout, outer, torch.float32), test_utils=utils)
 

@@ -32,9 +32,10 @@
 //       seen in g's order), delta [B * N * H * Lq] = rowsum(dy * y) per head, or empty where the
 //       kernel cannot sum it
 //   column_sum(x [..., C], dtype) -> [C] in dtype: the float32 sum over rows (a projection's bias gradient)
-//   opm_project(outer [B, I, C, J, C], weight [Z, C C], bias? [Z]) -> [B, I, J, Z]: the outer product
-//       mean's linear_out on its [i, c, j, e] intermediate (no [i, j, c, e] copy); C = 32, Z a multiple
-//       of 128, float16 or bfloat16, weight and bias rounded to outer's dtype
+//   opm_project(outer [B, I, C, J, C], weight [Z, C C], bias? [Z], denom? [B, I, J], residual? [B, I, J, Z])
+//       -> [B, I, J, Z]: the outer product mean's linear_out on its [i, c, j, e] intermediate (no
+//       [i, j, c, e] copy), divided by denom and added to residual where given (both in outer's dtype);
+//       C = 32, Z a multiple of 128, float16 or bfloat16, weight and bias rounded to outer's dtype
 //   opm_project_input_grad(dout [B, I, J, Z], weight [Z, C C]) -> [B, I, C, J, C]: its input gradient
 //   opm_project_weight_grad(dout [B, I, J, Z], outer [B, I, C, J, C], weight_dtype) -> [Z, C C]: its
 //       weight gradient (Z at most 128), float32 partial sums added in a fixed order
@@ -1000,7 +1001,8 @@ void by_half_dtype(at::ScalarType dtype, Fn&& fn) {
   else fn(cutlass::bfloat16_t{});
 }
 
-at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in) {
+at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+                       const std::optional<at::Tensor>& denom_in, const std::optional<at::Tensor>& residual_in) {
   const char* op = "outer product mean projection";
   check_opm_operand(outer, "outer", op);
   TORCH_CHECK(outer.dim() == 5 && outer.size(2) == kOpmC && outer.size(4) == kOpmC, op,
@@ -1016,11 +1018,29 @@ at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, con
     TORCH_CHECK(bias_in->numel() == Z && bias_in->device() == outer.device(), op, ": `bias` must be [", Z, "]");
     bias = bias_in->to(outer.scalar_type()).contiguous();
   }
+  at::Tensor denom, residual;
+  if (denom_in.has_value()) {
+    denom = *denom_in;
+    check_cuda(denom, "denom", op);
+    TORCH_CHECK(denom.sizes() == at::IntArrayRef({B, I, J}) && denom.scalar_type() == outer.scalar_type() &&
+                    denom.is_contiguous(),
+                op, ": `denom` must be a contiguous [", B, ", ", I, ", ", J, "] tensor of outer's dtype, got ",
+                denom.sizes(), " ", denom.scalar_type());
+  }
+  if (residual_in.has_value()) {
+    residual = *residual_in;
+    check_opm_operand(residual, "residual", op);
+    TORCH_CHECK(residual.sizes() == at::IntArrayRef({B, I, J, Z}) && residual.scalar_type() == outer.scalar_type(),
+                op, ": `residual` must be [", B, ", ", I, ", ", J, ", ", Z, "] of outer's dtype, got ",
+                residual.sizes(), " ", residual.scalar_type());
+  }
   check_tile_grid(J, Z / kOpmTile, op);
   at::Tensor out = output({B, I, J, Z}, outer.options());
   OpmGemmParams p{};
   p.a = outer.data_ptr(), p.b = weight.data_ptr(), p.bias = bias.defined() ? bias.data_ptr() : nullptr;
   p.out = out.data_ptr();
+  p.denom = denom.defined() ? denom.data_ptr() : nullptr;
+  p.residual = residual.defined() ? residual.data_ptr() : nullptr;
   p.a_batch = C * J * C, p.a_row = C, p.a_step = J * C;        // A row j, step c: outer[b, i, c, j, :]
   p.b_tile = kOpmTile * C * C, p.b_row = C * C, p.b_step = C;  // B row z, step c: weight[z, c C : c C + C]
   p.out_batch = J * Z, p.out_tile = kOpmTile, p.out_row = Z, p.out_block = 32;
@@ -1108,7 +1128,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
   m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
         "-> (Tensor, Tensor)");
   m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
-  m.def("opm_project(Tensor outer, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("opm_project(Tensor outer, Tensor weight, Tensor? bias, Tensor? denom, Tensor? residual) -> Tensor");
   m.def("opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor");
   m.def("opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor");
   m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "

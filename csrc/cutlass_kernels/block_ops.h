@@ -389,6 +389,10 @@ struct OpmGemmParams {
   const void* b;     // B row n (of column tile y), step s at b + y * b_tile + n * b_row + s * b_step
   const void* bias;  // [columns] in the element type, or nullptr
   void* out;         // (r, n) at out + bi * out_batch + y * out_tile + r * out_row + (n / 32) * out_block + n % 32
+  // Optional epilogue inputs (nullptr: absent), both in the element type: the result of row r is
+  // divided by denom[bi * rows + r], then residual (laid out as out) is added.
+  const void* denom;
+  const void* residual;
   int64_t a_batch, a_row, a_step, b_tile, b_row, b_step;
   int64_t out_batch, out_tile, out_row, out_block;
   int rows;          // valid rows of A per batch index

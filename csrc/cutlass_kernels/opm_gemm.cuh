@@ -13,7 +13,10 @@
 //                A row j, step s = dout + j Z + 32 s;  B row n, step s = wt + (c0 C + n) Z + 32 s
 //
 // and a tile's output (row r, column n) lands at out + r * out_row + (n / 32) * out_block + n % 32
-// (project: out_row = Z, out_block = 32; input grad: out_row = C, out_block = R C).
+// (project: out_row = Z, out_block = 32; input grad: out_row = C, out_block = R C). The projection can
+// finish the module's update in its epilogue: out = residual + (product + bias) / denom[b, i, j] (the
+// mean's division by the count of sequences, then the residual add of the pair stream), so that the
+// [B, I, J, Z] projection is never written and read back by a separate pass.
 //
 // CTA: 256 threads, 8 warps as 4 row groups of 32 x 2 column halves of 64 (2 x 8 m16n8 tiles per
 // warp, fp32 accumulators); three cp.async stages of the A and B tiles [128, 32] (rows padded to 40
@@ -153,8 +156,19 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
   cp_async_wait<0>();  // no copy in flight
   __syncthreads();     // every warp is past its last step: the stages are free
 
-  // the product plus the bias where given, rounded, staged [128 rows][kOpmOutPitch] in the stages' memory
+  // the product plus the bias where given, over the row's denominator where given, rounded, staged
+  // [128 rows][kOpmOutPitch] in the stages' memory
   T* const staged = smem;
+  float inv[2][2];  // [mt][h]: 1 / denom of the thread's rows
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = ln.row(mt, h);
+      inv[mt][h] = p.denom != nullptr && r < valid_rows
+                       ? 1.f / float(static_cast<const T*>(p.denom)[bi * p.rows + row0 + r])
+                       : 1.f;
+    }
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int col = ln.col(nt);
@@ -168,18 +182,33 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        store2<T>(staged + ln.row(mt, h) * kOpmOutPitch + col, acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+        store2<T>(staged + ln.row(mt, h) * kOpmOutPitch + col, (acc[mt][nt][2 * h] + b0) * inv[mt][h],
+                  (acc[mt][nt][2 * h + 1] + b1) * inv[mt][h]);
   }
   __syncthreads();
   // 16-byte pieces (row r, columns 8 q ..): each 32-value block's row is 64 contiguous bytes of out
-  T* const out = static_cast<T*>(p.out) + bi * p.out_batch + int64_t(col_tile) * p.out_tile;
+  const int64_t tile_offset = bi * p.out_batch + int64_t(col_tile) * p.out_tile;
+  T* const out = static_cast<T*>(p.out) + tile_offset;
+  const T* const residual = p.residual != nullptr ? static_cast<const T*>(p.residual) + tile_offset : nullptr;
   constexpr int kPieces = kOpmTile / 8;  // per row
 #pragma unroll 4
   for (int idx = tid; idx < kOpmTile * kPieces; idx += kOpmThreads) {
     const int r = idx / kPieces, col = (idx % kPieces) * 8;
-    if (r < valid_rows)
-      *reinterpret_cast<uint4*>(out + int64_t(row0 + r) * p.out_row + (col / 32) * p.out_block + col % 32) =
-          *reinterpret_cast<const uint4*>(staged + r * kOpmOutPitch + col);
+    if (r < valid_rows) {
+      const int64_t at = int64_t(row0 + r) * p.out_row + (col / 32) * p.out_block + col % 32;
+      uint4 piece = *reinterpret_cast<const uint4*>(staged + r * kOpmOutPitch + col);
+      if (residual != nullptr) {  // + the residual, in float32, rounded once more
+        const uint4 res = *reinterpret_cast<const uint4*>(residual + at);
+        uint32_t* const v = reinterpret_cast<uint32_t*>(&piece);
+        const uint32_t* const w = reinterpret_cast<const uint32_t*>(&res);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 x = unpack2<T>(v[q]), y = unpack2<T>(w[q]);
+          v[q] = pack2<T>(x.x + y.x, x.y + y.y);
+        }
+      }
+      *reinterpret_cast<uint4*>(out + at) = piece;
+    }
   }
 }
 
