@@ -164,7 +164,8 @@ class _MSABlock(nn.Module):
         # The block's inputs feed the row attention's layer norms and the residual adds after it:
         # keep_and_norm makes each one node, so that their two gradients are added in the layer
         # norm's backward pass and not by autograd in a pass of its own; the triangle
-        # multiplications keep their input the same way (_keeping_input).
+        # multiplications keep their input the same way (_keeping_input), and the outgoing one adds
+        # its (dropout-scaled) update to z in its op (_adding_to_input).
         # The mask biases inf * (mask - 1) are computed once per mask and shared by the two attentions
         # over that representation (the second reads the first's as a transposed view).
         # The MSA transition's mask and the dropouts in front of a layer norm scale their update in
@@ -184,8 +185,7 @@ class _MSABlock(nn.Module):
         update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
         m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, msa_mask.unsqueeze(-1))
         z = self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size, residual=z)
-        z, update = self.tri_mul_out._keeping_input(z, pair_mask)
-        z = z + self.pair_dropout_row(update)
+        z = self.tri_mul_out._adding_to_input(z, pair_mask, self.pair_dropout_row.keep_mask(z))
         z, update = self.tri_mul_in._keeping_input(z, pair_mask)
         z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, self.pair_dropout_row.keep_mask(update))
         pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]

@@ -84,7 +84,7 @@ def _projection_grads(ctx, dout, custom_ops: bool):
     outer, weight, denom = ctx.saved_tensors
     need = ctx.needs_input_grad
     d_residual = dout if need[4] else None  # [B, I, J, Z]
-    dout = dout.contiguous() if denom is None else dout / denom.unsqueeze(-1)  # [B, I, J, Z] contiguous
+    dout = (dout if denom is None else dout / denom.unsqueeze(-1)).contiguous()  # [B, I, J, Z]
     d_outer = input_grad(dout, weight) if need[0] else None  # [B, I, c, J, c]
     dw = weight_grad(dout, outer, weight.dtype) if need[1] else None  # [Z, c²]
     db = None

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_backend, check_mask, check_positive_int, check_tensor
-from .ops import triangle_multiplication, triangle_multiplication_keeping_input
+from .ops import triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual
 from .primitives import LayerNorm, Linear
 
 
@@ -84,6 +84,13 @@ class TriangleMultiplicativeUpdate(nn.Module):
         """``(z, self(z, mask))`` from checked inputs, as one node where the op allows
         (:func:`ops.triangle_multiplication_keeping_input`: the block adds the update to z)."""
         return triangle_multiplication_keeping_input(z, mask, **self._op_arguments())
+
+    def _adding_to_input(
+        self, z: torch.Tensor, mask: Optional[torch.Tensor], update_scale: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """``z + self(z, mask) * update_scale`` (``z + self(z, mask)`` without a scale) from checked
+        inputs: :func:`ops.triangle_multiplication_residual`, whose fused path adds z as it writes."""
+        return triangle_multiplication_residual(z, mask, update_scale=update_scale, **self._op_arguments())
 
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):

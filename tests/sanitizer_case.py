@@ -1,5 +1,6 @@
-"""Small forwards + backwards of every attention bias variant, of the fused triangle multiplication and
-of the outer product mean's tile GEMMs, run under compute-sanitizer by test_cutlass.py."""
+"""Small forwards + backwards of every attention bias variant, of the fused triangle multiplication (with
+and without its residual add) and of the outer product mean's tile GEMMs (with and without their
+epilogue's division and residual add), run under compute-sanitizer by test_cutlass.py."""
 
 import torch
 
@@ -34,6 +35,9 @@ def main() -> None:
         module(z, mask).float().square().sum().backward()
         with torch.no_grad():  # the output kernel that writes no n_hat
             module(z, mask)
+        # the output kernel adding z and a row-wise scale of the update as it writes
+        keep = ((torch.rand(1, 1, n, c_z, device="cuda") > 0.25).float() / 0.75).to(torch.bfloat16)
+        module._adding_to_input(z, mask, keep).float().square().sum().backward()
     # the outer product mean's tile GEMMs (c_hidden 32, c_z 128) called directly (the module's other
     # projections would add cuBLAS kernels, whose barriers racecheck does not model): rows past a
     # tile, J not a multiple of 32

@@ -292,10 +292,51 @@ def test_triangle_keeping_input_compile_fullgraph_traces_the_fakes():
 
     def run(z, *params):
         inputs = triangle.validate(z, None, dict(zip(w, params)), "outgoing", 1e-5)
-        kept, out = triangle.fused_triangle_multiplication(inputs, keep_input=True)
+        kept, out = triangle.fused_triangle_multiplication(inputs, triangle._KEEP)
         return kept * 3 + out * 2
 
     _check_compiled_gradients(run, [z, *w.values()], z)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_triangle_residual_compile_fullgraph_traces_the_fakes(scaled):
+    # the node that returns z + update (* a row-wise scale) traces with the custom ops' fakes
+    from evoformer_blocks.ops import triangle
+
+    z = _meta_leaf(2, 6, 6, 16)
+    w = {name: _meta_leaf(*t.shape) for name, t in triangle_weights(16, 8).items()}
+    scale = torch.ones(2, 1, 6, 16, dtype=torch.bfloat16, device="meta") if scaled else None
+
+    def run(z, *params):
+        inputs = triangle.validate(z, None, dict(zip(w, params)), "outgoing", 1e-5)
+        return triangle.fused_triangle_multiplication(inputs, triangle._ADD, scale) * 2
+
+    _check_compiled_gradients(run, [z, *w.values()], z)
+
+
+def test_triangle_residual_is_the_input_plus_the_scaled_update():
+    # z + update * scale, as `z + update * keep` rounds it; gradients of z and the weights as the
+    # separate op and add give them; bad scales rejected
+    z = torch.randn(2, 5, 5, 16, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(2, 5, 5) > 0.3).double()
+    w = {name: t.requires_grad_(True) for name, t in triangle_weights(16, 8).items()}
+    keep = (torch.rand(2, 1, 5, 16) > 0.25).double() / 0.75
+    for scale in (None, keep):
+        got = ops.triangle_multiplication_residual(z, mask, update_scale=scale, direction="outgoing", **w)
+        update = call_triangle(z, mask, w, "outgoing")
+        want = z + (update if scale is None else update * scale)
+        torch.testing.assert_close(got, want)
+        cot = torch.randn_like(got)
+        leaves = [z, *w.values()]
+        for a, b in zip(torch.autograd.grad(got, leaves, cot), torch.autograd.grad(want, leaves, cot)):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="`update_scale`.*requires no gradient"):
+        ops.triangle_multiplication_residual(z, mask, update_scale=keep.clone().requires_grad_(True),
+                                             direction="outgoing", **w)
+    with pytest.raises(ValueError, match="`update_scale`.*must broadcast"):
+        ops.triangle_multiplication_residual(z, mask, update_scale=keep[..., :3], direction="outgoing", **w)
+    with pytest.raises(TypeError, match="missing arguments \\['direction'\\]"):
+        ops.triangle_multiplication_residual(z, mask, **w)
 
 
 def test_triangle_keeping_input_is_the_input_and_the_update():

@@ -272,6 +272,40 @@ def test_triangle_keeping_input_adds_the_kept_gradient(dtype, direction, batch, 
         check(name, f, e, r, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, n, c_z, c, scaled", [((), 7, 32, 16, False), ((2,), 37, 64, 32, True),
+                                                      ((), 100, 128, 128, True), ((), 19, 136, 72, True),
+                                                      ((), 130, 128, 128, False)])
+def test_triangle_residual_adds_the_update_to_z(dtype, batch, n, c_z, c, scaled, kernel_family):
+    # z + update * scale (a row-wise dropout mask [*, 1, N, c_z]) from the op: the fused output kernel
+    # adds z as it writes where c, c_z <= 128 (c_z 136: the unfused output half, then the add), with
+    # and without gradients; the result and the gradients of z and every weight pass the 2x rule
+    # against float64 (the eager op followed by the add as the bar)
+    z = torch.randn(*batch, n, n, c_z, device=DEV).to(dtype).requires_grad_(True)
+    mask = (torch.rand(*batch, n, n, device=DEV) > 0.2).to(dtype)
+    w = {k: v.to(DEV).detach().requires_grad_(True) for k, v in triangle_weights(c_z, c, dtype, scale=0.2).items()}
+    keep = ((torch.rand(*batch, 1, n, c_z, device=DEV) > 0.25).float() / 0.75).to(dtype) if scaled else None
+    dout = torch.randn(*batch, n, n, c_z, device=DEV) * (1e-3 if dtype == torch.float16 else 1.0)
+    leaves = [z, *w.values()]
+
+    def run(z_in, weights, backend):
+        scale = None if keep is None else keep.to(z_in.dtype)
+        out = ops.triangle_multiplication_residual(z_in, mask.to(z_in.dtype), update_scale=scale,
+                                                   direction="outgoing", backend=backend, **weights)
+        return [out.detach(), *torch.autograd.grad(out, [z_in, *weights.values()], dout.to(z_in.dtype))]
+
+    fused = run(z, w, "cutlass")
+    with torch.no_grad():  # the forward without a backward adds z in the same kernel
+        no_grad = ops.triangle_multiplication_residual(z, mask, update_scale=keep, direction="outgoing",
+                                                       backend="cutlass", **w)
+    assert torch.equal(no_grad, fused[0])
+    eager = run(z, w, "eager")
+    z64 = z.detach().double().requires_grad_(True)
+    ref = run(z64, {k: v.detach().double().requires_grad_(True) for k, v in w.items()}, "eager")
+    for name, f, e, r in zip(["out", "dz", *w], fused, eager, ref):
+        check(name, f, e, r, dtype)
+
+
 def _peak_bytes(fn):
     """(fn()'s result, the allocator's peak above what was allocated before the call)."""
     torch.cuda.synchronize()

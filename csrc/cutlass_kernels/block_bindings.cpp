@@ -16,11 +16,13 @@
 //       -> (dsum + the layer norm's input gradient: the gradient of x (and of residual without a scale),
 //           [2, C] as above, that gradient times residual_scale: the residual's (else empty))
 //   triangle_multiplication_fwd(z [B, N, N, c_z], mask? [B, N, N], weights[10], eps, outgoing, family,
-//                               for_backward=True)
+//                               for_backward=True, add_input=False, update_scale?)
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
 //           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z]);
 //       for_backward=False (a forward no backward follows): n_hat, which only the backward reads, is
-//       an empty tensor where the fused output kernel runs (it is not written)
+//       an empty tensor where the fused output kernel runs (it is not written); add_input=True: out is
+//       z + the update (times update_scale [B, 1, N, c_z] where given), added as the output kernel
+//       writes it where that kernel runs
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
 //       eps, outgoing, dz_add?) -> [dz, one gradient per weight, in that weight's dtype]; dz_add (z's
 //       shape and dtype: another gradient of z, e.g. of the residual stream it also feeds) is added
@@ -418,7 +420,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& mask, const at::Tensor& w_ab,
                             const at::Tensor& b_ab, const at::Tensor& w_g, const at::Tensor& b_g,
                             const at::Tensor& w_z, const at::Tensor& b_z, double eps, bool outgoing, bool hopper,
-                            bool for_backward) {
+                            bool for_backward, bool add_input, const std::optional<at::Tensor>& update_scale) {
   const char* op = "triangle multiplication";
   const TriangleShape s = triangle_shape(z, w_ab, op);
   const c10::cuda::CUDAGuard guard(z.device());
@@ -466,12 +468,23 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   at::Tensor n_hat = for_backward || !fused_output ? output({s.M, s.c}, z.options()) : at::empty({0}, z.options());
   at::Tensor rstd_out = output({s.M}, f32);
   at::Tensor out = output({s.M, s.cz}, z.options());
+  // With add_input, out = z + update (* update_scale [B, 1, N, c_z]): in the output kernel's stores where z
+  // and the scale lie as it reads them, else by one more pass below.
+  const bool scale_fits = !update_scale.has_value() ||
+                          (update_scale->is_contiguous() && aligned16(*update_scale) &&
+                           update_scale->scalar_type() == z.scalar_type());
+  const bool add_in_kernel = add_input && fused_output && z.is_contiguous() && aligned16(z) && scale_fits;
   if (fused_output) {
     // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y (y is
     // not kept: the backward recomputes it from n_hat)
-    const TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
-                                         for_backward ? n_hat.data_ptr() : nullptr, rstd_out.data_ptr<float>(), s.M, int(s.c),
-                                         int(s.cz), float(eps), vector_ok(p, s.M)};
+    TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
+                                   for_backward ? n_hat.data_ptr() : nullptr, rstd_out.data_ptr<float>(), s.M, int(s.c),
+                                   int(s.cz), float(eps), vector_ok(p, s.M)};
+    if (add_in_kernel) {
+      op_params.residual = z.data_ptr();
+      op_params.scale = update_scale.has_value() ? update_scale->data_ptr() : nullptr;
+      op_params.n_res = s.N;
+    }
     if (z.scalar_type() == at::kHalf) launch_triangle_output<cutlass::half_t>(op_params, stream);
     else launch_triangle_output<cutlass::bfloat16_t>(op_params, stream);
   } else {
@@ -484,6 +497,10 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
     const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
                                int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
+  }
+  if (add_input && !add_in_kernel) {
+    const at::Tensor update = out.view(z.sizes());
+    out = update_scale.has_value() ? at::addcmul(z, update, *update_scale) : at::add(z, update);
   }
   return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g};
 }
@@ -682,10 +699,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
            at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
                             at::TensorList weights, double eps, bool outgoing, const std::string& family,
-                            bool for_backward) {
+                            bool for_backward, bool add_input, const std::optional<at::Tensor>& update_scale) {
   const char* op = "triangle multiplication";
   check_cuda(z, "z", op);
   TORCH_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
+  TORCH_CHECK(!update_scale.has_value() ||
+                  (add_input && update_scale->device() == z.device() && update_scale->scalar_type() == z.scalar_type() &&
+                   update_scale->sizes() == at::IntArrayRef({z.size(0), 1, z.size(2), z.size(3)})),
+              op, ": `update_scale` goes with add_input and must be [B, 1, N, c_z] of z's dtype and device, got ",
+              update_scale.has_value() ? update_scale->sizes() : at::IntArrayRef{});
   check_weights(weights, z, op);
   const bool hopper = family == "sm90";
   TORCH_CHECK(family == "sm80" || (hopper && hopper_kernels_available(z.get_device())), op,
@@ -694,7 +716,8 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   const c10::cuda::CUDAGuard guard(z.device());
   const FoldedWeights f = fold(weights, z);
   auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
-      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper, for_backward);
+      triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper, for_backward,
+                              add_input, update_scale);
   return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, f.w_ab, f.b_ab, f.w_g, f.w_z, f.b_z};
 }
 
@@ -1118,7 +1141,7 @@ TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
       "-> (Tensor, Tensor)");
   m.def(
       "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family, "
-      "bool for_backward=True) "
+      "bool for_backward=True, bool add_input=False, Tensor? update_scale=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "

@@ -220,13 +220,19 @@ struct TriangleOutputParams {
   const void* g;     // [M, G] row-major
   const void* w_z;   // [G, C] folded
   const void* b_z;   // [G]
-  void* out;         // [M, G]: sigmoid(g) * (n_hat w_z^T + b_z)
+  void* out;         // [M, G]: sigmoid(g) * (n_hat w_z^T + b_z), plus the residual where given
   void* n_hat;       // [M, C]
   float* rstd;       // [M]
   int64_t M;
   int C, G;          // multiples of 8, C <= kTriangleOutputMaxC, G <= kTriangleOutputMaxG
   float eps;
   bool vector_ok;    // p's rows can be read 16 bytes at a time (M % 8 == 0, aligned base)
+  // Optional (nullptr: absent): out = residual + update (* scale), residual [M, G] row-major (the op's
+  // input z), scale [B, N, G] per (b, j, column) of position m = (b N + i) N + j (a row-wise dropout
+  // mask shared by the rows i); n_res = N.
+  const void* residual;
+  const void* scale;
+  int64_t n_res;
 };
 constexpr int kTriangleOutputMaxC = 128;
 constexpr int kTriangleOutputMaxG = 128;

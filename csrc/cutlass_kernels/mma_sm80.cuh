@@ -118,6 +118,29 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
+// residual + piece * scale for eight 16-bit Elements at once (16-byte pieces of a row), in float32
+// and rounded once; `scale` (eight Elements, 16-byte aligned) may be nullptr: 1. The epilogues that
+// finish a module's residual update with it read the residual where they write the result.
+template <typename Element>
+__device__ __forceinline__ uint4 add_to_residual(uint4 piece, const Element* residual, const Element* scale) {
+  const uint4 res = *reinterpret_cast<const uint4*>(residual);
+  const uint4 sc = scale != nullptr ? *reinterpret_cast<const uint4*>(scale) : uint4{};
+  uint32_t* const v = reinterpret_cast<uint32_t*>(&piece);
+  const uint32_t* const r = reinterpret_cast<const uint32_t*>(&res);
+  const uint32_t* const f = reinterpret_cast<const uint32_t*>(&sc);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float2 x = unpack2<Element>(v[q]);
+    if (scale != nullptr) {
+      const float2 k = unpack2<Element>(f[q]);
+      x.x *= k.x, x.y *= k.y;
+    }
+    const float2 y = unpack2<Element>(r[q]);
+    v[q] = pack2<Element>(y.x + x.x, y.y + x.y);
+  }
+  return piece;
+}
+
 // x as the tensor cores see it when it is an A operand of Element type (rounded to Element, or to
 // TF32 for float).
 template <typename Element>

@@ -197,16 +197,7 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
     if (r < valid_rows) {
       const int64_t at = int64_t(row0 + r) * p.out_row + (col / 32) * p.out_block + col % 32;
       uint4 piece = *reinterpret_cast<const uint4*>(staged + r * kOpmOutPitch + col);
-      if (residual != nullptr) {  // + the residual, in float32, rounded once more
-        const uint4 res = *reinterpret_cast<const uint4*>(residual + at);
-        uint32_t* const v = reinterpret_cast<uint32_t*>(&piece);
-        const uint32_t* const w = reinterpret_cast<const uint32_t*>(&res);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 x = unpack2<T>(v[q]), y = unpack2<T>(w[q]);
-          v[q] = pack2<T>(x.x + y.x, x.y + y.y);
-        }
-      }
+      if (residual != nullptr) piece = add_to_residual<T>(piece, residual + at, nullptr);
       *reinterpret_cast<uint4*>(out + at) = piece;
     }
   }

@@ -5,6 +5,8 @@
 //   y[m, n] = n_hat[m, :] . w_z[n, :] + b_z[n]
 //   out[m, n] = sigmoid(g[m, n]) * y[m, n]
 //
+// (with p.residual, out = residual + that, the update times p.scale where given: the block's residual
+// add of the outgoing update, done as out is written)
 // out and n_hat (kept for the backward, which recomputes y from it; not written when p.n_hat is
 // nullptr: a forward without a backward) are written row-major, rstd per position. In HBM this reads
 // p and g once and writes out and n_hat once; it replaces the channel layer norm, the y GEMM and the
@@ -185,7 +187,16 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
       for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
         if (r >= valid_rows) break;
         const int64_t at = (m0 + r) * p.G + col;
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + at) = *reinterpret_cast<const uint4*>(gs + r * kSP + col);
+        uint4 piece = *reinterpret_cast<const uint4*>(gs + r * kSP + col);
+        if (p.residual != nullptr) {  // the block's residual add (and its dropout's scale) on the way out
+          const T* scale = nullptr;
+          if (p.scale != nullptr) {
+            const int64_t m = m0 + r, j = m % p.n_res, b = m / (p.n_res * p.n_res);
+            scale = static_cast<const T*>(p.scale) + (b * p.n_res + j) * p.G + col;
+          }
+          piece = add_to_residual<T>(piece, static_cast<const T*>(p.residual) + at, scale);
+        }
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + at) = piece;
       }
     }
   }

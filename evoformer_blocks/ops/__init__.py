@@ -26,7 +26,7 @@ from ._inputs import AttentionInputs, validate
 from .functional import DS4Sci_EvoformerAttention, evoformer_attention, gated_evoformer_attention
 from .gating import linear, sigmoid_gate
 from .normalization import add_layer_norm, layer_norm, layer_norm_keeping_input
-from .triangle import triangle_multiplication, triangle_multiplication_keeping_input
+from .triangle import triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual
 
 __all__ = [
     "evoformer_attention",
@@ -34,6 +34,7 @@ __all__ = [
     "DS4Sci_EvoformerAttention",
     "triangle_multiplication",
     "triangle_multiplication_keeping_input",
+    "triangle_multiplication_residual",
     "layer_norm",
     "add_layer_norm",
     "layer_norm_keeping_input",

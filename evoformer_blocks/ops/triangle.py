@@ -157,7 +157,19 @@ def triangle_multiplication(
         gate_weight=gate_weight, gate_bias=gate_bias, norm_out_weight=norm_out_weight,
         norm_out_bias=norm_out_bias, out_weight=out_weight, out_bias=out_bias,
     )
-    return _triangle(validate(z, mask, weights, direction, eps), backend, keep_input=False)
+    return _triangle(validate(z, mask, weights, direction, eps), backend)
+
+
+def _keyword_inputs(op: str, z: Tensor, mask: Optional[Tensor], arguments: dict) -> TriangleInputs:
+    """The checked inputs of a variant called with :func:`triangle_multiplication`'s arguments as
+    keywords after ``mask``."""
+    names = ("direction", *_WEIGHTS)
+    missing = [name for name in names if name not in arguments]
+    unknown = sorted(set(arguments) - {*names, "eps", "backend"})
+    if missing or unknown:
+        raise TypeError(f"{op}: missing arguments {missing}, unknown {unknown}")
+    weights = {name: arguments[name] for name in _WEIGHTS}
+    return validate(z, mask, weights, arguments["direction"], arguments.get("eps", 1e-5))
 
 
 def triangle_multiplication_keeping_input(z: Tensor, mask: Optional[Tensor] = None, **arguments) -> tuple[Tensor, Tensor]:
@@ -167,26 +179,54 @@ def triangle_multiplication_keeping_input(z: Tensor, mask: Optional[Tensor] = No
     node whose backward adds the gradient of the returned ``z`` to the op's input gradient in its
     last pass (the input layer norm's backward); otherwise autograd adds z's two gradients.
     Arguments as :func:`triangle_multiplication`'s (keywords after ``mask``)."""
-    names = ("direction", *_WEIGHTS)
-    missing = [name for name in names if name not in arguments]
-    unknown = sorted(set(arguments) - {*names, "eps", "backend"})
-    if missing or unknown:
-        raise TypeError(f"triangle_multiplication_keeping_input: missing arguments {missing}, unknown {unknown}")
-    weights = {name: arguments[name] for name in _WEIGHTS}
-    inputs = validate(z, mask, weights, arguments["direction"], arguments.get("eps", 1e-5))
-    return _triangle(inputs, arguments.get("backend"), keep_input=True)
+    inputs = _keyword_inputs("triangle_multiplication_keeping_input", z, mask, arguments)
+    return _triangle(inputs, arguments.get("backend"), mode=_KEEP)
 
 
-def _triangle(inputs: TriangleInputs, backend: Optional[str], keep_input: bool):
-    """The op on checked inputs: its output, or with ``keep_input`` (z, its output)."""
+def triangle_multiplication_residual(
+    z: Tensor, mask: Optional[Tensor] = None, *, update_scale: Optional[Tensor] = None, **arguments
+) -> Tensor:
+    """``z + triangle_multiplication(z, mask, **arguments) * update_scale`` (without ``update_scale``:
+    ``z + update``): the residual update of the pair stream, as ``z + update`` and ``z + update * keep``
+    (a row-wise dropout's keep mask) round it. ``update_scale`` broadcasts to z, e.g. ``[*, 1, N_res,
+    c_z]``, in z's dtype, and takes no gradient.
+
+    On the cutlass backend the output kernel adds z (and scales the update) as it writes the result,
+    where z is contiguous and the scale is ``[*, 1, N_res, c_z]`` and contiguous, and the node's backward
+    adds the gradient of the sum to the op's input gradient in its last pass; otherwise the add is a
+    pass of its own. Arguments as :func:`triangle_multiplication`'s (keywords after ``mask``)."""
+    inputs = _keyword_inputs("triangle_multiplication_residual", z, mask, arguments)
+    if update_scale is not None:
+        given = "\n" + describe({"update_scale": update_scale, "z": z})
+        if not isinstance(update_scale, Tensor) or update_scale.requires_grad:
+            raise ValueError(
+                f"triangle_multiplication_residual: `update_scale` must be a tensor that requires no gradient:{given}"
+            )
+        try:
+            torch.broadcast_shapes(update_scale.shape, z.shape)
+        except RuntimeError:
+            raise ValueError(f"triangle_multiplication_residual: `update_scale` must broadcast to z:{given}") from None
+    return _triangle(inputs, arguments.get("backend"), mode=_ADD, update_scale=update_scale)
+
+
+_PLAIN, _KEEP, _ADD = "plain", "keep", "add"  # what the op returns: out; (z, out); z + out (* scale)
+
+
+def _triangle(inputs: TriangleInputs, backend: Optional[str], mode: str = _PLAIN, update_scale=None):
+    """The op on checked inputs: its output (``_PLAIN``), (z, its output) (``_KEEP``) or z plus its
+    output times ``update_scale`` (``_ADD``)."""
     if inputs.z.numel() == 0:
         out = eager_triangle_multiplication(inputs)
     else:
         impl = _dispatch.select(OP, inputs, backend)
-        if keep_input and isinstance(impl, CutlassTriangleMultiplication):
-            return fused_triangle_multiplication(inputs, keep_input=True)
+        if mode != _PLAIN and isinstance(impl, CutlassTriangleMultiplication):
+            return fused_triangle_multiplication(inputs, mode, update_scale)
         out = impl.forward(inputs, None)
-    return (inputs.z, out) if keep_input else out
+    if mode == _KEEP:
+        return inputs.z, out
+    if mode == _ADD:
+        return inputs.z + (out if update_scale is None else out * update_scale)
+    return out
 
 
 def eager_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
@@ -224,18 +264,21 @@ class EagerTriangleMultiplication(Backend):
 
 @torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_fwd", mutates_args=(), device_types="cuda")
 def triangle_fwd(
-    z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool, family: str
+    z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool, family: str,
+    add_input: bool = False, update_scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order (contiguous,
     float16, bfloat16 or float32), the kernel family (:func:`~evoformer_blocks.ops.cutlass.kernel_family`:
-    "sm90" runs the Hopper input kernel) -> (out, *saved): the output, then what the backward reuses
-    (mean_in, rstd_in, a, b, n_hat, rstd_out, g and the folded weights w_ab, b_ab, w_g, w_z, b_z: y is
+    "sm90" runs the Hopper input kernel) -> (out, *saved): the output (with ``add_input``, z plus the
+    output times ``update_scale`` [B, 1, N, c_z] where given), then what the backward reuses (mean_in,
+    rstd_in, a, b, n_hat, rstd_out, g and the folded weights w_ab, b_ab, w_g, w_z, b_z: y is
     recomputed from n_hat)."""
-    return tuple(_fused.kernels().triangle_multiplication_fwd(z, mask, weights, eps, outgoing, family))
+    return tuple(_fused.kernels().triangle_multiplication_fwd(
+        z, mask, weights, eps, outgoing, family, True, add_input, update_scale))
 
 
 @triangle_fwd.register_fake
-def _(z, mask, weights, eps, outgoing, family):
+def _(z, mask, weights, eps, outgoing, family, add_input=False, update_scale=None):
     batch, n, _, c_z = z.shape
     m, c = batch * n * n, weights[2].shape[0] // 4
     stat = z.new_empty(m, dtype=torch.float32)
@@ -259,16 +302,18 @@ def _(dout, z, mask, weights, saved, eps, outgoing, dz_add=None):
     return [z.new_empty(z.shape)] + [w.new_empty(w.shape) for w in weights]
 
 
-def _save(ctx, z, mask, weights, eps, outgoing, saved) -> None:
-    ctx.save_for_backward(z, mask, *weights, *saved)
-    ctx.eps, ctx.outgoing, ctx.n_weights = eps, outgoing, len(weights)
+def _save(ctx, z, mask, weights, eps, outgoing, saved, *extra) -> None:
+    """Keeps what the backward reads: z, mask, the weights, the forward's saved tensors, then
+    ``extra`` (read back by the caller from the end of ``ctx.saved_tensors``)."""
+    ctx.save_for_backward(z, mask, *weights, *saved, *extra)
+    ctx.eps, ctx.outgoing, ctx.n_weights, ctx.n_saved = eps, outgoing, len(weights), len(saved)
 
 
 def _gradients(ctx, dout, backward, dz_add: Optional[Tensor] = None):
     """(dz, d weights): the backward of the op's autograd (every path); ``dz_add``, another gradient
     of z, is added to dz in the kernels' last pass."""
     z, mask, *rest = ctx.saved_tensors
-    weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights:]
+    weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights : ctx.n_weights + ctx.n_saved]
     dout = torch.zeros_like(z) if dout is None else dout.contiguous()
     dz_add = None if dz_add is None else dz_add.contiguous()
     dz, *dweights = backward(dout, z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing, dz_add)
@@ -276,13 +321,14 @@ def _gradients(ctx, dout, backward, dz_add: Optional[Tensor] = None):
 
 
 def _setup_context(ctx, inputs, output):
-    z, mask, weights, eps, outgoing, _family = inputs
+    z, mask, weights, eps, outgoing, _family, *_plain = inputs  # (the plain op: add_input False)
     _save(ctx, z, mask, weights, eps, outgoing, output[1:])
 
 
 def _custom_op_backward(ctx, dout, *_):
     dz, dweights = _gradients(ctx, dout, triangle_bwd)
-    return dz, None, dweights, None, None, None
+    # one gradient per argument the call passed (the dispatcher leaves out those at their defaults)
+    return (dz, None, dweights, *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
 triangle_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
@@ -291,46 +337,86 @@ triangle_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context
 class _FusedTriangleFunction(torch.autograd.Function):
     """The fused forward and backward with the custom ops' autograd, called without the custom-op
     layers (less host time per call outside torch.compile); weights come as separate arguments.
-    With ``keep_input`` it returns ``(z, out)``, z itself (a view), and its backward adds z's
-    gradient from that output to dz in the kernels' last pass; that form also runs under
-    torch.compile, through the custom ops."""
+    ``mode`` _KEEP returns ``(z, out)``, z itself (a view), and its backward adds z's gradient from
+    that output to dz in the kernels' last pass; _ADD returns ``z + out * update_scale``, added by
+    the output kernel, and its backward takes the sum's gradient (times the scale) as out's and adds
+    it to dz the same way. Those two forms also run under torch.compile, through the custom ops."""
 
     @staticmethod
-    def forward(ctx, z, mask, eps, outgoing, family, keep_input, *weights):
-        forward = triangle_fwd if torch.compiler.is_compiling() else _fused.kernels().triangle_multiplication_fwd
-        out, *saved = forward(z, mask, list(weights), eps, outgoing, family)
-        _save(ctx, z, mask, weights, eps, outgoing, saved)
-        ctx.keep_input = keep_input
-        return (z.view_as(z), out) if keep_input else out
+    def forward(ctx, z, mask, eps, outgoing, family, mode, update_scale, *weights):
+        add = mode == _ADD
+        if torch.compiler.is_compiling():
+            out, *saved = triangle_fwd(z, mask, list(weights), eps, outgoing, family, add, update_scale)
+        else:
+            out, *saved = _fused.kernels().triangle_multiplication_fwd(
+                z, mask, list(weights), eps, outgoing, family, True, add, update_scale)
+        ctx.mode, ctx.scaled = mode, update_scale is not None
+        _save(ctx, z, mask, weights, eps, outgoing, saved, *([update_scale] if ctx.scaled else []))
+        return (z.view_as(z), out) if mode == _KEEP else out
 
     @staticmethod
     def backward(ctx, *grads):
-        dz_kept, dout = grads if ctx.keep_input else (None, grads[0])
+        if ctx.mode == _KEEP:
+            dz_kept, dout = grads
+        elif ctx.mode == _ADD:  # d(z + out * scale): dz passes through, out's is scaled
+            dz_kept = grads[0]
+            dout = dz_kept * ctx.saved_tensors[-1] if ctx.scaled else dz_kept
+        else:
+            dz_kept, dout = None, grads[0]
         backward = triangle_bwd if torch.compiler.is_compiling() else _fused.kernels().triangle_multiplication_bwd
         dz, dweights = _gradients(ctx, dout, backward, dz_kept)
-        return (dz, None, None, None, None, None, *dweights)
+        return (dz, None, None, None, None, None, None, *dweights)
 
 
-def fused_triangle_multiplication(inputs: TriangleInputs, keep_input: bool = False):
-    """The ``cutlass`` backend's computation (differentiable in z and every parameter); with
-    ``keep_input``, ``(z, out)`` as :func:`triangle_multiplication_keeping_input` returns them."""
+def fused_triangle_multiplication(inputs: TriangleInputs, mode: str = _PLAIN, update_scale: Optional[Tensor] = None):
+    """The ``cutlass`` backend's computation (differentiable in z and every parameter): its output,
+    ``(z, out)`` (``_KEEP``, as :func:`triangle_multiplication_keeping_input` returns them) or ``z + out
+    * update_scale`` (``_ADD``, :func:`triangle_multiplication_residual`)."""
     z, n = inputs.z, inputs.z.shape[-2]
     zb = z.reshape(-1, n, n, inputs.c_z)  # [B, N, N, c_z]
     mask = None if inputs.mask is None else inputs.mask.reshape(-1, n, n)  # [B, N, N]
     weights = [_fused.kernel_parameter(inputs.weights[name]) for name in _WEIGHTS]
     family = kernel_family(z.device) if z.is_cuda else "sm80"  # (a meta tensor under tracing: the fakes ignore it)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (zb, *weights))
-    if keep_input and recording and z.is_contiguous():
-        kept, out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, True, *weights)
-        return kept.view(z.shape), out.reshape(z.shape)  # z itself and the update, [*, N, N, c_z]
+    scale = None
+    if mode == _ADD and update_scale is not None:
+        scale = _row_scale(update_scale, z)  # [B, 1, N, c_z], or None where it has another shape
+        if scale is None:  # a scale the kernel does not take: the op, then its add
+            return z + fused_triangle_multiplication(inputs) * update_scale
+    if mode != _PLAIN and recording and z.is_contiguous():
+        result = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, mode, scale, *weights)
+        if mode == _KEEP:
+            kept, out = result
+            return kept.view(z.shape), out.reshape(z.shape)  # z itself and the update, [*, N, N, c_z]
+        return result.reshape(z.shape)  # z + update (* scale), [*, N, N, c_z]
+    add = mode == _ADD
+    if not recording and not torch.compiler.is_compiling():
+        # no backward follows: the kernels skip what only the backward reads (n_hat); with `add` the
+        # output kernel adds z
+        out = _fused.kernels().triangle_multiplication_fwd(
+            zb, mask, weights, inputs.eps, inputs.outgoing, family, False, add, scale)[0]
+        out = out.reshape(z.shape)  # [*, N, N, c_z]
+        return (z, out) if mode == _KEEP else out
     if torch.compiler.is_compiling():
         out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family)[0]
-    elif recording:
-        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, False, *weights)
-    else:  # no backward follows: the kernels skip what only the backward reads (n_hat)
-        out = _fused.kernels().triangle_multiplication_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family, False)[0]
+    else:
+        out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, _PLAIN, None, *weights)
+    if add:  # (z not contiguous, or under compile without gradients) the add after the op
+        out = zb + (out if scale is None else out * scale)
     out = out.reshape(z.shape)  # [*, N, N, c_z]
-    return (z, out) if keep_input else out
+    return (z, out) if mode == _KEEP else out
+
+
+def _row_scale(update_scale: Tensor, z: Tensor) -> Optional[Tensor]:
+    """``update_scale`` as the kernels take it, ``[B, 1, N, c_z]`` contiguous in z's dtype (B the product
+    of z's batch dims), or None where its shape is not one row shared by all rows i."""
+    *batch, n, _, c_z = z.shape
+    if update_scale.dim() > z.dim() or update_scale.dtype != z.dtype or update_scale.device != z.device:
+        return None
+    shape = (1,) * (z.dim() - update_scale.dim()) + tuple(update_scale.shape)
+    if shape[-3] != 1 or shape[-2:] != (n, c_z):
+        return None
+    return update_scale.reshape(shape).expand(*batch, 1, n, c_z).reshape(-1, 1, n, c_z).contiguous()
 
 
 class CutlassTriangleMultiplication(Backend):
