@@ -333,8 +333,9 @@ def test_triangle_residual_is_the_input_plus_the_scaled_update():
     with pytest.raises(ValueError, match="`update_scale`.*requires no gradient"):
         ops.triangle_multiplication_residual(z, mask, update_scale=keep.clone().requires_grad_(True),
                                              direction="outgoing", **w)
-    with pytest.raises(ValueError, match="`update_scale`.*must broadcast"):
-        ops.triangle_multiplication_residual(z, mask, update_scale=keep[..., :3], direction="outgoing", **w)
+    for bad in (keep[..., :3], keep.expand(3, 2, 1, 5, 16)):  # no broadcast, or one past z's shape
+        with pytest.raises(ValueError, match="`update_scale` must broadcast"):
+            ops.triangle_multiplication_residual(z, mask, update_scale=bad, direction="outgoing", **w)
     with pytest.raises(TypeError, match="missing arguments \\['direction'\\]"):
         ops.triangle_multiplication_residual(z, mask, **w)
 

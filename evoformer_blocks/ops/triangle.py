@@ -203,9 +203,13 @@ def triangle_multiplication_residual(
                 f"triangle_multiplication_residual: `update_scale` must be a tensor that requires no gradient:{given}"
             )
         try:
-            torch.broadcast_shapes(update_scale.shape, z.shape)
+            fits = torch.broadcast_shapes(update_scale.shape, z.shape) == z.shape
         except RuntimeError:
-            raise ValueError(f"triangle_multiplication_residual: `update_scale` must broadcast to z:{given}") from None
+            fits = False
+        if not fits or update_scale.device != z.device:
+            raise ValueError(
+                f"triangle_multiplication_residual: `update_scale` must broadcast to z's shape, on z's device:{given}"
+            )
     return _triangle(inputs, arguments.get("backend"), mode=_ADD, update_scale=update_scale)
 
 
