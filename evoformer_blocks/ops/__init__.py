@@ -1,6 +1,8 @@
 """The functional ops and their backends: ``evoformer_attention`` (the attention core of every
 Evoformer attention module; ``gated_evoformer_attention``, the same with its sigmoid gate on one
-stacked q/k/v/g projection), ``triangle_multiplication`` (the triangle multiplicative update) and
+stacked q/k/v/g projection), ``triangle_multiplication`` (the triangle multiplicative update;
+``triangle_multiplication_keeping_input`` and ``triangle_multiplication_residual``: with the input
+passed on, or with the update added to it) and
 ``layer_norm`` (``add_layer_norm``: with the residual add in front of it; ``layer_norm_keeping_input``:
 with the input passed on, its two gradients added in one pass), and the two element-wise pieces of the gated modules, ``sigmoid_gate`` and
 ``linear`` (whose backward sums the bias gradient with a kernel).
