@@ -470,9 +470,8 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   at::Tensor out = output({s.M, s.cz}, z.options());
   // With add_input, out = z + update (* update_scale [B, 1, N, c_z]): in the output kernel's stores where z
   // and the scale lie as it reads them, else by one more pass below.
-  const bool scale_fits = !update_scale.has_value() ||
-                          (update_scale->is_contiguous() && aligned16(*update_scale) &&
-                           update_scale->scalar_type() == z.scalar_type());
+  // (the caller checked the scale's shape, dtype and device)
+  const bool scale_fits = !update_scale.has_value() || (update_scale->is_contiguous() && aligned16(*update_scale));
   const bool add_in_kernel = add_input && fused_output && z.is_contiguous() && aligned16(z) && scale_fits;
   if (fused_output) {
     // one kernel: the channel layer norm, y = n_hat . w_z^T + b_z and out = sigmoid(g) * y (y is

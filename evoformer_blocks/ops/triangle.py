@@ -226,10 +226,15 @@ def _triangle(inputs: TriangleInputs, backend: Optional[str], mode: str = _PLAIN
         if mode != _PLAIN and isinstance(impl, CutlassTriangleMultiplication):
             return fused_triangle_multiplication(inputs, mode, update_scale)
         out = impl.forward(inputs, None)
+    return _result(inputs.z, out, mode, update_scale)
+
+
+def _result(z: Tensor, out: Tensor, mode: str, update_scale: Optional[Tensor]):
+    """What the op returns in ``mode`` given its output ``out`` (z's shape), where nothing added z yet."""
     if mode == _KEEP:
-        return inputs.z, out
+        return z, out
     if mode == _ADD:
-        return inputs.z + (out if update_scale is None else out * update_scale)
+        return z + (out if update_scale is None else out * update_scale)
     return out
 
 
@@ -382,33 +387,27 @@ def fused_triangle_multiplication(inputs: TriangleInputs, mode: str = _PLAIN, up
     weights = [_fused.kernel_parameter(inputs.weights[name]) for name in _WEIGHTS]
     family = kernel_family(z.device) if z.is_cuda else "sm80"  # (a meta tensor under tracing: the fakes ignore it)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (zb, *weights))
-    scale = None
-    if mode == _ADD and update_scale is not None:
-        scale = _row_scale(update_scale, z)  # [B, 1, N, c_z], or None where it has another shape
-        if scale is None:  # a scale the kernel does not take: the op, then its add
-            return z + fused_triangle_multiplication(inputs) * update_scale
-    if mode != _PLAIN and recording and z.is_contiguous():
+    # with _ADD, the kernels add z (and scale the update) where the scale has the shape they read
+    scale = None if mode != _ADD or update_scale is None else _row_scale(update_scale, z)  # [B, 1, N, c_z]
+    kernels_add = mode == _ADD and (update_scale is None or scale is not None)
+    if (mode == _KEEP or kernels_add) and recording and z.is_contiguous():
         result = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, mode, scale, *weights)
         if mode == _KEEP:
             kept, out = result
             return kept.view(z.shape), out.reshape(z.shape)  # z itself and the update, [*, N, N, c_z]
         return result.reshape(z.shape)  # z + update (* scale), [*, N, N, c_z]
-    add = mode == _ADD
     if not recording and not torch.compiler.is_compiling():
-        # no backward follows: the kernels skip what only the backward reads (n_hat); with `add` the
-        # output kernel adds z
+        # no backward follows: the kernels skip what only the backward reads (n_hat), and add z where
+        # they can
         out = _fused.kernels().triangle_multiplication_fwd(
-            zb, mask, weights, inputs.eps, inputs.outgoing, family, False, add, scale)[0]
-        out = out.reshape(z.shape)  # [*, N, N, c_z]
-        return (z, out) if mode == _KEEP else out
-    if torch.compiler.is_compiling():
+            zb, mask, weights, inputs.eps, inputs.outgoing, family, False, kernels_add, scale)[0]
+        if kernels_add:
+            return out.reshape(z.shape)  # z + update (* scale), [*, N, N, c_z]
+    elif torch.compiler.is_compiling():
         out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family)[0]
     else:
         out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, _PLAIN, None, *weights)
-    if add:  # (z not contiguous, or under compile without gradients) the add after the op
-        out = zb + (out if scale is None else out * scale)
-    out = out.reshape(z.shape)  # [*, N, N, c_z]
-    return (z, out) if mode == _KEEP else out
+    return _result(z, out.reshape(z.shape), mode, update_scale)  # [*, N, N, c_z]
 
 
 def _row_scale(update_scale: Tensor, z: Tensor) -> Optional[Tensor]:
