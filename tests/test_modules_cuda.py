@@ -256,18 +256,24 @@ def _gated_inputs(transposed, dtype, heads=4, c=32, a=24, a2=40):
     return qkvg, heads, mask, pair
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"] if HOPPER else ["auto"])
 @pytest.mark.parametrize("head_dim", [32, 24])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_gated_attention_is_the_composed_ops(transposed, dtype, head_dim):
-    # the one-node path (gate and attention kernels, the gradients written into one tensor) against
-    # the attention op and the gate op on the views, both on the cutlass kernels: the same output
-    # bits; the same gradients up to the attention's delta, which the gate kernel sums per head in
-    # another order where a head is a power-of-two number of 16-byte chunks (D = 32), and the delta
-    # pass sums otherwise (bfloat16 D = 24: three chunks; the same bits then)
+def test_gated_attention_is_the_composed_ops(transposed, dtype, head_dim, family, monkeypatch):
+    # the one-node path (the attention kernels' epilogue writing the gated output, the gradients
+    # written into one tensor) against the attention op and the gate op on the views, both on the
+    # cutlass kernels of either family: the same output bits; the same gradients up to the
+    # attention's delta, which the gate kernel sums per head in another order where a head is a
+    # power-of-two number of 16-byte chunks (D = 32), and the delta pass sums otherwise (bfloat16
+    # D = 24: three chunks; the same bits then)
     from evoformer_blocks import ops
     from evoformer_blocks.ops._inputs import gated_output_view, gated_views
 
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", family)
     qkvg, heads, mask, pair = _gated_inputs(transposed, dtype, c=head_dim)
     out = ops.gated_evoformer_attention(qkvg, heads, mask, pair, transposed=transposed, backend="cutlass")
     q, k, v, g = gated_views(qkvg, heads, transposed)
@@ -315,6 +321,35 @@ def test_gate_backward_sums_the_attention_delta_per_head(transposed, dtype, head
     expected = products.sum(-1).permute(0, 1, 3, 2)  # [B, N, H, L]
     bound = products.abs().sum(-1).permute(0, 1, 3, 2) * 2.0 ** -(10 if dtype == torch.float32 else 20)
     assert ((delta.view(expected.shape).double() - expected).abs() <= bound + 1e-6).all()
+
+
+@pytest.mark.skipif(not HOPPER, reason="the gated forward is the sm90 family's")
+def test_gated_forward_guards_its_output():
+    # the extension's gated forward writes `gated` at its strides: a tensor of another shape, odd
+    # strides or storage shared with its inputs is refused before any launch
+    from evoformer_blocks.ops import cutlass
+    from evoformer_blocks.ops._inputs import attention_view, gated_views
+
+    qkvg, heads, mask, pair = _gated_inputs(False, torch.bfloat16)
+    q, k, v, g = gated_views(qkvg.detach(), heads, False)
+    gate = attention_view(g, heads, False)
+
+    def run(gated):
+        return cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm90", True, gate, gated)
+
+    y = torch.empty_like(g)
+    run(attention_view(y, heads, False))
+    assert torch.isfinite(y).all()
+    with pytest.raises(RuntimeError, match="`gated` must match"):
+        run(torch.empty(1, 2, 3, heads, 32, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="`gated` must not share storage"):
+        run(q)
+    before = qkvg.detach().clone()
+    with pytest.raises(RuntimeError, match="`gated` must not share storage"):
+        run(gate)
+    assert torch.equal(qkvg.detach(), before)
+    with pytest.raises(RuntimeError, match="sm90 kernel family only"):  # the portable family has no gated epilogue
+        cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm80", True, gate, attention_view(y, heads, False))
 
 
 def test_gated_attention_custom_ops_pass_opcheck():

@@ -12,6 +12,10 @@
 //       mask_prepared: the prepared mask float32 [B|1, N|1, Lk_pad] (evoformer_attention.h), [0] without
 //       a mask bias. pair_prepared: with copy_pair, the pair bias copied into kernel layout
 //       [B|1, H|1, Lq, Lk_pad] (zero-padded); else [0], and pair_bias itself must be in kernel layout.
+//   gated_forward(the same arguments, Tensor gate, Tensor(a!) gated) -> the same results; also writes
+//       gated = sigmoid(gate) * out (gate and gated [B, N, Lq, H, D] in q's dtype, D contiguous, gated's
+//       rows aligned to two elements) in the forward's epilogue: the gated attention without a gate pass
+//       (family "sm90" only).
 //   backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared,
 //            Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype,
 //            bool need_dpair) -> (dq, dk, dv, dmask_bias, dpair_bias)
@@ -196,13 +200,18 @@ void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
 
 // A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row aligned
 // to two elements (the kernels store pairs of elements). Absent: the binding allocates a contiguous one.
+// A tensor the kernels write at its strides (two elements at a time): `like`'s shape, dtype and
+// device, D contiguous, even strides and a pointer aligned to two elements.
+void guard_strided_out(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like) {
+  bool ok = t.device() == like.device() && t.scalar_type() == like.scalar_type() && t.sizes() == like.sizes() &&
+            t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) == 0;
+  for (int d = 0; d < 4; ++d) ok = ok && t.stride(d) % 2 == 0;
+  TORCH_CHECK(ok, op, ": `", name, "` must match its input's shape, dtype and device, with D contiguous and even row ",
+              "strides; ", describe(name, t), "; ", describe("input", like));
+}
+
 void guard_gradient_out(const char* name, const std::optional<at::Tensor>& t, const at::Tensor& like) {
-  if (!t.has_value()) return;
-  bool ok = t->device() == like.device() && t->scalar_type() == like.scalar_type() && t->sizes() == like.sizes() &&
-            t->stride(4) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % (2 * t->element_size()) == 0;
-  for (int d = 0; d < 4; ++d) ok = ok && t->stride(d) % 2 == 0;
-  TORCH_CHECK(ok, "evoformer attention backward: `", name, "` must match its input's shape, dtype and device, with D ",
-              "contiguous and even row strides; ", describe(name, *t), "; ", describe("input", like));
+  if (t.has_value()) guard_strided_out("evoformer attention backward", name, *t, like);
 }
 
 void check_scale(double scale) {
@@ -369,12 +378,30 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
   return padded;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+// The forward of both entry points below; gate_in / gated: the gated attention's gate and the
+// caller's output for y = sigmoid(gate) * out (both or neither).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& mask_bias,
-    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair) {
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair,
+    const at::Tensor* gate_in = nullptr, at::Tensor* gated = nullptr) {
   guard_qkv(q_in, k_in, v_in);
+  at::Tensor gate;
+  if (gated != nullptr) {
+    const char* op = "evoformer gated attention";
+    TORCH_CHECK(gate_in->device() == q_in.device() && gate_in->scalar_type() == q_in.scalar_type() &&
+                    gate_in->sizes() == q_in.sizes() && gate_in->stride(4) == 1,
+                op, ": `gate` must match q's shape, dtype and device with D contiguous; ", describe("gate", *gate_in),
+                "; ", describe("q", q_in));
+    guard_strided_out(op, "gated", *gated, q_in);
+    for (const at::Tensor* t : {&q_in, &k_in, &v_in, gate_in})
+      TORCH_CHECK(!gated->is_alias_of(*t), op, ": `gated` must not share storage with q, k, v or gate; ",
+                  describe("gated", *gated));
+    gate = kernel_layout(*gate_in);
+  }
   check_scale(scale);
   const Family fam = family_on(family, q_in.get_device());
+  TORCH_CHECK(gated == nullptr || fam == Family::kSm90,
+              "evoformer gated attention: the gated forward runs on the sm90 kernel family only, got \"", family, "\"");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Operands ops = operands(q_in, k_in, v_in, scale);
@@ -388,11 +415,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   at::Tensor stats = at::empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
   maybe_poison(out);
   maybe_poison(stats);
+  if (gated != nullptr) maybe_poison(*gated);
   p.out = out.data_ptr();
   p.o_strides = row_strides(out);
   p.stats = stats.data_ptr<float>();
+  if (gated != nullptr) {
+    p.gate = gate.data_ptr(), p.g_strides = row_strides(gate);
+    p.gated = gated->data_ptr(), p.y_strides = row_strides(*gated);
+  }
   kernels_for(fam, q.scalar_type(), p.D, pair_kind).forward(p, stream);
   return {out, stats, mask_prepared, pair_prepared};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask_bias,
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair) {
+  return run_forward(q, k, v, mask_bias, pair_bias, scale, family, copy_pair);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask_bias,
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair,
+    const at::Tensor& gate, at::Tensor& gated) {
+  return run_forward(q, k, v, mask_bias, pair_bias, scale, family, copy_pair, &gate, &gated);
 }
 
 // Rows n summed by one CTA of the pair-bias gradient kernel. Its grid is ctas_per_chunk CTAs per
@@ -558,6 +603,9 @@ TORCH_LIBRARY(evoformer_blocks_cuda, m) {
       "forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "
       "bool copy_pair) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "gated_forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "
+      "bool copy_pair, Tensor gate, Tensor(a!) gated) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
       "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -569,6 +617,7 @@ TORCH_LIBRARY(evoformer_blocks_cuda, m) {
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("forward", &evoformer::forward);
+  m.impl("gated_forward", &evoformer::gated_forward);
   m.impl("backward", &evoformer::backward);
   m.impl("backward_into", &evoformer::backward_into);
 }

@@ -13,29 +13,92 @@
 
 namespace evoformer {
 
+// The [Lq, D] slices of (b, n, h) the forward's epilogue writes: out, and with a gate (p.gate) the
+// gated output y = sigmoid(gate) * out beside it.
+template <typename Element>
+struct OutputRows {
+  Element* out;
+  int64_t o_stride;
+  const Element* gate;  // nullptr: no gate
+  Element* y;
+  int64_t g_stride, y_stride;
+
+  __device__ OutputRows(const AttentionParams& p, int64_t b, int64_t n, int64_t h)
+      : out(static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h)), o_stride(p.o_strides.l),
+        gate(p.gate != nullptr ? static_cast<const Element*>(p.gate) + p.g_strides.at(b, n, 0, h) : nullptr),
+        y(p.gate != nullptr ? static_cast<Element*>(p.gated) + p.y_strides.at(b, n, 0, h) : nullptr),
+        g_stride(p.g_strides.l), y_stride(p.y_strides.l) {}
+};
+
+// The gate values of a thread's share of a warp's 16-row output tile (rows g and g + 8 from `row`,
+// columns dt * 8 + 2 t, + 1; zeros past Lq and D), loaded into registers before the key loop so
+// that their latency hides behind it (loaded in the epilogue, they cost more than the gate pass
+// they replace at L = 384). The sm90 forward's only: in the sm80 kernels the registers spill.
+template <typename Element, int kDTiles>
+struct GateFragment {
+  static constexpr int kWords = sizeof(Element) == 4 ? 2 : 1;  // 32-bit words per pair of values
+  uint32_t v[2][kDTiles][kWords];
+
+  __device__ void load(const OutputRows<Element>& rows, int row, int Lq, int D, int lane) {
+    if (rows.gate == nullptr) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const Element* grow = rows.gate + int64_t(row + 8 * r) * rows.g_stride;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int d = dt * 8 + 2 * (lane % 4);
+        const bool ok = row + 8 * r < Lq && d < D;
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)
+          v[r][dt][w] = ok ? reinterpret_cast<const uint32_t*>(grow + d)[w] : 0u;
+      }
+    }
+  }
+  __device__ float2 get(int r, int dt) const {
+    if constexpr (kWords == 2)
+      return make_float2(__uint_as_float(v[r][dt][0]), __uint_as_float(v[r][dt][1]));
+    else
+      return unpack2<Element>(v[r][dt][0]);
+  }
+};
+
 // Forward epilogue of one 16-row tile: o / rowsum into out[row][0..D) (rows g and g + 8 of the tile
-// are `row` and `row + 8`, written when < Lq; out is the [Lq, D] slice of this (b, n, h), rows
-// `o_stride` apart) and the row statistics (m, l) into stats[row] (see below and AttentionParams::
-// stats); rows whose keys are all -inf get (0, +inf), so the backward's exp2(... - inf) gives P = 0
-// there.
+// are `row` and `row + 8`, written when < Lq; `rows` as OutputRows says), where rows.gate is set
+// also y[row][d] = sigmoid(gate[row][d]) * out[row][d] of out as stored (the gate kernel's values:
+// it read out back; `gate` loaded by GateFragment::load at the same `row`; nullptr in kernels
+// without a gated epilogue, which then compile none), and the row statistics (m, l) into
+// stats[row] (see below and AttentionParams::stats); rows whose keys are all -inf get (0, +inf),
+// so the backward's exp2(... - inf) gives P = 0 there.
 template <typename Element, int kDTiles>
 __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], const float (&row_sum)[2],
-                                                  const float (&row_max_s)[2], float scale_log2, Element* out,
-                                                  int64_t o_stride, float2* stats, int row, int Lq, int D,
-                                                  int lane) {
+                                                  const float (&row_max_s)[2], float scale_log2,
+                                                  const OutputRows<Element>& rows,
+                                                  const GateFragment<Element, kDTiles>* gate, float2* stats, int row,
+                                                  int Lq, int D, int lane) {
   const int t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r, row += 8) {
     const float sum = row_sum[r];
     const float inv = sum > 0.f ? fast_rcp(sum) : 0.f;  // sum >= 2^-64: the row maximum contributes 2^delta
     if (row < Lq) {
-      Element* orow = out + int64_t(row) * o_stride;
+      Element* orow = rows.out + int64_t(row) * rows.o_stride;
       auto store = [&](auto check_d) {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           const int d = dt * 8 + 2 * t;
           if (!decltype(check_d)::value || d < D)
             store2<Element>(orow + d, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        }
+        if (gate == nullptr || rows.gate == nullptr) return;
+        Element* yrow = rows.y + int64_t(row) * rows.y_stride;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int d = dt * 8 + 2 * t;
+          if (!decltype(check_d)::value || d < D) {
+            const float2 stored = stored2<Element>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+            const float2 g = gate->get(r, dt);
+            store2<Element>(yrow + d, sigmoid(g.x) * stored.x, sigmoid(g.y) * stored.y);
+          }
         }
       };
       if (D == kDTiles * 8)

@@ -55,6 +55,12 @@ struct AttentionParams {
   // ---- forward outputs / backward inputs --------------------------------------------------
   void* out;   // [B, N, Lq, H, D]
   RowStrides o_strides;
+  // The gated attention (nullptr: none; the sm90 forward only): its epilogue also writes
+  // y = sigmoid(gate) * out, from out as stored; gate and y [B, N, Lq, H, D] at their strides (D
+  // contiguous, rows aligned to two elements).
+  const void* gate;
+  void* gated;
+  RowStrides g_strides, y_strides;
   // Softmax statistics per query row, [B, N, H, Lq, 2] contiguous fp32: (m, l) with m = max_j S_ij
   // (raw score units, see below) and l the log2 of the forward's row sum in units of the weight it
   // gave a key at m (l = log2(sum_j exp2((S_ij - m) * scale_log2)) up to the rounding of those

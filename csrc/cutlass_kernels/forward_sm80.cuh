@@ -243,13 +243,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     __syncthreads();  // the next iteration's copies overwrite this stage
   }
 
-  // Epilogue (store_output_rows): o / rowsum and the row statistics.
-  Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
+  // Epilogue (store_output_rows): o / rowsum and the row statistics (no gate: the sm90 family's only).
+  const OutputRows<Element> rows(p, b, n, h);  // [Lq, D] slices
   float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     const float row_sum[2] = {row_sum_acc[mt][0], row_sum_acc[mt][2]};
-    store_output_rows<Element, kDTiles>(o[mt], row_sum, row_max_s[mt], p.scale_log2, out, p.o_strides.l, stats,
+    store_output_rows<Element, kDTiles>(o[mt], row_sum, row_max_s[mt], p.scale_log2, rows, nullptr, stats,
                                         m0 + warp_row0 + mt * 16 + g, p.Lq, p.D, lane);
   }
 }

@@ -138,6 +138,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   SwizzledTileCopy<kBlockM, kHeadDim, kThreads>(tid, [](int r, int c) { return swizzled_offset<typename Cfg::LayoutQ, Element>(r, c); })(
       q_smem, q, p.q_strides.l, rows_q, p.D);  // [kBlockM, kHeadDim] (LayoutQ)
   cp_async_commit();
+  const OutputRows<Element> rows(p, b, n, h);  // [Lq, D] slices
+  GateFragment<Element, kDTiles> gate;         // read now, used by the epilogue
+  gate.load(rows, m0 + warp_row0 + lane / 4, p.Lq, p.D, lane);
   Cfg::Tma::finish_prologue();  // Q (and the ones tile) in place for the tensor cores
 
   // This warpgroup's operands: Q rows [64 wg, 64 wg + 64), K / V of each stage.
@@ -236,9 +239,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   warpgroup_fence_operand(tSumrSum);
 
   const float row_total[2] = {row_sum[0], row_sum[2]};
-  Element* out = static_cast<Element*>(p.out) + p.o_strides.at(b, n, 0, h);  // [Lq, D]
   float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]
-  store_output_rows<Element, kDTiles>(o, row_total, row_max_s, p.scale_log2, out, p.o_strides.l, stats,
+  store_output_rows<Element, kDTiles>(o, row_total, row_max_s, p.scale_log2, rows, &gate, stats,
                                       m0 + warp_row0 + lane / 4, p.Lq, p.D, lane);
 #endif
 }

@@ -14,8 +14,6 @@
 namespace evoformer {
 namespace block {
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
-
 // Calls fn(row, col, n) for every span of kVec consecutive columns of a [rows, cols] index space
 // (n <= kVec of them in range), with a grid stride.
 template <int kVec, typename Fn>

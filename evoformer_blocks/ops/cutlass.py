@@ -43,7 +43,7 @@ import torch
 
 from . import _build, _fused
 from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
-from ._inputs import AttentionInputs, gated_output_view, gated_views
+from ._inputs import AttentionInputs, attention_view, gated_output_view, gated_views
 
 Tensor = torch.Tensor
 
@@ -284,17 +284,27 @@ def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
 
 # ---- gated attention of a stacked projection (ops.gated_evoformer_attention) -------------------
 # One node for the attention and its sigmoid gate: forward, the attention kernels on the q, k, v
-# views of qkvg [B, A, A', 4 H D], then the gate kernel on g and the output; backward, the gate's
-# backward writes dg into qkvg's gradient and dO, and the attention's backward writes dq, dk, dv
-# into the same tensor (backward_into), so the gradient of qkvg leaves as one dense tensor.
+# views of qkvg [B, A, A', 4 H D] and the gated output y = sigmoid(g) * O (the sm90 family writes it
+# in the forward's epilogue beside O, gated_forward; the sm80 family runs the gate kernel on O
+# after it); backward, the gate's backward writes dg into qkvg's gradient and dO, and the
+# attention's backward writes dq, dk, dv into the same tensor (backward_into), so the gradient of
+# qkvg leaves as one dense tensor.
 
 
 def _gated_forward(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, scale: float, family: str):
     q, k, v, g = gated_views(qkvg, heads, transposed)
-    out, stats, mask_prepared, pair_prepared = _kernels().forward(
-        q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias)
+    copy_pair = _copy_pair(pair_bias)
+    if family != "sm90":
+        out, stats, mask_prepared, pair_prepared = _kernels().forward(
+            q, k, v, mask_bias, pair_bias, scale, family, copy_pair
+        )  # out [B, N, L, H, D]
+        y = _kernels().sigmoid_gate_fwd(g, gated_output_view(out, transposed))  # [B, A, A', H D]
+        return y, out, stats, mask_prepared, pair_prepared
+    y = g.new_empty(g.shape)  # [B, A, A', H D], contiguous
+    out, stats, mask_prepared, pair_prepared = _kernels().gated_forward(
+        q, k, v, mask_bias, pair_bias, scale, family, copy_pair,
+        attention_view(g, heads, transposed), attention_view(y, heads, transposed),
     )  # out [B, N, L, H, D]
-    y = _kernels().sigmoid_gate_fwd(g, gated_output_view(out, transposed))  # [B, A, A', H D]
     return y, out, stats, mask_prepared, pair_prepared
 
 
