@@ -198,8 +198,6 @@ void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
               "; ", describe("q", q));
 }
 
-// A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row aligned
-// to two elements (the kernels store pairs of elements). Absent: the binding allocates a contiguous one.
 // A tensor the kernels write at its strides (two elements at a time): `like`'s shape, dtype and
 // device, D contiguous, even strides and a pointer aligned to two elements.
 void guard_strided_out(const char* op, const char* name, const at::Tensor& t, const at::Tensor& like) {
@@ -210,6 +208,8 @@ void guard_strided_out(const char* op, const char* name, const at::Tensor& t, co
               "strides; ", describe(name, t), "; ", describe("input", like));
 }
 
+// A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row aligned
+// to two elements (the kernels store pairs of elements). Absent: the binding allocates a contiguous one.
 void guard_gradient_out(const char* name, const std::optional<at::Tensor>& t, const at::Tensor& like) {
   if (t.has_value()) guard_strided_out("evoformer attention backward", name, *t, like);
 }

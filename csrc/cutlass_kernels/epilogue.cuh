@@ -1,6 +1,7 @@
 // Epilogues: how a warp's 16-row accumulator tiles (mma.sync's C layout, which the Hopper kernels'
 // wgmma fragments share) leave the kernels of both families: the forward's output and row
-// statistics, dQ, dK / dV with the mask-bias gradient, and the pair-bias-gradient partials.
+// statistics (with the Hopper kernel's gated output), dQ, dK / dV with the mask-bias gradient, and
+// the pair-bias-gradient partials.
 #pragma once
 
 #include <cstdint>

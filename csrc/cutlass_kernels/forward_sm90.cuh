@@ -13,7 +13,8 @@
 // S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
 // that, rescale O and keep P_j in registers for the next step. V is therefore read one step after
 // K: K, the pair and mask tiles live in a 2-stage ring, V in a 3-stage one. Q is copied once, with
-// cp.async.
+// cp.async. For the gated attention (AttentionParams::gate) the epilogue also writes y =
+// sigmoid(g) * O, the thread's gate values read into registers (GateFragment) before the key loop.
 //
 // Shared-memory tiles that wgmma reads use CuTe's GMMA swizzled layouts: Q [128, D] and K [keys, D]
 // K-major; V [keys, D] is the B operand of P.V as (D, keys), i.e. MN-major. TMA writes them with the
