@@ -1,4 +1,5 @@
-"""Markers shared by the GPU test modules: they need a CUDA GPU of compute capability >= 8.0."""
+"""Markers and settings shared by the GPU test modules: they need a CUDA GPU of compute capability
+>= 8.0; on a Hopper GPU the kernel tests run with both kernel families."""
 
 import pytest
 import torch
@@ -10,3 +11,8 @@ requires_sm80 = [
         reason="needs a CUDA GPU of compute capability >= 8.0",
     ),
 ]
+
+# On a Hopper GPU (compute capability 9.0) the kernel tests run twice: with the Hopper kernels
+# (EVOFORMER_BLOCKS_KERNELS=auto) and with the portable sm80 ones, which must keep passing there too.
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+KERNEL_FAMILIES = ["auto", "sm80"] if HOPPER else ["auto"]

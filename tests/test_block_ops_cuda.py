@@ -16,7 +16,7 @@ os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass  # noqa: E402
-from gpu import requires_sm80  # noqa: E402
+from gpu import KERNEL_FAMILIES, requires_sm80  # noqa: E402
 from test_block_ops import triangle_weights  # noqa: E402
 
 pytestmark = requires_sm80
@@ -191,10 +191,7 @@ def _triangle(z, mask, w, direction, backend):
 
 # On a Hopper GPU the triangle tests run twice: with the Hopper input kernel (auto) and with the
 # portable one (EVOFORMER_BLOCKS_KERNELS=sm80), which must keep passing there too.
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture(params=["auto", "sm80"] if HOPPER else ["auto"])
+@pytest.fixture(params=KERNEL_FAMILIES)
 def kernel_family(request, monkeypatch):
     monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", request.param)
     return request.param

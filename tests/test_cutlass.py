@@ -23,7 +23,7 @@ os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass  # noqa: E402
-from gpu import requires_sm80  # noqa: E402
+from gpu import HOPPER, KERNEL_FAMILIES, requires_sm80  # noqa: E402
 
 
 def gpu(test):
@@ -35,10 +35,7 @@ def gpu(test):
 
 # On a Hopper GPU every test runs twice: with the Hopper kernels (auto) and with the portable sm80
 # kernels (EVOFORMER_BLOCKS_KERNELS=sm80, forward and backward), which must keep passing there too.
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.fixture(autouse=True, params=["auto", "sm80"] if HOPPER else ["auto"])
+@pytest.fixture(autouse=True, params=KERNEL_FAMILIES)
 def kernel_family(request, monkeypatch):
     monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", request.param)
     return request.param

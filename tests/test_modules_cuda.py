@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import evoformer_blocks as eb
-from gpu import requires_sm80
+from gpu import HOPPER, KERNEL_FAMILIES, requires_sm80
 
 pytestmark = requires_sm80
 
@@ -256,10 +256,7 @@ def _gated_inputs(transposed, dtype, heads=4, c=32, a=24, a2=40):
     return qkvg, heads, mask, pair
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.mark.parametrize("family", ["auto", "sm80"] if HOPPER else ["auto"])
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
 @pytest.mark.parametrize("head_dim", [32, 24])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("transposed", [False, True])
