@@ -132,6 +132,24 @@ def test_generated_kernel_sources_are_current():
     assert result.returncode == 0, result.stderr
 
 
+def test_binding_errors_are_joined_without_streams():
+    # The bindings' checks go through EVO_CHECK (bindings_common.h), which joins the message itself:
+    # TORCH_CHECK with several pieces (c10::str) and std::ostringstream construct a stream inside
+    # the extension, and with some torch wheels that ends the process instead of raising.
+    sources = Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels"
+    found = []
+    for path in sorted(sources.iterdir()):
+        if path.suffix not in (".cpp", ".h", ".cu", ".cuh"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            if code.lstrip().startswith("#define EVO_CHECK("):
+                continue
+            found += [f"{path.name}:{number}: {word}" for word in ("TORCH_CHECK", "c10::str", "ostringstream",
+                                                                   "<sstream>") if word in code]
+    assert not found, found
+
+
 def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, device="meta", dtype=dtype)
 

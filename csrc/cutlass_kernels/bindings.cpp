@@ -37,7 +37,6 @@
 #include <cstdlib>
 #include <iterator>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -63,10 +62,8 @@ struct Kernels {
 };
 
 std::string describe(const char* name, const at::Tensor& t) {
-  std::ostringstream os;
-  os << name << ": shape=" << t.sizes() << " dtype=" << t.scalar_type() << " device=" << t.device()
-     << " stride=" << t.strides();
-  return os.str();
+  return message::join(name, ": shape=", t.sizes(), " dtype=", t.scalar_type(), " device=", t.device(),
+                       " stride=", t.strides());
 }
 
 // float16, bfloat16 (EVOFORMER_KERNEL_ELEMENTS) or float32 (TF32 tensor cores, sm80 family, D up to
@@ -82,7 +79,7 @@ bool kernel_dtype(at::ScalarType dtype) {
 int head_dim_bucket(int64_t head_dim) {
   for (int bucket : limits::kHeadDimBuckets)
     if (head_dim <= bucket) return bucket;
-  TORCH_CHECK(false, "evoformer attention: head dim ", head_dim, " exceeds the largest bucket");
+  EVO_CHECK(false, "evoformer attention: head dim ", head_dim, " exceeds the largest bucket");
   return 0;
 }
 
@@ -128,9 +125,9 @@ Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair)
   EVOFORMER_KERNEL_ELEMENTS(EVOFORMER_DTYPE_CASE)
 #undef EVOFORMER_DTYPE_CASE
   if (dtype == at::kFloat) {  // TF32: the sm80 family only, its buckets and pair kinds (guard_qkv checked D)
-    TORCH_CHECK(family == Family::kSm80, "evoformer attention: float32 inputs run on the sm80 kernel family only "
+    EVO_CHECK(family == Family::kSm80, "evoformer attention: float32 inputs run on the sm80 kernel family only "
                 "(TF32 tensor cores); pass family `sm80`");
-    TORCH_CHECK(pair != kPairFloat, "evoformer attention: float32 inputs take a float32 pair bias as kPairInput");
+    EVO_CHECK(pair != kPairFloat, "evoformer attention: float32 inputs take a float32 pair bias as kPairInput");
     return by_bucket<Kernels, limits::kTf32MaxHeadDim>(bucket, [&](auto dim) {
       return by_pair_kind<Kernels, limits::kTf32PairKinds>(pair, [&](auto kind) {
         constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
@@ -139,7 +136,7 @@ Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair)
       });
     });
   }
-  TORCH_CHECK(false, "evoformer attention: no kernels for dtype ", dtype);
+  EVO_CHECK(false, "evoformer attention: no kernels for dtype ", dtype);
   return Kernels{};
 }
 
@@ -154,7 +151,7 @@ std::vector<std::string> available_kernel_families(int64_t device) {
 // The family named by the caller, which must be available on `device`.
 Family family_on(const std::string& family, int64_t device) {
   const std::vector<std::string> available = available_kernel_families(device);
-  TORCH_CHECK(std::find(available.begin(), available.end(), family) != available.end(),
+  EVO_CHECK(std::find(available.begin(), available.end(), family) != available.end(),
               "evoformer attention: `family` must be one of the kernel families this build runs on device ", device,
               " (", c10::Join(", ", available), "), got `", family, "`");
   return family == "sm90" ? Family::kSm90 : Family::kSm80;
@@ -165,35 +162,35 @@ Family family_on(const std::string& family, int64_t device) {
 // within theirs.
 void guard_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
-    TORCH_CHECK(t.is_cuda() && t.dim() == 5 && kernel_dtype(t.scalar_type()),
+    EVO_CHECK(t.is_cuda() && t.dim() == 5 && kernel_dtype(t.scalar_type()),
                 "evoformer attention: `", name, "` must be a float16, bfloat16 or float32 CUDA tensor [B, N, L, H, D]; ",
                 describe(name, t));
-    TORCH_CHECK(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
+    EVO_CHECK(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
                 "evoformer attention: q, k, v must share dtype and device; ", describe(name, t));
   }
-  TORCH_CHECK(k.sizes() == v.sizes(), "evoformer attention: k and v must have one shape; ", describe("k", k), "; ",
+  EVO_CHECK(k.sizes() == v.sizes(), "evoformer attention: k and v must have one shape; ", describe("k", k), "; ",
               describe("v", v));
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(4) == k.size(4),
+  EVO_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(4) == k.size(4),
               "evoformer attention: k must be [B, N, Lk, H, D] with q's B, N, H, D; ", describe("q", q), "; ",
               describe("k", k));
-  TORCH_CHECK(q.numel() > 0 && k.numel() > 0, "evoformer attention: every dimension of q and k must be at least 1; ",
+  EVO_CHECK(q.numel() > 0 && k.numel() > 0, "evoformer attention: every dimension of q and k must be at least 1; ",
               describe("q", q), "; ", describe("k", k));
   const int64_t d = q.size(4);
-  TORCH_CHECK(d % limits::kHeadDimMultiple == 0 && d <= limits::kMaxHeadDim,
+  EVO_CHECK(d % limits::kHeadDimMultiple == 0 && d <= limits::kMaxHeadDim,
               "evoformer attention: head dim D must be a multiple of ", limits::kHeadDimMultiple, " and at most ",
               limits::kMaxHeadDim, "; ", describe("q", q));
-  TORCH_CHECK(q.scalar_type() != at::kFloat || d <= limits::kTf32MaxHeadDim,
+  EVO_CHECK(q.scalar_type() != at::kFloat || d <= limits::kTf32MaxHeadDim,
               "evoformer attention: float32 inputs (TF32 kernels) need head dim D at most ", limits::kTf32MaxHeadDim,
               "; ", describe("q", q));
   const int64_t tiles = (std::max(q.size(2), k.size(2)) + limits::kRowTile - 1) / limits::kRowTile;
-  TORCH_CHECK(q.size(0) * q.size(1) * tiles < (int64_t(1) << limits::kMaxGridXLog2) && q.size(3) <= limits::kMaxHeads,
+  EVO_CHECK(q.size(0) * q.size(1) * tiles < (int64_t(1) << limits::kMaxGridXLog2) && q.size(3) <= limits::kMaxHeads,
               "evoformer attention: B * N * ceil(L / ", limits::kRowTile, ") must be below 2^", limits::kMaxGridXLog2,
               " and H at most ", limits::kMaxHeads, "; ", describe("q", q));
 }
 
 // `t` (dout, out) must be a CUDA tensor of q's dtype, shape and device.
 void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == q.scalar_type() && t.sizes() == q.sizes(),
+  EVO_CHECK(t.device() == q.device() && t.scalar_type() == q.scalar_type() && t.sizes() == q.sizes(),
               "evoformer attention backward: `", name, "` must match q's shape, dtype and device; ", describe(name, t),
               "; ", describe("q", q));
 }
@@ -204,7 +201,7 @@ void guard_strided_out(const char* op, const char* name, const at::Tensor& t, co
   bool ok = t.device() == like.device() && t.scalar_type() == like.scalar_type() && t.sizes() == like.sizes() &&
             t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) == 0;
   for (int d = 0; d < 4; ++d) ok = ok && t.stride(d) % 2 == 0;
-  TORCH_CHECK(ok, op, ": `", name, "` must match its input's shape, dtype and device, with D contiguous and even row ",
+  EVO_CHECK(ok, op, ": `", name, "` must match its input's shape, dtype and device, with D contiguous and even row ",
               "strides; ", describe(name, t), "; ", describe("input", like));
 }
 
@@ -215,7 +212,7 @@ void guard_gradient_out(const char* name, const std::optional<at::Tensor>& t, co
 }
 
 void check_scale(double scale) {
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
+  EVO_CHECK(std::isfinite(scale) && scale > 0, "evoformer attention: `scale` must be positive and finite, got ", scale);
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -275,7 +272,7 @@ void use_mask(AttentionParams& p, const at::Tensor& prepared, const at::Tensor& 
   p.mask_stride_b = p.mask_stride_n = 0;
   if (prepared.numel() == 0) return;
   const int64_t lk_pad = mask_lk_pad(p.Lk);
-  TORCH_CHECK(prepared.device() == q.device() && prepared.scalar_type() == at::kFloat && prepared.dim() == 3 &&
+  EVO_CHECK(prepared.device() == q.device() && prepared.scalar_type() == at::kFloat && prepared.dim() == 3 &&
                   (prepared.size(0) == p.B || prepared.size(0) == 1) &&
                   (prepared.size(1) == p.N || prepared.size(1) == 1) && prepared.size(2) == lk_pad &&
                   prepared.is_contiguous(),
@@ -294,11 +291,11 @@ at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mas
     return at::empty({0}, q.options().dtype(at::kFloat));
   }
   const at::Tensor& m = *mask_bias;
-  TORCH_CHECK(m.device() == q.device() &&
+  EVO_CHECK(m.device() == q.device() &&
                   (m.scalar_type() == at::kHalf || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kFloat),
               "evoformer attention: `mask_bias` must be a float16, bfloat16 or float32 tensor on q's device; ",
               describe("mask_bias", m));
-  TORCH_CHECK(m.dim() == 5 && (m.size(0) == p.B || m.size(0) == 1) && (m.size(1) == p.N || m.size(1) == 1) &&
+  EVO_CHECK(m.dim() == 5 && (m.size(0) == p.B || m.size(0) == 1) && (m.size(1) == p.N || m.size(1) == 1) &&
                   m.size(2) == 1 && m.size(3) == 1 && m.size(4) == p.Lk,
               "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
               describe("q", q));
@@ -333,10 +330,10 @@ bool pair_in_kernel_layout(const at::Tensor& t) {
 // pair_bias [B|1, 1, H|1, Lq, Lk] on q's device, q's dtype or float32 (guarded here), as the
 // [B|1, H|1, Lq, Lk] view the kernels read.
 at::Tensor pair_view(const at::Tensor& pb, const AttentionParams& p, const at::Tensor& q) {
-  TORCH_CHECK(pb.device() == q.device() && (pb.scalar_type() == q.scalar_type() || pb.scalar_type() == at::kFloat),
+  EVO_CHECK(pb.device() == q.device() && (pb.scalar_type() == q.scalar_type() || pb.scalar_type() == at::kFloat),
               "evoformer attention: `pair_bias` must be on q's device with q's dtype or float32; ",
               describe("pair_bias", pb), "; ", describe("q", q));
-  TORCH_CHECK(pb.dim() == 5 && (pb.size(0) == p.B || pb.size(0) == 1) && pb.size(1) == 1 &&
+  EVO_CHECK(pb.dim() == 5 && (pb.size(0) == p.B || pb.size(0) == 1) && pb.size(1) == 1 &&
                   (pb.size(2) == p.H || pb.size(2) == 1) && pb.size(3) == p.Lq && pb.size(4) == p.Lk,
               "evoformer attention: `pair_bias` must be [B|1, 1, H|1, Lq, Lk]; ", describe("pair_bias", pb), "; ",
               describe("q", q));
@@ -364,7 +361,7 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
   if (!pair_bias.has_value()) return at::empty({0}, q.options());
   const at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
   if (!copy_pair) {
-    TORCH_CHECK(pair_in_kernel_layout(t),
+    EVO_CHECK(pair_in_kernel_layout(t),
                 "evoformer attention: `pair_bias` must have contiguous keys and 16-byte aligned rows of a multiple of "
                 "16 bytes when `copy_pair` is false; ",
                 describe("pair_bias", *pair_bias));
@@ -388,19 +385,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
   at::Tensor gate;
   if (gated != nullptr) {
     const char* op = "evoformer gated attention";
-    TORCH_CHECK(gate_in->device() == q_in.device() && gate_in->scalar_type() == q_in.scalar_type() &&
+    EVO_CHECK(gate_in->device() == q_in.device() && gate_in->scalar_type() == q_in.scalar_type() &&
                     gate_in->sizes() == q_in.sizes() && gate_in->stride(4) == 1,
                 op, ": `gate` must match q's shape, dtype and device with D contiguous; ", describe("gate", *gate_in),
                 "; ", describe("q", q_in));
     guard_strided_out(op, "gated", *gated, q_in);
     for (const at::Tensor* t : {&q_in, &k_in, &v_in, gate_in})
-      TORCH_CHECK(!gated->is_alias_of(*t), op, ": `gated` must not share storage with q, k, v or gate; ",
+      EVO_CHECK(!gated->is_alias_of(*t), op, ": `gated` must not share storage with q, k, v or gate; ",
                   describe("gated", *gated));
     gate = kernel_layout(*gate_in);
   }
   check_scale(scale);
   const Family fam = family_on(family, q_in.get_device());
-  TORCH_CHECK(gated == nullptr || fam == Family::kSm90,
+  EVO_CHECK(gated == nullptr || fam == Family::kSm90,
               "evoformer gated attention: the gated forward runs on the sm90 kernel family only, got \"", family, "\"");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -484,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   check_scale(scale);
   guard_like_q("dout", dout_in, q_in);
   guard_like_q("out", out_in, q_in);
-  TORCH_CHECK(stats_in.device() == q_in.device() && stats_in.scalar_type() == at::kFloat && stats_in.dim() == 5 &&
+  EVO_CHECK(stats_in.device() == q_in.device() && stats_in.scalar_type() == at::kFloat && stats_in.dim() == 5 &&
                   stats_in.size(0) == q_in.size(0) && stats_in.size(1) == q_in.size(1) &&
                   stats_in.size(2) == q_in.size(3) && stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
               "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2] on q's device; ",
@@ -502,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   if (pair_bias.has_value()) {
     at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
     if (pair_prepared.numel() > 0) {  // the forward's copy [B|1, H|1, Lq, Lk_pad]
-      TORCH_CHECK(pair_prepared.device() == q.device() && pair_prepared.scalar_type() == t.scalar_type() &&
+      EVO_CHECK(pair_prepared.device() == q.device() && pair_prepared.scalar_type() == t.scalar_type() &&
                       pair_prepared.dim() == 4 && pair_prepared.size(0) == t.size(0) &&
                       pair_prepared.size(1) == t.size(1) && pair_prepared.size(2) == p.Lq &&
                       pair_prepared.size(3) >= p.Lk,
@@ -510,13 +507,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
                   describe("pair_prepared", pair_prepared), "; ", describe("pair_bias", *pair_bias));
       t = pair_prepared;
     }
-    TORCH_CHECK(pair_in_kernel_layout(t),
+    EVO_CHECK(pair_in_kernel_layout(t),
                 "evoformer attention backward: the pair bias the kernels read must be in kernel layout (the forward's "
                 "`pair_prepared` when it made a copy); ",
                 describe("pair_bias", *pair_bias), "; ", describe("pair_prepared", pair_prepared));
     pair_kind = use_pair(p, t, q);
   } else {
-    TORCH_CHECK(pair_prepared.numel() == 0, "evoformer attention backward: `pair_prepared` without `pair_bias`; ",
+    EVO_CHECK(pair_prepared.numel() == 0, "evoformer attention backward: `pair_prepared` without `pair_bias`; ",
                 describe("pair_prepared", pair_prepared));
   }
   const bool need_dmask = dmask_dtype.has_value() && p.mask_scaled != nullptr;
@@ -533,7 +530,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   const auto f32 = q.options().dtype(at::kFloat);
   p.delta_ready = delta_in.has_value() && delta_in->defined();
   if (p.delta_ready) {
-    TORCH_CHECK(delta_in->device() == q.device() && delta_in->scalar_type() == at::kFloat && delta_in->is_contiguous() &&
+    EVO_CHECK(delta_in->device() == q.device() && delta_in->scalar_type() == at::kFloat && delta_in->is_contiguous() &&
                     delta_in->sizes() == at::IntArrayRef({p.B, p.N, p.H, p.Lq}),
                 "evoformer attention backward: `delta` must be float32 [B, N, H, Lq] contiguous on q's device; ",
                 describe("delta", *delta_in));

@@ -7,11 +7,54 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "kernel_limits.h"
 
 namespace evoformer {
+
+// Error messages of the bindings are joined without iostreams. With the torch 2.11 CUDA 13 wheel
+// and Ubuntu's g++ 13.3, constructing an std::ostringstream inside an extension ends the process
+// with SIGSEGV, and TORCH_CHECK joins a message of several pieces through one (c10::str, inlined
+// here). A message that is one std::string takes no stream, so EVO_CHECK joins the pieces itself.
+namespace message {
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void append(std::string& s, double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  s += text;
+}
+inline void append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+inline void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const at::Device& v) { s += v.str(); }
+
+template <typename... Pieces>
+std::string join(const Pieces&... pieces) {
+  std::string s;
+  (append(s, pieces), ...);
+  return s;
+}
+}  // namespace message
+
+// TORCH_CHECK with the message joined by message::join (evaluated only when `cond` fails).
+#define EVO_CHECK(cond, ...) TORCH_CHECK(cond, ::evoformer::message::join(__VA_ARGS__))
 
 // EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
 // element a kernel fails to write (read once per process).
@@ -39,7 +82,7 @@ inline int current_sm_count() {
 inline int compute_capability(int64_t device) {
   constexpr int kCachedDevices = 64;
   static int capability[kCachedDevices] = {};  // 0 until asked
-  TORCH_CHECK(device >= 0 && device < kCachedDevices, "evoformer_blocks: CUDA device index ", device,
+  EVO_CHECK(device >= 0 && device < kCachedDevices, "evoformer_blocks: CUDA device index ", device,
               " must be in [0, ", kCachedDevices, ")");
   if (capability[device] == 0) {
     int major = 0, minor = 0;

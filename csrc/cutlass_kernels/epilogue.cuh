@@ -34,11 +34,12 @@ struct OutputRows {
 // The gate values of a thread's share of a warp's 16-row output tile (rows g and g + 8 from `row`,
 // columns dt * 8 + 2 t, + 1; zeros past Lq and D), loaded into registers before the key loop so
 // that their latency hides behind it (loaded in the epilogue, they cost more than the gate pass
-// they replace at L = 384). The sm90 forward's only: in the sm80 kernels the registers spill.
+// they replace at L = 384). The sm90 forward's only (16-bit Elements): in the sm80 kernels the
+// registers spill.
 template <typename Element, int kDTiles>
 struct GateFragment {
-  static constexpr int kWords = sizeof(Element) == 4 ? 2 : 1;  // 32-bit words per pair of values
-  uint32_t v[2][kDTiles][kWords];
+  static_assert(sizeof(Element) == 2, "the gated epilogue is the 16-bit Hopper forward's");
+  uint32_t v[2][kDTiles];  // one pair of values per word
 
   __device__ void load(const OutputRows<Element>& rows, int row, int Lq, int D, int lane) {
     if (rows.gate == nullptr) return;
@@ -48,19 +49,11 @@ struct GateFragment {
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int d = dt * 8 + 2 * (lane % 4);
-        const bool ok = row + 8 * r < Lq && d < D;
-#pragma unroll
-        for (int w = 0; w < kWords; ++w)
-          v[r][dt][w] = ok ? reinterpret_cast<const uint32_t*>(grow + d)[w] : 0u;
+        v[r][dt] = row + 8 * r < Lq && d < D ? *reinterpret_cast<const uint32_t*>(grow + d) : 0u;
       }
     }
   }
-  __device__ float2 get(int r, int dt) const {
-    if constexpr (kWords == 2)
-      return make_float2(__uint_as_float(v[r][dt][0]), __uint_as_float(v[r][dt][1]));
-    else
-      return unpack2<Element>(v[r][dt][0]);
-  }
+  __device__ float2 get(int r, int dt) const { return unpack2<Element>(v[r][dt]); }
 };
 
 // Forward epilogue of one 16-row tile: o / rowsum into out[row][0..D) (rows g and g + 8 of the tile
@@ -90,15 +83,18 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[kDTiles][4], 
           if (!decltype(check_d)::value || d < D)
             store2<Element>(orow + d, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
         }
-        if (gate == nullptr || rows.gate == nullptr) return;
-        Element* yrow = rows.y + int64_t(row) * rows.y_stride;
+        if constexpr (sizeof(Element) == 2) {  // (GateFragment's Elements)
+          if (gate == nullptr || rows.gate == nullptr) return;
+          Element* yrow = rows.y + int64_t(row) * rows.y_stride;
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          const int d = dt * 8 + 2 * t;
-          if (!decltype(check_d)::value || d < D) {
-            const float2 stored = stored2<Element>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-            const float2 g = gate->get(r, dt);
-            store2<Element>(yrow + d, sigmoid(g.x) * stored.x, sigmoid(g.y) * stored.y);
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            const int d = dt * 8 + 2 * t;
+            if (!decltype(check_d)::value || d < D) {
+              // out as stored: rounded to Element
+              const float2 stored = unpack2<Element>(pack2<Element>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv));
+              const float2 g = gate->get(r, dt);
+              store2<Element>(yrow + d, sigmoid(g.x) * stored.x, sigmoid(g.y) * stored.y);
+            }
           }
         }
       };

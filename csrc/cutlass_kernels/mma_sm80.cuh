@@ -160,15 +160,6 @@ __device__ __forceinline__ void store2(Element* dst, float lo, float hi) {
     *reinterpret_cast<uint32_t*>(dst) = pack2<Element>(lo, hi);
 }
 
-// lo, hi as store2 writes them: rounded to Element (unchanged for float).
-template <typename Element>
-__device__ __forceinline__ float2 stored2(float lo, float hi) {
-  if constexpr (std::is_same_v<Element, float>)
-    return make_float2(lo, hi);
-  else
-    return unpack2<Element>(pack2<Element>(lo, hi));
-}
-
 // The sigmoid of the output gates (the block ops' gate kernels and the attention forward's gated
 // epilogue, so that both give the same values): 1 / (1 + e^-x) in float32.
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }

@@ -318,10 +318,11 @@ def _save(ctx, z, mask, weights, eps, outgoing, saved, *extra) -> None:
     ctx.eps, ctx.outgoing, ctx.n_weights, ctx.n_saved = eps, outgoing, len(weights), len(saved)
 
 
-def _gradients(ctx, dout, backward, dz_add: Optional[Tensor] = None):
+def _gradients(ctx, dout, backward, dz_add: Optional[Tensor] = None, tensors: Optional[tuple] = None):
     """(dz, d weights): the backward of the op's autograd (every path); ``dz_add``, another gradient
-    of z, is added to dz in the kernels' last pass."""
-    z, mask, *rest = ctx.saved_tensors
+    of z, is added to dz in the kernels' last pass; ``tensors``: ctx.saved_tensors where the caller
+    has unpacked them already (each unpacking costs host time)."""
+    z, mask, *rest = ctx.saved_tensors if tensors is None else tensors
     weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights : ctx.n_weights + ctx.n_saved]
     dout = torch.zeros_like(z) if dout is None else dout.contiguous()
     dz_add = None if dz_add is None else dz_add.contiguous()
@@ -365,15 +366,16 @@ class _FusedTriangleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        tensors = ctx.saved_tensors
         if ctx.mode == _KEEP:
             dz_kept, dout = grads
         elif ctx.mode == _ADD:  # d(z + out * scale): dz passes through, out's is scaled
             dz_kept = grads[0]
-            dout = dz_kept * ctx.saved_tensors[-1] if ctx.scaled else dz_kept
+            dout = dz_kept * tensors[-1] if ctx.scaled else dz_kept
         else:
             dz_kept, dout = None, grads[0]
         backward = triangle_bwd if torch.compiler.is_compiling() else _fused.kernels().triangle_multiplication_bwd
-        dz, dweights = _gradients(ctx, dout, backward, dz_kept)
+        dz, dweights = _gradients(ctx, dout, backward, dz_kept, tensors)
         return (dz, None, None, None, None, None, None, *dweights)
 
 
