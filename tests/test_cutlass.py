@@ -387,6 +387,19 @@ def test_float32_runs_the_sm80_family(kernel_family):
 
 
 @gpu
+def test_extension_errors_name_the_values(kernel_family):
+    # a direct call of the extension with a bad argument raises (never ends the process) and its
+    # message shows the values: numbers and tensors as the bindings join them (bindings_common.h)
+    q, k, v, _, _ = make_inputs(1, 2, 24, 24, 2, 32, torch.bfloat16, "none")
+    family = cutlass.kernel_family(q.device, q.dtype)
+    with pytest.raises(RuntimeError, match=r"`scale` must be positive and finite, got -1\.5"):
+        cutlass._kernels().forward(q, k, v, None, None, -1.5, family, False)
+    with pytest.raises(RuntimeError, match=r"k and v must have one shape; k: shape=\[1, 2, 24, 2, 32\] "
+                                           r"dtype=BFloat16 device=cuda:\d+ stride=\[3072, 1536, 64, 32, 1\]"):
+        cutlass._kernels().forward(q, k, v[:, :, :20], None, None, 0.25, family, False)
+
+
+@gpu
 def test_auto_runs_float32_fused():
     # auto picks the cutlass backend for float32, and nothing [B, N, H, L, L] is allocated: the
     # float32 logits alone would take 256 MiB here, q, k, v 16 MiB each.
