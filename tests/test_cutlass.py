@@ -134,8 +134,8 @@ def test_generated_kernel_sources_are_current():
 
 def test_binding_errors_are_joined_without_streams():
     # The bindings' checks go through EVO_CHECK (bindings_common.h), which joins the message itself:
-    # TORCH_CHECK with several pieces (c10::str) and std::ostringstream construct a stream inside
-    # the extension, and with some torch wheels that ends the process instead of raising.
+    # TORCH_CHECK with several pieces (c10::str), c10::Join and string streams construct a stream
+    # inside the extension, and with some torch wheels that ends the process instead of raising.
     sources = Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels"
     found = []
     for path in sorted(sources.iterdir()):
@@ -145,8 +145,8 @@ def test_binding_errors_are_joined_without_streams():
             code = line.split("//", 1)[0]
             if code.lstrip().startswith("#define EVO_CHECK("):
                 continue
-            found += [f"{path.name}:{number}: {word}" for word in ("TORCH_CHECK", "c10::str", "ostringstream",
-                                                                   "<sstream>") if word in code]
+            found += [f"{path.name}:{number}: {word}" for word in ("TORCH_CHECK", "c10::str", "c10::Join",
+                                                                   "stringstream", "<sstream>") if word in code]
     assert not found, found
 
 
@@ -397,6 +397,9 @@ def test_extension_errors_name_the_values(kernel_family):
     with pytest.raises(RuntimeError, match=r"k and v must have one shape; k: shape=\[1, 2, 24, 2, 32\] "
                                            r"dtype=BFloat16 device=cuda:\d+ stride=\[3072, 1536, 64, 32, 1\]"):
         cutlass._kernels().forward(q, k, v[:, :, :20], None, None, 0.25, family, False)
+    with pytest.raises(RuntimeError, match=r"must be one of the kernel families this build runs on device \d+ "
+                                           r"\(sm80(, sm90)?\), got `sm70`"):
+        cutlass._kernels().forward(q, k, v, None, None, 0.25, "sm70", False)
 
 
 @gpu

@@ -126,7 +126,7 @@ Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair)
 #undef EVOFORMER_DTYPE_CASE
   if (dtype == at::kFloat) {  // TF32: the sm80 family only, its buckets and pair kinds (guard_qkv checked D)
     EVO_CHECK(family == Family::kSm80, "evoformer attention: float32 inputs run on the sm80 kernel family only "
-                "(TF32 tensor cores); pass family `sm80`");
+              "(TF32 tensor cores); pass family `sm80`");
     EVO_CHECK(pair != kPairFloat, "evoformer attention: float32 inputs take a float32 pair bias as kPairInput");
     return by_bucket<Kernels, limits::kTf32MaxHeadDim>(bucket, [&](auto dim) {
       return by_pair_kind<Kernels, limits::kTf32PairKinds>(pair, [&](auto kind) {
@@ -152,8 +152,8 @@ std::vector<std::string> available_kernel_families(int64_t device) {
 Family family_on(const std::string& family, int64_t device) {
   const std::vector<std::string> available = available_kernel_families(device);
   EVO_CHECK(std::find(available.begin(), available.end(), family) != available.end(),
-              "evoformer attention: `family` must be one of the kernel families this build runs on device ", device,
-              " (", c10::Join(", ", available), "), got `", family, "`");
+            "evoformer attention: `family` must be one of the kernel families this build runs on device ", device,
+            " (", available, "), got `", family, "`");
   return family == "sm90" ? Family::kSm90 : Family::kSm80;
 }
 
@@ -163,36 +163,36 @@ Family family_on(const std::string& family, int64_t device) {
 void guard_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
     EVO_CHECK(t.is_cuda() && t.dim() == 5 && kernel_dtype(t.scalar_type()),
-                "evoformer attention: `", name, "` must be a float16, bfloat16 or float32 CUDA tensor [B, N, L, H, D]; ",
-                describe(name, t));
+              "evoformer attention: `", name, "` must be a float16, bfloat16 or float32 CUDA tensor [B, N, L, H, D]; ",
+              describe(name, t));
     EVO_CHECK(t.scalar_type() == q.scalar_type() && t.device() == q.device(),
-                "evoformer attention: q, k, v must share dtype and device; ", describe(name, t));
+              "evoformer attention: q, k, v must share dtype and device; ", describe(name, t));
   }
   EVO_CHECK(k.sizes() == v.sizes(), "evoformer attention: k and v must have one shape; ", describe("k", k), "; ",
-              describe("v", v));
+            describe("v", v));
   EVO_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3) && q.size(4) == k.size(4),
-              "evoformer attention: k must be [B, N, Lk, H, D] with q's B, N, H, D; ", describe("q", q), "; ",
-              describe("k", k));
+            "evoformer attention: k must be [B, N, Lk, H, D] with q's B, N, H, D; ", describe("q", q), "; ",
+            describe("k", k));
   EVO_CHECK(q.numel() > 0 && k.numel() > 0, "evoformer attention: every dimension of q and k must be at least 1; ",
-              describe("q", q), "; ", describe("k", k));
+            describe("q", q), "; ", describe("k", k));
   const int64_t d = q.size(4);
   EVO_CHECK(d % limits::kHeadDimMultiple == 0 && d <= limits::kMaxHeadDim,
-              "evoformer attention: head dim D must be a multiple of ", limits::kHeadDimMultiple, " and at most ",
-              limits::kMaxHeadDim, "; ", describe("q", q));
+            "evoformer attention: head dim D must be a multiple of ", limits::kHeadDimMultiple, " and at most ",
+            limits::kMaxHeadDim, "; ", describe("q", q));
   EVO_CHECK(q.scalar_type() != at::kFloat || d <= limits::kTf32MaxHeadDim,
-              "evoformer attention: float32 inputs (TF32 kernels) need head dim D at most ", limits::kTf32MaxHeadDim,
-              "; ", describe("q", q));
+            "evoformer attention: float32 inputs (TF32 kernels) need head dim D at most ", limits::kTf32MaxHeadDim,
+            "; ", describe("q", q));
   const int64_t tiles = (std::max(q.size(2), k.size(2)) + limits::kRowTile - 1) / limits::kRowTile;
   EVO_CHECK(q.size(0) * q.size(1) * tiles < (int64_t(1) << limits::kMaxGridXLog2) && q.size(3) <= limits::kMaxHeads,
-              "evoformer attention: B * N * ceil(L / ", limits::kRowTile, ") must be below 2^", limits::kMaxGridXLog2,
-              " and H at most ", limits::kMaxHeads, "; ", describe("q", q));
+            "evoformer attention: B * N * ceil(L / ", limits::kRowTile, ") must be below 2^", limits::kMaxGridXLog2,
+            " and H at most ", limits::kMaxHeads, "; ", describe("q", q));
 }
 
 // `t` (dout, out) must be a CUDA tensor of q's dtype, shape and device.
 void guard_like_q(const char* name, const at::Tensor& t, const at::Tensor& q) {
   EVO_CHECK(t.device() == q.device() && t.scalar_type() == q.scalar_type() && t.sizes() == q.sizes(),
-              "evoformer attention backward: `", name, "` must match q's shape, dtype and device; ", describe(name, t),
-              "; ", describe("q", q));
+            "evoformer attention backward: `", name, "` must match q's shape, dtype and device; ", describe(name, t),
+            "; ", describe("q", q));
 }
 
 // A tensor the kernels write at its strides (two elements at a time): `like`'s shape, dtype and
@@ -202,7 +202,7 @@ void guard_strided_out(const char* op, const char* name, const at::Tensor& t, co
             t.stride(4) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % (2 * t.element_size()) == 0;
   for (int d = 0; d < 4; ++d) ok = ok && t.stride(d) % 2 == 0;
   EVO_CHECK(ok, op, ": `", name, "` must match its input's shape, dtype and device, with D contiguous and even row ",
-              "strides; ", describe(name, t), "; ", describe("input", like));
+            "strides; ", describe(name, t), "; ", describe("input", like));
 }
 
 // A caller's buffer for a gradient of q, k or v: like its input, D contiguous and every row aligned
@@ -273,11 +273,11 @@ void use_mask(AttentionParams& p, const at::Tensor& prepared, const at::Tensor& 
   if (prepared.numel() == 0) return;
   const int64_t lk_pad = mask_lk_pad(p.Lk);
   EVO_CHECK(prepared.device() == q.device() && prepared.scalar_type() == at::kFloat && prepared.dim() == 3 &&
-                  (prepared.size(0) == p.B || prepared.size(0) == 1) &&
-                  (prepared.size(1) == p.N || prepared.size(1) == 1) && prepared.size(2) == lk_pad &&
-                  prepared.is_contiguous(),
-              "evoformer attention: `mask_prepared` must be the forward's contiguous float32 [B|1, N|1, ", lk_pad,
-              "] on q's device, or [0]; ", describe("mask_prepared", prepared));
+                (prepared.size(0) == p.B || prepared.size(0) == 1) &&
+                (prepared.size(1) == p.N || prepared.size(1) == 1) && prepared.size(2) == lk_pad &&
+                prepared.is_contiguous(),
+            "evoformer attention: `mask_prepared` must be the forward's contiguous float32 [B|1, N|1, ", lk_pad,
+            "] on q's device, or [0]; ", describe("mask_prepared", prepared));
   p.mask_scaled = prepared.data_ptr<float>();
   p.mask_stride_b = prepared.size(0) == 1 ? 0 : prepared.size(1) * lk_pad;
   p.mask_stride_n = prepared.size(1) == 1 ? 0 : lk_pad;
@@ -292,13 +292,13 @@ at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mas
   }
   const at::Tensor& m = *mask_bias;
   EVO_CHECK(m.device() == q.device() &&
-                  (m.scalar_type() == at::kHalf || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kFloat),
-              "evoformer attention: `mask_bias` must be a float16, bfloat16 or float32 tensor on q's device; ",
-              describe("mask_bias", m));
+                (m.scalar_type() == at::kHalf || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kFloat),
+            "evoformer attention: `mask_bias` must be a float16, bfloat16 or float32 tensor on q's device; ",
+            describe("mask_bias", m));
   EVO_CHECK(m.dim() == 5 && (m.size(0) == p.B || m.size(0) == 1) && (m.size(1) == p.N || m.size(1) == 1) &&
-                  m.size(2) == 1 && m.size(3) == 1 && m.size(4) == p.Lk,
-              "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
-              describe("q", q));
+                m.size(2) == 1 && m.size(3) == 1 && m.size(4) == p.Lk,
+            "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
+            describe("q", q));
   const int64_t bm = m.size(0), nm = m.size(1), lk_pad = mask_lk_pad(p.Lk);
   at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));  // [B|1, N|1, Lk_pad]
   const MaskLayout layout{kstride(m, 0), kstride(m, 1), m.stride(4), int(bm), int(nm), p.Lk, int(lk_pad)};
@@ -331,12 +331,12 @@ bool pair_in_kernel_layout(const at::Tensor& t) {
 // [B|1, H|1, Lq, Lk] view the kernels read.
 at::Tensor pair_view(const at::Tensor& pb, const AttentionParams& p, const at::Tensor& q) {
   EVO_CHECK(pb.device() == q.device() && (pb.scalar_type() == q.scalar_type() || pb.scalar_type() == at::kFloat),
-              "evoformer attention: `pair_bias` must be on q's device with q's dtype or float32; ",
-              describe("pair_bias", pb), "; ", describe("q", q));
+            "evoformer attention: `pair_bias` must be on q's device with q's dtype or float32; ",
+            describe("pair_bias", pb), "; ", describe("q", q));
   EVO_CHECK(pb.dim() == 5 && (pb.size(0) == p.B || pb.size(0) == 1) && pb.size(1) == 1 &&
-                  (pb.size(2) == p.H || pb.size(2) == 1) && pb.size(3) == p.Lq && pb.size(4) == p.Lk,
-              "evoformer attention: `pair_bias` must be [B|1, 1, H|1, Lq, Lk]; ", describe("pair_bias", pb), "; ",
-              describe("q", q));
+                (pb.size(2) == p.H || pb.size(2) == 1) && pb.size(3) == p.Lq && pb.size(4) == p.Lk,
+            "evoformer attention: `pair_bias` must be [B|1, 1, H|1, Lq, Lk]; ", describe("pair_bias", pb), "; ",
+            describe("q", q));
   return pb.select(1, 0);
 }
 
@@ -362,9 +362,9 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
   const at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
   if (!copy_pair) {
     EVO_CHECK(pair_in_kernel_layout(t),
-                "evoformer attention: `pair_bias` must have contiguous keys and 16-byte aligned rows of a multiple of "
-                "16 bytes when `copy_pair` is false; ",
-                describe("pair_bias", *pair_bias));
+              "evoformer attention: `pair_bias` must have contiguous keys and 16-byte aligned rows of a multiple of "
+              "16 bytes when `copy_pair` is false; ",
+              describe("pair_bias", *pair_bias));
     pair_kind = use_pair(p, t, q);
     return at::empty({0}, t.options());
   }
@@ -386,19 +386,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
   if (gated != nullptr) {
     const char* op = "evoformer gated attention";
     EVO_CHECK(gate_in->device() == q_in.device() && gate_in->scalar_type() == q_in.scalar_type() &&
-                    gate_in->sizes() == q_in.sizes() && gate_in->stride(4) == 1,
-                op, ": `gate` must match q's shape, dtype and device with D contiguous; ", describe("gate", *gate_in),
-                "; ", describe("q", q_in));
+                  gate_in->sizes() == q_in.sizes() && gate_in->stride(4) == 1,
+              op, ": `gate` must match q's shape, dtype and device with D contiguous; ", describe("gate", *gate_in),
+              "; ", describe("q", q_in));
     guard_strided_out(op, "gated", *gated, q_in);
     for (const at::Tensor* t : {&q_in, &k_in, &v_in, gate_in})
       EVO_CHECK(!gated->is_alias_of(*t), op, ": `gated` must not share storage with q, k, v or gate; ",
-                  describe("gated", *gated));
+                describe("gated", *gated));
     gate = kernel_layout(*gate_in);
   }
   check_scale(scale);
   const Family fam = family_on(family, q_in.get_device());
   EVO_CHECK(gated == nullptr || fam == Family::kSm90,
-              "evoformer gated attention: the gated forward runs on the sm90 kernel family only, got \"", family, "\"");
+            "evoformer gated attention: the gated forward runs on the sm90 kernel family only, got \"", family, "\"");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   Operands ops = operands(q_in, k_in, v_in, scale);
@@ -482,10 +482,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   guard_like_q("dout", dout_in, q_in);
   guard_like_q("out", out_in, q_in);
   EVO_CHECK(stats_in.device() == q_in.device() && stats_in.scalar_type() == at::kFloat && stats_in.dim() == 5 &&
-                  stats_in.size(0) == q_in.size(0) && stats_in.size(1) == q_in.size(1) &&
-                  stats_in.size(2) == q_in.size(3) && stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
-              "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2] on q's device; ",
-              describe("stats", stats_in));
+                stats_in.size(0) == q_in.size(0) && stats_in.size(1) == q_in.size(1) &&
+                stats_in.size(2) == q_in.size(3) && stats_in.size(3) == q_in.size(2) && stats_in.size(4) == 2,
+            "evoformer attention backward: `stats` must be float32 [B, N, H, Lq, 2] on q's device; ",
+            describe("stats", stats_in));
   const Family fam = family_on(family, q_in.get_device());
   const c10::cuda::CUDAGuard guard(q_in.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -500,21 +500,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
     at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
     if (pair_prepared.numel() > 0) {  // the forward's copy [B|1, H|1, Lq, Lk_pad]
       EVO_CHECK(pair_prepared.device() == q.device() && pair_prepared.scalar_type() == t.scalar_type() &&
-                      pair_prepared.dim() == 4 && pair_prepared.size(0) == t.size(0) &&
-                      pair_prepared.size(1) == t.size(1) && pair_prepared.size(2) == p.Lq &&
-                      pair_prepared.size(3) >= p.Lk,
-                  "evoformer attention backward: `pair_prepared` must be the forward's copy of `pair_bias` or [0]; ",
-                  describe("pair_prepared", pair_prepared), "; ", describe("pair_bias", *pair_bias));
+                    pair_prepared.dim() == 4 && pair_prepared.size(0) == t.size(0) &&
+                    pair_prepared.size(1) == t.size(1) && pair_prepared.size(2) == p.Lq &&
+                    pair_prepared.size(3) >= p.Lk,
+                "evoformer attention backward: `pair_prepared` must be the forward's copy of `pair_bias` or [0]; ",
+                describe("pair_prepared", pair_prepared), "; ", describe("pair_bias", *pair_bias));
       t = pair_prepared;
     }
     EVO_CHECK(pair_in_kernel_layout(t),
-                "evoformer attention backward: the pair bias the kernels read must be in kernel layout (the forward's "
-                "`pair_prepared` when it made a copy); ",
-                describe("pair_bias", *pair_bias), "; ", describe("pair_prepared", pair_prepared));
+              "evoformer attention backward: the pair bias the kernels read must be in kernel layout (the forward's "
+              "`pair_prepared` when it made a copy); ",
+              describe("pair_bias", *pair_bias), "; ", describe("pair_prepared", pair_prepared));
     pair_kind = use_pair(p, t, q);
   } else {
     EVO_CHECK(pair_prepared.numel() == 0, "evoformer attention backward: `pair_prepared` without `pair_bias`; ",
-                describe("pair_prepared", pair_prepared));
+              describe("pair_prepared", pair_prepared));
   }
   const bool need_dmask = dmask_dtype.has_value() && p.mask_scaled != nullptr;
   need_dpair = need_dpair && pair_kind != kNoPair;
@@ -531,9 +531,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   p.delta_ready = delta_in.has_value() && delta_in->defined();
   if (p.delta_ready) {
     EVO_CHECK(delta_in->device() == q.device() && delta_in->scalar_type() == at::kFloat && delta_in->is_contiguous() &&
-                    delta_in->sizes() == at::IntArrayRef({p.B, p.N, p.H, p.Lq}),
-                "evoformer attention backward: `delta` must be float32 [B, N, H, Lq] contiguous on q's device; ",
-                describe("delta", *delta_in));
+                  delta_in->sizes() == at::IntArrayRef({p.B, p.N, p.H, p.Lq}),
+              "evoformer attention backward: `delta` must be float32 [B, N, H, Lq] contiguous on q's device; ",
+              describe("delta", *delta_in));
   }
   at::Tensor delta = p.delta_ready ? *delta_in : at::empty({p.B, p.N, p.H, p.Lq}, f32);
   // dq, dk, dv in the layouts q, k, v came in (not the kernel-layout copies: the fake sees those)

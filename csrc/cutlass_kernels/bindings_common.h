@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kernel_limits.h"
 
@@ -19,7 +20,8 @@ namespace evoformer {
 // Error messages of the bindings are joined without iostreams. With the torch 2.11 CUDA 13 wheel
 // and Ubuntu's g++ 13.3, constructing an std::ostringstream inside an extension ends the process
 // with SIGSEGV, and TORCH_CHECK joins a message of several pieces through one (c10::str, inlined
-// here). A message that is one std::string takes no stream, so EVO_CHECK joins the pieces itself.
+// here; c10::Join too). A message that is one std::string takes no stream, so EVO_CHECK joins the
+// pieces itself.
 namespace message {
 inline void append(std::string& s, const char* v) { s += v; }
 inline void append(std::string& s, const std::string& v) { s += v; }
@@ -41,6 +43,12 @@ inline void append(std::string& s, at::IntArrayRef v) {
     s += std::to_string(v[i]);
   }
   s += ']';
+}
+inline void append(std::string& s, const std::vector<std::string>& v) {  // "a, b, c"
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += v[i];
+  }
 }
 inline void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
 inline void append(std::string& s, const at::Device& v) { s += v.str(); }
@@ -83,7 +91,7 @@ inline int compute_capability(int64_t device) {
   constexpr int kCachedDevices = 64;
   static int capability[kCachedDevices] = {};  // 0 until asked
   EVO_CHECK(device >= 0 && device < kCachedDevices, "evoformer_blocks: CUDA device index ", device,
-              " must be in [0, ", kCachedDevices, ")");
+            " must be in [0, ", kCachedDevices, ")");
   if (capability[device] == 0) {
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, int(device)));

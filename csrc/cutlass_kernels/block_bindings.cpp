@@ -174,8 +174,8 @@ ParamTensor param_tensor(const at::Tensor& t) {
 ParamTensor optional_param(const std::optional<at::Tensor>& t, const at::Tensor& x, const char* name) {
   if (!t.has_value()) return kNoParam;
   EVO_CHECK(t->device() == x.device() && t->is_contiguous() && t->numel() == x.size(-1) && is_param_dtype(*t),
-              "layer norm: `", name, "` must be a contiguous float16, bfloat16 or float32 [C] tensor on x's device, got ",
-              t->sizes(), " ", t->scalar_type());
+            "layer norm: `", name, "` must be a contiguous float16, bfloat16 or float32 [C] tensor on x's device, got ",
+            t->sizes(), " ", t->scalar_type());
   return param_tensor(*t);
 }
 
@@ -191,9 +191,9 @@ struct ScaleRows {
 };
 ScaleRows scale_rows(const at::Tensor& scale, const at::Tensor& x, const char* op) {
   EVO_CHECK(scale.scalar_type() == x.scalar_type() && scale.device() == x.device() &&
-                  at::is_expandable_to(scale.sizes(), x.sizes()),
-              op, ": `residual_scale` must broadcast to x's shape ", x.sizes(), " in x's dtype and device, got ",
-              scale.sizes(), " ", scale.scalar_type());
+                at::is_expandable_to(scale.sizes(), x.sizes()),
+            op, ": `residual_scale` must broadcast to x's shape ", x.sizes(), " in x's dtype and device, got ",
+            scale.sizes(), " ", scale.scalar_type());
   const at::Tensor e = scale.expand(x.sizes());
   const int64_t C = x.size(-1), vec = 16 / x.element_size();
   ScaleRows out{e, RowMap{}, C == 1 || e.stride(-1) == 0};
@@ -306,11 +306,11 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
                                                   at::ScalarType affine_dtype) {
   check_cuda(x, "x", "layer norm backward");
   EVO_CHECK(is_param_dtype(affine_dtype),
-              "layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
+            "layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   EVO_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
-              "layer norm backward: `dy` must match `x`, got ", dy.sizes(), " and ", x.sizes());
+            "layer norm backward: `dy` must match `x`, got ", dy.sizes(), " and ", x.sizes());
   EVO_CHECK(mean.numel() * x.size(-1) == x.numel() && rstd.numel() == mean.numel(),
-              "layer norm backward: `mean` and `rstd` must hold one value per row of x");
+            "layer norm backward: `mean` and `rstd` must hold one value per row of x");
   const c10::cuda::CUDAGuard guard(x.device());
   auto [dx, affine, unused] =
       norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine, affine_dtype);
@@ -325,8 +325,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
     const std::optional<at::Tensor>& bias, double eps, const std::optional<at::Tensor>& residual_scale) {
   check_cuda(x, "x", "add layer norm");
   EVO_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
-                  residual.device() == x.device(),
-              "add layer norm: `residual` must match x, got ", residual.sizes(), " ", residual.scalar_type());
+                residual.device() == x.device(),
+            "add layer norm: `residual` must match x, got ", residual.sizes(), " ", residual.scalar_type());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor sum;
   auto [y, mean, rstd] =
@@ -344,12 +344,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
     const std::optional<at::Tensor>& residual_scale) {
   check_cuda(sum, "sum", "add layer norm backward");
   EVO_CHECK(dsum.sizes() == sum.sizes() && dsum.scalar_type() == sum.scalar_type() && dy.sizes() == sum.sizes() &&
-                  dy.scalar_type() == sum.scalar_type(),
-              "add layer norm backward: `dsum` and `dy` must match `sum`, got ", dsum.sizes(), " and ", dy.sizes());
+                dy.scalar_type() == sum.scalar_type(),
+            "add layer norm backward: `dsum` and `dy` must match `sum`, got ", dsum.sizes(), " and ", dy.sizes());
   EVO_CHECK(mean.numel() * sum.size(-1) == sum.numel() && rstd.numel() == mean.numel(),
-              "add layer norm backward: `mean` and `rstd` must hold one value per row of sum");
+            "add layer norm backward: `mean` and `rstd` must hold one value per row of sum");
   EVO_CHECK(is_param_dtype(affine_dtype),
-              "add layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
+            "add layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   const c10::cuda::CUDAGuard guard(sum.device());
   auto [dx, affine, dresidual] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd,
                                                     need_affine, affine_dtype, &dsum, residual_scale);
@@ -369,8 +369,8 @@ TriangleShape triangle_shape(const at::Tensor& z, const at::Tensor& w_ab, const 
   check_cuda(z, "z", op);
   EVO_CHECK(z.dim() == 4 && z.size(1) == z.size(2), op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
   EVO_CHECK(w_ab.dim() == 2 && w_ab.size(0) % 4 == 0 && w_ab.size(1) == z.size(3) &&
-                  w_ab.scalar_type() == z.scalar_type(),
-              op, ": `w_ab` must be [4 c, c_z] in z's dtype, got ", w_ab.sizes(), " ", w_ab.scalar_type());
+                w_ab.scalar_type() == z.scalar_type(),
+            op, ": `w_ab` must be [4 c, c_z] in z's dtype, got ", w_ab.sizes(), " ", w_ab.scalar_type());
   const int64_t B = z.size(0), N = z.size(1);
   return {B, N, B * N * N, z.size(3), w_ab.size(0) / 4};
 }
@@ -395,7 +395,7 @@ bool vector_ok(const at::Tensor& t, int64_t row_stride) {
 at::Tensor flat_mask(const std::optional<at::Tensor>& mask, const at::Tensor& z, int64_t M) {
   if (!mask.has_value()) return at::Tensor();
   EVO_CHECK(mask->numel() == M && mask->device() == z.device(),
-              "triangle multiplication: `mask` must be [B, N, N] on z's device, got ", mask->sizes());
+            "triangle multiplication: `mask` must be [B, N, N] on z's device, got ", mask->sizes());
   return mask->to(z.scalar_type()).contiguous().view({M});
 }
 
@@ -514,12 +514,12 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const char* op = "triangle multiplication backward";
   const TriangleShape s = triangle_shape(z, w_ab, op);
   EVO_CHECK(dout_in.sizes() == z.sizes() && dout_in.scalar_type() == z.scalar_type(), op,
-              ": `dout` must match z, got ", dout_in.sizes());
+            ": `dout` must match z, got ", dout_in.sizes());
   EVO_CHECK(a.sizes() == at::IntArrayRef({s.c, s.M}) && b.sizes() == a.sizes() &&
-                  n_hat.sizes() == at::IntArrayRef({s.M, s.c}) && g.sizes() == at::IntArrayRef({s.M, s.cz}) &&
-                  b_z.numel() == s.cz && rstd_out.numel() == s.M && rstd_in.numel() == s.M &&
-                  mean_in.numel() == s.M,
-              op, ": saved tensors do not match z");
+                n_hat.sizes() == at::IntArrayRef({s.M, s.c}) && g.sizes() == at::IntArrayRef({s.M, s.cz}) &&
+                b_z.numel() == s.cz && rstd_out.numel() == s.M && rstd_in.numel() == s.M &&
+                mean_in.numel() == s.M,
+            op, ": saved tensors do not match z");
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor dout = dout_in.contiguous().view({s.M, s.cz});
@@ -655,19 +655,19 @@ struct FoldedWeights {
 
 void check_weights(at::TensorList weights, const at::Tensor& z, const char* op) {
   EVO_CHECK(weights.size() == kWeights, op, ": `weights` must hold ", int(kWeights), " tensors, got ",
-              weights.size());
+            weights.size());
   for (const at::Tensor& t : weights) {
     EVO_CHECK(t.device() == z.device() && t.is_contiguous() && is_param_dtype(t),
-                op, ": every weight must be a contiguous float16, bfloat16 or float32 tensor on z's device, got ",
-                t.sizes(), " ", t.scalar_type());
+              op, ": every weight must be a contiguous float16, bfloat16 or float32 tensor on z's device, got ",
+              t.sizes(), " ", t.scalar_type());
   }
   const int64_t cz = z.size(-1), c4 = weights[kProjW].size(0);
   EVO_CHECK(weights[kProjW].dim() == 2 && c4 % 4 == 0 && weights[kProjW].size(1) == cz &&
-                  weights[kProjB].numel() == c4 && weights[kNormInW].numel() == cz && weights[kNormInB].numel() == cz &&
-                  weights[kGateW].numel() == cz * cz && weights[kGateB].numel() == cz &&
-                  weights[kNormOutW].numel() == c4 / 4 && weights[kNormOutB].numel() == c4 / 4 &&
-                  weights[kOutW].numel() == cz * c4 / 4 && weights[kOutB].numel() == cz,
-              op, ": weight shapes do not match z's c_z = ", cz);
+                weights[kProjB].numel() == c4 && weights[kNormInW].numel() == cz && weights[kNormInB].numel() == cz &&
+                weights[kGateW].numel() == cz * cz && weights[kGateB].numel() == cz &&
+                weights[kNormOutW].numel() == c4 / 4 && weights[kNormOutB].numel() == c4 / 4 &&
+                weights[kOutW].numel() == cz * c4 / 4 && weights[kOutB].numel() == cz,
+            op, ": weight shapes do not match z's c_z = ", cz);
 }
 
 // The three projections behind a layer norm: (weight, bias, layer norm index 0 = in, 1 = out).
@@ -703,15 +703,15 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   check_cuda(z, "z", op);
   EVO_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
   EVO_CHECK(!update_scale.has_value() ||
-                  (add_input && update_scale->device() == z.device() && update_scale->scalar_type() == z.scalar_type() &&
-                   update_scale->sizes() == at::IntArrayRef({z.size(0), 1, z.size(2), z.size(3)})),
-              op, ": `update_scale` goes with add_input and must be [B, 1, N, c_z] of z's dtype and device, got ",
-              update_scale.has_value() ? update_scale->sizes() : at::IntArrayRef{});
+                (add_input && update_scale->device() == z.device() && update_scale->scalar_type() == z.scalar_type() &&
+                 update_scale->sizes() == at::IntArrayRef({z.size(0), 1, z.size(2), z.size(3)})),
+            op, ": `update_scale` goes with add_input and must be [B, 1, N, c_z] of z's dtype and device, got ",
+            update_scale.has_value() ? update_scale->sizes() : at::IntArrayRef{});
   check_weights(weights, z, op);
   const bool hopper = family == "sm90";
   EVO_CHECK(family == "sm80" || (hopper && hopper_kernels_available(z.get_device())), op,
-              ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
-              family, "\"");
+            ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
+            family, "\"");
   const c10::cuda::CUDAGuard guard(z.device());
   const FoldedWeights f = fold(weights, z);
   auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
@@ -731,8 +731,8 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
   const char* op = "triangle multiplication backward";
   check_cuda(z, "z", op);
   EVO_CHECK(!dz_add.has_value() || (dz_add->sizes() == z.sizes() && dz_add->scalar_type() == z.scalar_type() &&
-                                      dz_add->device() == z.device()),
-              op, ": `dz_add` must match z (", z.sizes(), ", ", z.scalar_type(), ")");
+                                    dz_add->device() == z.device()),
+            op, ": `dz_add` must match z (", z.sizes(), ", ", z.scalar_type(), ")");
   EVO_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
   check_weights(weights, z, op);
   EVO_CHECK(saved.size() == 12, op, ": `saved` must hold the forward's 12 saved tensors, got ", saved.size());
@@ -740,10 +740,10 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
                    &rstd_out = saved[5], &g = saved[6], &w_ab = saved[7], &b_ab = saved[8], &w_g = saved[9],
                    &w_z = saved[10], &b_z = saved[11];
   EVO_CHECK(w_ab.sizes() == weights[kProjW].sizes() && b_ab.numel() == w_ab.size(0) && b_ab.scalar_type() == at::kFloat &&
-                  w_g.sizes() == weights[kGateW].sizes() && w_z.sizes() == weights[kOutW].sizes() &&
-                  w_g.scalar_type() == z.scalar_type() && w_z.scalar_type() == z.scalar_type() &&
-                  b_z.numel() == w_z.size(0) && b_z.scalar_type() == z.scalar_type(),
-              op, ": the folded weights in `saved` do not match `weights`");
+                w_g.sizes() == weights[kGateW].sizes() && w_z.sizes() == weights[kOutW].sizes() &&
+                w_g.scalar_type() == z.scalar_type() && w_z.scalar_type() == z.scalar_type() &&
+                b_z.numel() == w_z.size(0) && b_z.scalar_type() == z.scalar_type(),
+            op, ": the folded weights in `saved` do not match `weights`");
   const c10::cuda::CUDAGuard guard(z.device());
   auto [dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z] = triangle_backward_folded(
       dout, z, mask, w_ab, b_ab, w_g, w_z, b_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, eps, outgoing, dz_add);
@@ -805,11 +805,11 @@ at::Tensor rows_in_map(const at::Tensor& y, RowMap& map) {
 int64_t gate_shape(const at::Tensor& g, const at::Tensor& y, const char* op) {
   check_cuda(g, "g", op);
   EVO_CHECK(g.dim() >= 1 && y.sizes() == g.sizes() && y.scalar_type() == g.scalar_type() && y.device() == g.device(),
-              op, ": `g` and `y` must be [..., C] tensors of one shape, dtype and device, got ", g.sizes(), " and ",
-              y.sizes());
+            op, ": `g` and `y` must be [..., C] tensors of one shape, dtype and device, got ", g.sizes(), " and ",
+            y.sizes());
   const int64_t C = g.size(-1);
   EVO_CHECK(row_fits(C, g.element_size()), op,
-              ": C must be a whole number of 16-byte chunks, at most ", kMaxRowChunks, " per lane, got ", C);
+            ": C must be a whole number of 16-byte chunks, at most ", kMaxRowChunks, " per lane, got ", C);
   return C;
 }
 
@@ -840,7 +840,7 @@ std::tuple<at::Tensor, at::Tensor> gate_backward(const at::Tensor& dout_in, cons
                                                  const at::Tensor& y_in, const at::Tensor& dg_rows, int64_t C,
                                                  const char* op, int64_t delta_heads = 0, int64_t delta_len = 0) {
   EVO_CHECK(dout_in.sizes() == g_in.sizes() && dout_in.scalar_type() == g_in.scalar_type(), op,
-              ": `dout` must match g, got ", dout_in.sizes());
+            ": `dout` must match g, got ", dout_in.sizes());
   const c10::cuda::CUDAGuard guard(g_in.device());
   const at::Tensor g = as_rows(g_in, C), dout = as_rows(dout_in, C);
   RowMap y_rows;
@@ -894,10 +894,10 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_bwd_into(const at::Tensor& dout_
   const char* op = "sigmoid gate backward";
   const int64_t C = gate_shape(g_in, y_in, op);
   EVO_CHECK(dg.sizes() == g_in.sizes() && dg.scalar_type() == g_in.scalar_type() && dg.device() == g_in.device(),
-              op, ": `dg` must match g, got ", dg.sizes(), " ", dg.scalar_type());
+            op, ": `dg` must match g, got ", dg.sizes(), " ", dg.scalar_type());
   const at::Tensor rows = dg.view({-1, C});  // (raises where the rows share no one stride)
   EVO_CHECK(aligned_rows(rows), op, ": `dg` must have contiguous rows of one 16-byte aligned stride, got strides ",
-              dg.strides());
+            dg.strides());
   maybe_poison(dg);
   return gate_backward(dout_in, g_in, y_in, rows, C, op, delta_heads, delta_len);
 }
@@ -936,8 +936,8 @@ at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
   check_cuda(x_in, "x", op);
   const int64_t C = x_in.dim() >= 1 ? x_in.size(-1) : 0;
   EVO_CHECK(x_in.dim() >= 1 && row_fits(C, x_in.element_size()), op,
-              ": `x` must be [..., C] with C a whole number of 16-byte chunks, at most ", kMaxRowChunks,
-              " per lane, got ", x_in.sizes());
+            ": `x` must be [..., C] with C a whole number of 16-byte chunks, at most ", kMaxRowChunks,
+            " per lane, got ", x_in.sizes());
   const c10::cuda::CUDAGuard guard(x_in.device());
   return column_sum_rows(as_rows(x_in, C), dtype);
 }
@@ -957,11 +957,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   check_cuda(dy_in, "dy", op);
   const int64_t C = dy_in.dim() >= 1 ? dy_in.size(-1) : 0;
   EVO_CHECK(dy_in.dim() >= 1 && weight.dim() == 2 && weight.size(0) == C && x.size(-1) == weight.size(1) &&
-                  x.numel() / std::max<int64_t>(1, x.size(-1)) == dy_in.numel() / std::max<int64_t>(1, C),
-              op, ": `dy` [..., out], `x` [..., in] and `weight` [out, in] do not match: ", dy_in.sizes(), ", ",
-              x.sizes(), ", ", weight.sizes());
+                x.numel() / std::max<int64_t>(1, x.size(-1)) == dy_in.numel() / std::max<int64_t>(1, C),
+            op, ": `dy` [..., out], `x` [..., in] and `weight` [out, in] do not match: ", dy_in.sizes(), ", ",
+            x.sizes(), ", ", weight.sizes());
   EVO_CHECK(bias_from >= 0 && bias_from < std::max<int64_t>(C, 1) && (bias_from == 0 || !relu_out.has_value()), op,
-              ": `bias_from` must be a column of dy [..., ", C, "] (0 with relu_out), got ", bias_from);
+            ": `bias_from` must be a column of dy [..., ", C, "] (0 with relu_out), got ", bias_from);
   const c10::cuda::CUDAGuard guard(dy_in.device());
   const int64_t es = dy_in.element_size();
   const bool dtypes_fit = is_param_dtype(dy_in.scalar_type()) && is_param_dtype(bias_dtype);
@@ -972,8 +972,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   at::Tensor db;
   if (relu_out.has_value()) {
     EVO_CHECK(relu_out->sizes() == dy_in.sizes() && relu_out->scalar_type() == dy_in.scalar_type() &&
-                    relu_out->device() == dy_in.device(),
-                op, ": `relu_out` must match dy, got ", relu_out->sizes(), " ", relu_out->scalar_type());
+                  relu_out->device() == dy_in.device(),
+              op, ": `relu_out` must match dy, got ", relu_out->sizes(), " ", relu_out->scalar_type());
     if (kernel) {
       const at::Tensor y = as_rows(*relu_out, C);
       at::Tensor masked;
@@ -1000,21 +1000,21 @@ constexpr int64_t kOpmC = 32;  // c_hidden the kernel takes
 void check_opm_operand(const at::Tensor& t, const char* name, const char* op) {
   check_cuda(t, name, op);
   EVO_CHECK(t.is_contiguous() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) && aligned16(t),
-              op, ": `", name, "` must be a contiguous, 16-byte aligned float16 or bfloat16 tensor, got ", t.sizes(),
-              " ", t.scalar_type());
+            op, ": `", name, "` must be a contiguous, 16-byte aligned float16 or bfloat16 tensor, got ", t.sizes(),
+            " ", t.scalar_type());
 }
 
 // weight [Z, C C] in `like`'s dtype and device, contiguous
 at::Tensor opm_weight(const at::Tensor& weight, const at::Tensor& like, int64_t c, const char* op) {
   EVO_CHECK(weight.dim() == 2 && weight.size(1) == c * c && weight.device() == like.device(), op,
-              ": `weight` must be [Z, ", c * c, "] on the input's device, got ", weight.sizes());
+            ": `weight` must be [Z, ", c * c, "] on the input's device, got ", weight.sizes());
   return weight.to(like.scalar_type()).contiguous();
 }
 
 // The tile GEMM's grid x (row tiles times column tiles) must stay below 2^31.
 void check_tile_grid(int64_t rows, int64_t column_tiles, const char* op) {
   EVO_CHECK((rows + kOpmTile - 1) / kOpmTile * column_tiles < (int64_t(1) << 31), op, ": too many tiles (",
-              rows, " rows, ", column_tiles, " column tiles of ", kOpmTile, ")");
+            rows, " rows, ", column_tiles, " column tiles of ", kOpmTile, ")");
 }
 
 template <typename Fn>
@@ -1028,13 +1028,13 @@ at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, con
   const char* op = "outer product mean projection";
   check_opm_operand(outer, "outer", op);
   EVO_CHECK(outer.dim() == 5 && outer.size(2) == kOpmC && outer.size(4) == kOpmC, op,
-              ": `outer` must be [B, I, 32, J, 32], got ", outer.sizes());
+            ": `outer` must be [B, I, 32, J, 32], got ", outer.sizes());
   const int64_t B = outer.size(0), I = outer.size(1), J = outer.size(3), C = kOpmC;
   const c10::cuda::CUDAGuard guard(outer.device());
   const at::Tensor weight = opm_weight(weight_in, outer, C, op);
   const int64_t Z = weight.size(0);
   EVO_CHECK(Z % kOpmTile == 0 && B * I <= 65535 && J < (int64_t(1) << 31), op, ": Z must be a multiple of ",
-              kOpmTile, " and B * I at most 65535, got Z = ", Z, ", B * I = ", B * I);
+            kOpmTile, " and B * I at most 65535, got Z = ", Z, ", B * I = ", B * I);
   at::Tensor bias;
   if (bias_in.has_value()) {
     EVO_CHECK(bias_in->numel() == Z && bias_in->device() == outer.device(), op, ": `bias` must be [", Z, "]");
@@ -1045,16 +1045,16 @@ at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, con
     denom = *denom_in;
     check_cuda(denom, "denom", op);
     EVO_CHECK(denom.sizes() == at::IntArrayRef({B, I, J}) && denom.scalar_type() == outer.scalar_type() &&
-                    denom.is_contiguous(),
-                op, ": `denom` must be a contiguous [", B, ", ", I, ", ", J, "] tensor of outer's dtype, got ",
-                denom.sizes(), " ", denom.scalar_type());
+                  denom.is_contiguous(),
+              op, ": `denom` must be a contiguous [", B, ", ", I, ", ", J, "] tensor of outer's dtype, got ",
+              denom.sizes(), " ", denom.scalar_type());
   }
   if (residual_in.has_value()) {
     residual = *residual_in;
     check_opm_operand(residual, "residual", op);
     EVO_CHECK(residual.sizes() == at::IntArrayRef({B, I, J, Z}) && residual.scalar_type() == outer.scalar_type(),
-                op, ": `residual` must be [", B, ", ", I, ", ", J, ", ", Z, "] of outer's dtype, got ",
-                residual.sizes(), " ", residual.scalar_type());
+              op, ": `residual` must be [", B, ", ", I, ", ", J, ", ", Z, "] of outer's dtype, got ",
+              residual.sizes(), " ", residual.scalar_type());
   }
   check_tile_grid(J, Z / kOpmTile, op);
   at::Tensor out = output({B, I, J, Z}, outer.options());
@@ -1081,8 +1081,8 @@ at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weig
   const c10::cuda::CUDAGuard guard(dout.device());
   const at::Tensor weight = opm_weight(weight_in, dout, C, op);
   EVO_CHECK(weight.size(0) == Z && Z % kOpmStep == 0 && B * I <= 65535 && J < (int64_t(1) << 31), op,
-              ": Z must match weight [Z, C C] and be a multiple of ", kOpmStep, ", and B * I at most 65535; got dout ",
-              dout.sizes(), ", weight ", weight.sizes());
+            ": Z must match weight [Z, C C] and be a multiple of ", kOpmStep, ", and B * I at most 65535; got dout ",
+            dout.sizes(), ", weight ", weight.sizes());
   const at::Tensor wt = weight.t().contiguous();  // [C C, Z]: B rows (c, e), k along z
   check_tile_grid(J, C * C / kOpmTile, op);
   at::Tensor d_outer = output({B, I, C, J, C}, dout.options());
@@ -1103,14 +1103,14 @@ at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& out
   check_opm_operand(dout, "dout", op);
   check_opm_operand(outer, "outer", op);
   EVO_CHECK(dout.dim() == 4 && outer.dim() == 5 && outer.size(0) == dout.size(0) && outer.size(1) == dout.size(1) &&
-                  outer.size(2) == kOpmC && outer.size(3) == dout.size(2) && outer.size(4) == kOpmC &&
-                  outer.scalar_type() == dout.scalar_type() && outer.device() == dout.device(),
-              op, ": `dout` [B, I, J, Z] and `outer` [B, I, 32, J, 32] do not match: ", dout.sizes(), ", ",
-              outer.sizes());
+                outer.size(2) == kOpmC && outer.size(3) == dout.size(2) && outer.size(4) == kOpmC &&
+                outer.scalar_type() == dout.scalar_type() && outer.device() == dout.device(),
+            op, ": `dout` [B, I, J, Z] and `outer` [B, I, 32, J, 32] do not match: ", dout.sizes(), ", ",
+            outer.sizes());
   EVO_CHECK(is_param_dtype(weight_dtype), op, ": `weight_dtype` must be a float type, got ", weight_dtype);
   const int64_t B = dout.size(0), I = dout.size(1), J = dout.size(2), Z = dout.size(3), C = kOpmC;
   EVO_CHECK(Z <= kOpmTile && Z % 8 == 0 && J < (int64_t(1) << 30), op, ": Z must be a multiple of 8 up to ",
-              kOpmTile, ", got ", Z);
+            kOpmTile, ", got ", Z);
   const c10::cuda::CUDAGuard guard(dout.device());
   const int64_t BI = B * I, chunks = (J + kOpmStep - 1) / kOpmStep;
   const int64_t steps = BI * chunks;
