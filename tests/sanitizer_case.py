@@ -24,8 +24,9 @@ def main() -> None:
             pair_bias = torch.randn(1, 1, 2, length, length, device="cuda", dtype=pair_dtype, requires_grad=True)
         out = ops.evoformer_attention(q, k, v, mask_bias, pair_bias, backend="cutlass")
         out.float().square().sum().backward()
-    # the triangle multiplication's fused kernels both ways: M a multiple of 8 and not, both widths' buckets
-    for n, c_z, c in [(12, 64, 32), (7, 48, 40), (9, 128, 128)]:
+    # the triangle multiplication's fused kernels both ways: M a multiple of 8 and not, both widths'
+    # buckets, the kernels without bounds checks (M = 144: whole slots and columns, a partial last tile)
+    for n, c_z, c in [(12, 64, 32), (7, 48, 40), (9, 128, 128), (12, 128, 128), (12, 128, 64)]:
         module = eb.TriangleMultiplicationIncoming(c_z, c).to("cuda", torch.bfloat16)
         with torch.no_grad():
             for p in module.parameters():

@@ -153,8 +153,9 @@ __device__ __forceinline__ int edge_blocks(int C) { return (C + kTriInSlot - 1) 
 // (row, col) at smem + offset_of(row, col) (a padded pitch for mma.sync, a GMMA swizzle for wgmma).
 // A thread copies the 16-byte chunk at column `col` of rows row0 + j * kRowStep of each 32-row
 // group: group 2h + s of an edge pass holds the projection (s = 0) or gate (s = 1) rows of slot
-// 2q + h, a g pass rows n0.. of w_g. Rows past C (or G) are zeros.
-template <typename T, int kKSteps, typename Params, typename OffsetOf>
+// 2q + h, a g pass rows n0.. of w_g. Rows past C (or G) are zeros. kWhole: every slot is whole and
+// K fills the bucket (C % 32 == 0, K == kK), so no edge row or column needs a bounds check.
+template <typename T, int kKSteps, bool kWhole = false, typename Params, typename OffsetOf>
 __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* smem, int q, OffsetOf&& offset_of) {
   using Tile = TriangleInputTile<kKSteps>;
   constexpr int kChunksPerRow = Tile::kK / 8;
@@ -162,7 +163,7 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
   static_assert(32 % kRowStep == 0, "row steps tile the 32-row groups");
   const int col = int(threadIdx.x % unsigned(kChunksPerRow)) * 8;
   const int row0 = int(threadIdx.x / unsigned(kChunksPerRow));
-  const bool col_ok = col < p.K;
+  const bool col_ok = kWhole || col < p.K;
   const int blocks = edge_blocks(p.C);
   if (q < blocks) {
     const T* const w = static_cast<const T*>(p.w_ab) + col;
@@ -174,7 +175,7 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
 #pragma unroll
         for (int j = 0; j < 32 / kRowStep; ++j) {
           const int ch = slot.ch0 + row0 + j * kRowStep;  // the row's channel
-          const bool ok = col_ok && slot.edge < 2 && ch < p.C;
+          const bool ok = kWhole || (col_ok && slot.edge < 2 && ch < p.C);
           const T* src = w + (int64_t(2 * slot.edge + s) * p.c_rows + ch) * p.K;
           cp_async_16(smem + offset_of((2 * h + s) * 32 + row0 + j * kRowStep, col), ok ? src : w, ok);
         }
@@ -229,14 +230,16 @@ __device__ __forceinline__ void triangle_pass_products(float (&acc)[2][8][4], AF
 }
 
 // acc[mt][nt][2 hh + e] += bias[n + e] for the warp's columns n = n0 + col_half * 64 + nt * 8 + 2 t
-// (nothing past G, which is even), rounded to T when kRound (the value a T tensor keeps).
-template <typename T, bool kRound>
+// (nothing past G, which is even; kWhole: no column is), rounded to T when kRound (the value a T
+// tensor keeps).
+template <typename T, bool kRound, bool kWhole = false>
 __device__ __forceinline__ void add_column_bias(float (&acc)[2][8][4], const T* bias, int n0, int G, int col_half,
                                                 int t) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int n = n0 + col_half * 64 + nt * 8 + 2 * t;
-    const float b[2] = {n < G ? float(bias[n]) : 0.f, n < G ? float(bias[n + 1]) : 0.f};
+    const bool ok = kWhole || n < G;
+    const float b[2] = {ok ? float(bias[n]) : 0.f, ok ? float(bias[n + 1]) : 0.f};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -294,8 +297,8 @@ inline void launch_on_position_tiles(void (*kernel)(Params), const Params& p, in
 // at xs + offset_of(r, c); mean and rstd of the valid rows to p.mean / p.rstd. Two lanes per row;
 // lane h of the pair reads the 16-byte chunks c with (c / 4) % 2 == h (the pair's two 64-byte runs
 // fall on different banks) once into registers, then passes over them three times: sum, squared
-// deviations, normalised values written back.
-template <typename T, int kK, typename OffsetOf>
+// deviations, normalised values written back. kWhole: K == kK (no chunk past K).
+template <typename T, int kK, bool kWhole = false, typename OffsetOf>
 __device__ __forceinline__ void triangle_input_normalise(const TriangleInputParams& p, T* xs, OffsetOf&& offset_of,
                                                          int64_t m0, int valid_rows) {
   constexpr int kChunks = kK / 16;  // per lane
@@ -311,7 +314,7 @@ __device__ __forceinline__ void triangle_input_normalise(const TriangleInputPara
   const auto each_chunk = [&](auto&& fn) {
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
-      if (chunk_col(j) >= p.K) continue;
+      if (!kWhole && chunk_col(j) >= p.K) continue;
       Vec<T> x;
       x.unpack(raw[j]);
       fn(x, j);
@@ -370,8 +373,8 @@ __device__ __forceinline__ void stage_gated_slot(const TriangleInputParams& p, c
 
 // Stores edge pass q's staged [64 channel rows (slots 2q, 2q + 1), 128 positions] (pitch
 // kTriInStagePitch) as channel rows of a or b: a thread stores 8 positions from `col` of staged rows
-// lr0, lr0 + 16, ...
-template <typename T>
+// lr0, lr0 + 16, ... kWhole: every slot whole (C % 32 == 0) and p.vector_ok.
+template <typename T, bool kWhole = false>
 __device__ __forceinline__ void triangle_input_store_edges(const TriangleInputParams& p, const T* stage, int q,
                                                            int64_t m0, int valid_rows) {
   constexpr int kSpans = kTriInRows / 8;
@@ -382,10 +385,10 @@ __device__ __forceinline__ void triangle_input_store_edges(const TriangleInputPa
   for (int lr = lr0; lr < 2 * kTriInSlot; lr += kTriInThreads / kSpans) {
     const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
     const int ch = slot.ch0 + lr % kTriInSlot;
-    if (slot.edge >= 2 || ch >= p.C) continue;
+    if (!kWhole && (slot.edge >= 2 || ch >= p.C)) continue;
     const T* src = stage + lr * kTriInStagePitch + col;
     T* dst = static_cast<T*>(slot.edge == 0 ? p.a : p.b) + int64_t(ch) * p.M + m0 + col;
-    if (p.vector_ok) {  // M % 8 == 0: a whole span
+    if (kWhole || p.vector_ok) {  // M % 8 == 0: a whole span
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
       for (int e = 0; e < 8 && col + e < valid_rows; ++e) dst[e] = src[e];

@@ -65,15 +65,15 @@ struct TriangleInputSm90Tile {
 // Starts the copy of pass q's biases into `bias` (joining the cp.async group the weight copy then
 // commits): an edge pass's [slot 2q + h][projection, gate][32 channels] floats of b_ab (threads 0-31,
 // 4 channels each), a g pass's 128 values of b_g from column n0 (threads 0-15, 8 each); zeros past
-// C or G. b_ab and b_g are 16-byte aligned (the host checks).
-template <typename T, typename Params>
+// C or G. b_ab and b_g are 16-byte aligned (the host checks). kWhole: C % 32 == 0 (every slot whole).
+template <typename T, bool kWhole, typename Params>
 __device__ __forceinline__ void triangle_input_load_bias(const Params& p, void* bias, int q) {
   const int tid = int(threadIdx.x), blocks = edge_blocks(p.C);
   if (q < blocks) {
     if (tid >= 32) return;
     const int h = tid / 16, s = tid / 8 % 2, c = tid % 8 * 4;
     const EdgeSlot slot(2 * q + h, blocks);
-    const bool ok = slot.edge < 2 && slot.ch0 + c < p.C;
+    const bool ok = kWhole || (slot.edge < 2 && slot.ch0 + c < p.C);
     const float* src = p.b_ab + (ok ? int64_t(2 * slot.edge + s) * p.c_rows + slot.ch0 + c : 0);
     cp_async_16(static_cast<float*>(bias) + tid * 4, src, ok);
   } else if (tid < kTriInPassCols / 8) {
@@ -86,27 +86,38 @@ __device__ __forceinline__ void triangle_input_load_bias(const Params& p, void* 
 // stage_gated_slot for one warpgroup's accumulators (kMTiles = 1), the same values packed in pairs of
 // channels and stored transposed (stmatrix) as 16-byte runs of positions in the channel rows:
 // four instructions per slot instead of 32 two-byte stores. `stage` points at the slot's first
-// staged row and the warp's first position (16 positions per warp).
-template <typename T>
+// staged row and the warp's first position (16 positions per warp). kWhole (C % 32 == 0): no channel
+// is past C, and a thread's two adjacent channels' biases come in one 8-byte load each.
+template <typename T, bool kWhole>
 __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams& p, const EdgeSlot& slot,
                                                       const float* bias_proj, const float* bias_gate,
                                                       const float (*acc)[4], const float (&mask)[1][2], T* stage,
                                                       int lane) {
-  if (slot.edge >= 2) return;
+  if (!kWhole && slot.edge >= 2) return;
   const int t = lane % 4;
   uint32_t packed[4][2];  // [tile nt][half hh]: channels nt * 8 + 2 t, + 1 at position g + 8 hh
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
+    float bp[2], bg[2];  // [e]: the biases of channels slot.ch0 + nt * 8 + 2 t + e
+    if constexpr (kWhole) {
+      const float2 p2 = *reinterpret_cast<const float2*>(bias_proj + nt * 8 + 2 * t);
+      const float2 g2 = *reinterpret_cast<const float2*>(bias_gate + nt * 8 + 2 * t);
+      bp[0] = p2.x, bp[1] = p2.y, bg[0] = g2.x, bg[1] = g2.y;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = nt * 8 + 2 * t + e;
+        bp[e] = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
+        bg[e] = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
+      }
+    }
     float v[2][2];  // [hh][e]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int c = nt * 8 + 2 * t + e;  // channel slot.ch0 + c
-      const float bp = slot.ch0 + c < p.C ? bias_proj[c] : 0.f;
-      const float bg = slot.ch0 + c < p.C ? bias_gate[c] : 0.f;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = 2 * hh + e;
-        v[hh][e] = sigmoid_gated<T>(acc[4 + nt][i], bg, acc[nt][i] + bp, mask[0][hh]);
+        v[hh][e] = sigmoid_gated<T>(acc[4 + nt][i], bg[e], acc[nt][i] + bp[e], mask[0][hh]);
       }
     }
 #pragma unroll
@@ -122,7 +133,9 @@ __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams&
   }
 }
 
-template <typename T, int kKSteps>
+// kWhole: C % 32 == 0, K == 16 kKSteps and p.vector_ok (the common case: c_z and c multiples of 32,
+// N_res^2 a multiple of 8), compiled without the bounds checks on channels, columns and stores.
+template <typename T, int kKSteps, bool kWhole>
 __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSteps>::kMinBlocksPerSM))
     triangle_input_sm90_kernel(TriangleInputParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -146,8 +159,8 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   const auto w_offset = [&](int r, int) { return w_offsets[(r - w_row0) / kRowStep]; };
   // pass q's weights and biases into buffer q % 2 (one cp.async group)
   const auto load_pass = [&](int q) {
-    triangle_input_load_bias<T>(p, bias_of(q % 2), q);
-    triangle_input_load_weights<T, kKSteps>(p, buffer(q % 2), q, w_offset);
+    triangle_input_load_bias<T, kWhole>(p, bias_of(q % 2), q);
+    triangle_input_load_weights<T, kKSteps, kWhole>(p, buffer(q % 2), q, w_offset);
   };
 
   const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
@@ -176,7 +189,7 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
 
   cp_async_wait<2>();
   __syncthreads();
-  triangle_input_normalise<T, Tile::kK>(p, xs, x_offset, m0, valid_rows);
+  triangle_input_normalise<T, Tile::kK, kWhole>(p, xs, x_offset, m0, valid_rows);
 
   typename Tile::Mma mma;
   auto thr = mma.get_thread_slice(threadIdx.x % 128u);
@@ -188,7 +201,7 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
 
   // Stores pass q's staged results (in buffer q % 2) to a, b or g.
   const auto store_pass = [&](int q) {
-    if (q < blocks) triangle_input_store_edges<T>(p, buffer(q % 2), q, m0, valid_rows);
+    if (q < blocks) triangle_input_store_edges<T, kWhole>(p, buffer(q % 2), q, m0, valid_rows);
     else triangle_input_store_g<T>(p, buffer(q % 2), (q - blocks) * kTriInPassCols, m0, valid_rows);
   };
 
@@ -224,7 +237,7 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
       const float* const bias = reinterpret_cast<const float*>(bias_of(q % 2));  // [h][proj, gate][32]
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        stage_gated_slot_sm90<T>(p, EdgeSlot(2 * q + h, blocks), bias + 64 * h, bias + 64 * h + 32, acc + 8 * h,
+        stage_gated_slot_sm90<T, kWhole>(p, EdgeSlot(2 * q + h, blocks), bias + 64 * h, bias + 64 * h + 32, acc + 8 * h,
                                  mask, wbuf + h * kTriInSlot * kTriInStagePitch + (row0 - g), lane);
     } else {
       // g pass: columns n0.. of g, plus their bias; staged [128 positions, 128 columns] by stmatrix

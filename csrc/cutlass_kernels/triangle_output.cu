@@ -1,5 +1,7 @@
 // Launchers of the triangle multiplication's fused output kernel and of its backward
-// (triangle_output.cuh), half and bfloat16, one instantiation per bucket of the widths (64, 128).
+// (triangle_output.cuh), half and bfloat16, one instantiation per bucket of the widths (64, 128); the
+// forward also without bounds checks where c and c_z fill the bucket and one pass (C == the bucket,
+// G == 128) and rows are 16-byte aligned.
 #include "triangle_output.cuh"
 
 namespace evoformer {
@@ -8,8 +10,12 @@ namespace block {
 namespace {
 template <typename T, int kKSteps>
 void launch_bucket(const TriangleOutputParams& p, cudaStream_t stream) {
-  launch_on_position_tiles(triangle_output_kernel<T, kKSteps>, p, p.M, TriangleOutputTile<kKSteps>::template bytes<T>(),
-                           stream, "evoformer triangle output");
+  constexpr int kSmem = TriangleOutputTile<kKSteps>::template bytes<T>();
+  constexpr const char* kName = "evoformer triangle output";
+  if (p.C == 16 * kKSteps && p.G == kTriInPassCols && p.vector_ok)
+    launch_on_position_tiles(triangle_output_kernel<T, kKSteps, true>, p, p.M, kSmem, stream, kName);
+  else
+    launch_on_position_tiles(triangle_output_kernel<T, kKSteps, false>, p, p.M, kSmem, stream, kName);
 }
 }  // namespace
 

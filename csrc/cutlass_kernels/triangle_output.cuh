@@ -43,7 +43,9 @@ struct TriangleOutputTile {
   }
 };
 
-template <typename T, int kKSteps>
+// kWhole: C == 16 kKSteps, G == 128 and p.vector_ok (c = c_z = 128, N_res^2 a multiple of 8),
+// compiled without the bounds checks on channels, columns and stores.
+template <typename T, int kKSteps, bool kWhole>
 __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(TriangleOutputParams p) {
   using Tile = TriangleOutputTile<kKSteps>;
   constexpr int kSP = kTriInStagePitch;
@@ -61,9 +63,9 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
     const T* const src0 = static_cast<const T*>(p.p) + m0 + col;
 #pragma unroll
     for (int c = c0; c < Tile::kK; c += kTriInThreads / kSpans) {
-      const bool ok = c < p.C && col < valid_rows;
+      const bool ok = (kWhole || c < p.C) && col < valid_rows;
       T* dst = ps + c * kSP + col;
-      if (p.vector_ok) {
+      if (kWhole || p.vector_ok) {
         cp_async_16(dst, ok ? src0 + int64_t(c) * p.M : src0, ok);
       } else {
         for (int e = 0; e < 8; ++e) dst[e] = ok && col + e < valid_rows ? src0[int64_t(c) * p.M + e] : T(0.f);
@@ -103,10 +105,12 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
     for (int k = 0; k < 4; ++k) sum[k] = segment_sum(sum[k], kGroups);
     float mean[4], sq[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) mean[k] = sum[k] / float(p.C);
+    const float inv_c = 1.f / float(p.C);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mean[k] = sum[k] * inv_c;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      if (cg + kGroups * j >= p.C) continue;
+      if (!kWhole && cg + kGroups * j >= p.C) continue;
       const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
       const float x[4] = {lo.x - mean[0], lo.y - mean[1], hi.x - mean[2], hi.y - mean[3]};
 #pragma unroll
@@ -116,10 +120,10 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
     for (int k = 0; k < 4; ++k) sq[k] = segment_sum(sq[k], kGroups);
     float rstd[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) rstd[k] = rsqrtf(sq[k] / float(p.C) + p.eps);
+    for (int k = 0; k < 4; ++k) rstd[k] = rsqrtf(sq[k] * inv_c + p.eps);
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      if (cg + kGroups * j >= p.C) continue;
+      if (!kWhole && cg + kGroups * j >= p.C) continue;
       const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
       const uint2 out{pack2<T>((lo.x - mean[0]) * rstd[0], (lo.y - mean[1]) * rstd[1]),
                       pack2<T>((hi.x - mean[2]) * rstd[2], (hi.y - mean[3]) * rstd[3])};
@@ -153,7 +157,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 #pragma unroll
           for (int i = 0; i < 4; ++i) {  // register i: position g + 8 (i % 2), channels 2t (+ 8 for i >= 2)
             const int r = row_group * 32 + mt * 16 + g + 8 * (i % 2), c = kk * 16 + 8 * (i / 2) + 2 * t;
-            if (n_hat != nullptr && r < valid_rows && c < p.C)
+            if (n_hat != nullptr && r < valid_rows && (kWhole || c < p.C))
               *reinterpret_cast<uint32_t*>(n_hat + (m0 + r) * p.C + c) = af[mt][i];
           }
         }
@@ -162,7 +166,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 
   // out = sigmoid(g) * y over the g tile (each value rewritten by the thread that reads it), y rounded
   // to T as the backward recomputes it
-  add_column_bias<T, true>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);
+  add_column_bias<T, true, kWhole>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int n = col_half * 64 + nt * 8 + 2 * t;
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   {
     constexpr int kSpans = kTriInPassCols / 8;
     const int col = int(threadIdx.x % unsigned(kSpans)) * 8, r0 = int(threadIdx.x / unsigned(kSpans));
-    if (col < p.G) {
+    if (kWhole || col < p.G) {
 #pragma unroll
       for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
         if (r >= valid_rows) break;
