@@ -104,7 +104,6 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 #pragma unroll
     for (int k = 0; k < 4; ++k) sum[k] = segment_sum(sum[k], kGroups);
     float mean[4], sq[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
     const float inv_c = 1.f / float(p.C);
 #pragma unroll
     for (int k = 0; k < 4; ++k) mean[k] = sum[k] * inv_c;
