@@ -1,7 +1,7 @@
 // Launcher of the triangle multiplication's Hopper input kernel (triangle_input_sm90.cuh), half and
 // bfloat16, per c_z bucket (64, 128, 256) one kernel with bounds checks and one without (whole slots
-// and columns: C % 32 == 0, c_z == the bucket, N_res^2 % 8 == 0). The kernels hold code only in a build for
-// sm_90a; the host launches them for the "sm90" kernel family.
+// and columns: C % 32 == 0, c_z == the bucket, N_res^2 % 8 == 0). The kernels hold code only in a
+// build for sm_90a; the host launches them for the "sm90" kernel family.
 #include "triangle_input_sm90.cuh"
 
 namespace evoformer {
