@@ -16,3 +16,11 @@ requires_sm80 = [
 # (EVOFORMER_BLOCKS_KERNELS=auto) and with the portable sm80 ones, which must keep passing there too.
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 KERNEL_FAMILIES = ["auto", "sm80"] if HOPPER else ["auto"]
+
+
+@pytest.fixture(params=KERNEL_FAMILIES)
+def kernel_family(request, monkeypatch):
+    """The kernel family a test runs (EVOFORMER_BLOCKS_KERNELS, forward and backward): each of
+    KERNEL_FAMILIES in turn. A test module imports it to use it."""
+    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", request.param)
+    return request.param

@@ -16,7 +16,7 @@ os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass  # noqa: E402
-from gpu import KERNEL_FAMILIES, requires_sm80  # noqa: E402
+from gpu import kernel_family, requires_sm80  # noqa: E402,F401 (kernel_family: a fixture)
 from test_block_ops import triangle_weights  # noqa: E402
 
 pytestmark = requires_sm80
@@ -189,14 +189,6 @@ def _triangle(z, mask, w, direction, backend):
     return ops.triangle_multiplication(z, mask, direction=direction, **w, backend=backend)
 
 
-# On a Hopper GPU the triangle tests run twice: with the Hopper input kernel (auto) and with the
-# portable one (EVOFORMER_BLOCKS_KERNELS=sm80), which must keep passing there too.
-@pytest.fixture(params=KERNEL_FAMILIES)
-def kernel_family(request, monkeypatch):
-    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", request.param)
-    return request.param
-
-
 def _kernel_names(fn) -> set[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -219,9 +211,10 @@ def test_triangle_runs_the_input_kernel_of_its_family(kernel_family):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 # The fused kernels have a variant without bounds checks where channels and columns fill their
-# tiles and N_res^2 % 8 == 0 (input: c % 32 == 0, c_z in {64, 128, 256}; output: c in {64, 128},
-# c_z == 128): N_res 100, 300, 48 and 40 run it (48: the c_z 64 bucket of the input kernel; 40: the
-# c 64 bucket of the output kernel), the others the checked kernels.
+# tiles and N_res^2 % 8 == 0 (the Hopper input kernel: c % 32 == 0, c_z in {64, 128, 256}; the output
+# kernel, both families: c in {64, 128}, c_z == 128): N_res 100, 300, 48 and 40 run it (48: the c_z
+# 64 bucket of the input kernel; 40: the c 64 bucket of the output kernel), the others the checked
+# kernels.
 @pytest.mark.parametrize("batch, n, c_z, c", [((), 1, 32, 16), ((), 7, 32, 16), ((2,), 37, 64, 32), ((), 100, 128, 128),
                                               ((), 257, 128, 64), ((), 19, 136, 72), ((), 9, 264, 24),
                                               ((2,), 23, 48, 40), ((), 300, 128, 128), ((), 48, 64, 32),

@@ -23,7 +23,7 @@ os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass  # noqa: E402
-from gpu import HOPPER, KERNEL_FAMILIES, requires_sm80  # noqa: E402
+from gpu import HOPPER, kernel_family, requires_sm80  # noqa: E402,F401 (kernel_family: a fixture)
 
 
 def gpu(test):
@@ -33,12 +33,9 @@ def gpu(test):
     return test
 
 
-# On a Hopper GPU every test runs twice: with the Hopper kernels (auto) and with the portable sm80
-# kernels (EVOFORMER_BLOCKS_KERNELS=sm80, forward and backward), which must keep passing there too.
-@pytest.fixture(autouse=True, params=KERNEL_FAMILIES)
-def kernel_family(request, monkeypatch):
-    monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", request.param)
-    return request.param
+# Every test runs once per kernel family (gpu.kernel_family: on a Hopper GPU the Hopper kernels and
+# the portable sm80 ones).
+pytestmark = pytest.mark.usefixtures("kernel_family")
 
 
 @gpu
