@@ -29,95 +29,56 @@ class _SwapMiddle(torch.autograd.Function):
         return _swap_middle(grad)
 
 
-@torch.library.custom_op("evoformer_blocks::fused_opm_project", mutates_args=(), device_types="cuda")
-def opm_project(
-    outer: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    denom: Optional[torch.Tensor],
-    residual: Optional[torch.Tensor],
-) -> torch.Tensor:
+@_fused.fake("opm_project")
+def _(outer, weight, bias, denom, residual):
     """linear_out on the outer product's GEMM output ``outer [B, I, c, J, c]`` as it lies: ``[B, I, J, Z]``,
     divided by ``denom [B, I, J]`` and added to ``residual [B, I, J, Z]`` where given (in the kernel's
     epilogue)."""
-    return _fused.kernels().opm_project(outer, weight, bias, denom, residual)
-
-
-@opm_project.register_fake
-def _(outer, weight, bias, denom, residual):
     return outer.new_empty(outer.shape[0], outer.shape[1], outer.shape[3], weight.shape[0])
 
 
-@torch.library.custom_op("evoformer_blocks::fused_opm_project_input_grad", mutates_args=(), device_types="cuda")
-def opm_project_input_grad(dout: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``outer`` from ``dout [B, I, J, Z]`` (contiguous): ``[B, I, c, J, c]``."""
-    return _fused.kernels().opm_project_input_grad(dout, weight)
-
-
-@opm_project_input_grad.register_fake
+@_fused.fake("opm_project_input_grad")
 def _(dout, weight):
-    c = 32  # the kernels' c_hidden
+    """The gradient of ``outer`` from ``dout [B, I, J, Z]`` (contiguous): ``[B, I, c, J, c]``."""
+    c = math.isqrt(weight.shape[1])  # weight [Z, c²]
     return dout.new_empty(dout.shape[0], dout.shape[1], c, dout.shape[2], c)
 
 
-@torch.library.custom_op("evoformer_blocks::fused_opm_project_weight_grad", mutates_args=(), device_types="cuda")
-def opm_project_weight_grad(dout: torch.Tensor, outer: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of the weight ``[Z, c²]`` in ``weight_dtype`` (float32 partials added in a fixed order)."""
-    return _fused.kernels().opm_project_weight_grad(dout, outer, weight_dtype)
-
-
-@opm_project_weight_grad.register_fake
+@_fused.fake("opm_project_weight_grad")
 def _(dout, outer, weight_dtype):
+    """The gradient of the weight ``[Z, c²]`` in ``weight_dtype`` (float32 partials added in a fixed order)."""
     return dout.new_empty(dout.shape[-1], outer.shape[2] * outer.shape[4], dtype=weight_dtype)
 
 
-def _projection_grads(ctx, dout, custom_ops: bool):
-    """(d outer, d weight, d bias, None, d residual) of the projection from the gradient ``dout [B, I, J,
-    Z]`` of its result: by the custom ops (the custom op's backward, traced by torch.compile) or the
-    extension's calls (outside it). The residual's gradient is dout itself; the projection's is
-    ``dout / denom`` where it was divided (one pass, as the division's backward took)."""
-    if custom_ops:
-        input_grad, weight_grad = opm_project_input_grad, opm_project_weight_grad
-    else:
-        kernels = _fused.kernels()
-        input_grad, weight_grad = kernels.opm_project_input_grad, kernels.opm_project_weight_grad
-    outer, weight, denom = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    d_residual = dout if need[4] else None  # [B, I, J, Z]
-    dout = (dout if denom is None else dout / denom.unsqueeze(-1)).contiguous()  # [B, I, J, Z]
-    d_outer = input_grad(dout, weight) if need[0] else None  # [B, I, c, J, c]
-    dw = weight_grad(dout, outer, weight.dtype) if need[1] else None  # [Z, c²]
-    db = None
-    if ctx.bias_dtype is not None and need[2]:
-        db = bias_gradient(dout, ctx.bias_dtype, custom_ops)  # [Z]
-    return d_outer, dw, db, None, d_residual
-
-
-def _projection_setup(ctx, inputs, output) -> None:
-    outer, weight, bias, denom, _residual = inputs
-    ctx.save_for_backward(outer, weight, denom)
-    ctx.bias_dtype = None if bias is None else bias.dtype
-
-
-opm_project.register_autograd(lambda ctx, dout: _projection_grads(ctx, dout, True), setup_context=_projection_setup)
-
-
 class _OuterProjection(torch.autograd.Function):
-    """The projection with the custom op's autograd, calling the extension without the custom-op
-    layers (less host time per call outside torch.compile). Its kernels: ``opm_project`` (forward,
-    with the mean's division and the residual add in its epilogue where given) and
+    """linear_out on the outer product's GEMM output as it lies. Its kernels: ``opm_project``
+    (forward, with the mean's division and the residual add in its epilogue where given) and
     ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
     or writes o's layout directly, and ``opm_project_weight_grad`` (a sum over (b, i, j) that reads o
     as it lies, float32 partials added in a fixed order)."""
 
     @staticmethod
     def forward(ctx, outer, weight, bias, denom, residual):
-        _projection_setup(ctx, (outer, weight, bias, denom, residual), None)
+        ctx.save_for_backward(outer, weight, denom)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return _fused.kernels().opm_project(outer, weight, bias, denom, residual)  # [B, I, J, Z]
 
     @staticmethod
     def backward(ctx, dout):
-        return _projection_grads(ctx, dout, False)
+        """(d outer, d weight, d bias, None, d residual) from the gradient ``dout [B, I, J, Z]``. The
+        residual's gradient is dout itself; the projection's is ``dout / denom`` where it was divided
+        (one pass, as the division's backward took)."""
+        kernels = _fused.kernels()
+        outer, weight, denom = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        d_residual = dout if need[4] else None  # [B, I, J, Z]
+        dout = (dout if denom is None else dout / denom.unsqueeze(-1)).contiguous()  # [B, I, J, Z]
+        d_outer = kernels.opm_project_input_grad(dout, weight) if need[0] else None  # [B, I, c, J, c]
+        dw = kernels.opm_project_weight_grad(dout, outer, weight.dtype) if need[1] else None  # [Z, c²]
+        db = None
+        if ctx.bias_dtype is not None and need[2]:
+            db = bias_gradient(dout, ctx.bias_dtype)  # [Z]
+        return d_outer, dw, db, None, d_residual
 
 
 def _epilogue_fits(outer: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
@@ -183,12 +144,11 @@ class OuterProductMean(nn.Module):
             lead = outer.shape[:-4]
             outer = outer.reshape(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
             weight, bias = self.linear_out.weight, self.linear_out.bias
-            project = opm_project if torch.compiler.is_compiling() else _OuterProjection.apply
             if _epilogue_fits(outer, denom, residual):
                 d = denom.reshape(-1, n_i, n_j)  # [B, N_i, N_j]
                 r = None if residual is None else residual.reshape(-1, n_i, n_j, self.c_z)  # [B, N_i, N_j, c_z]
-                return project(outer, weight, bias, d, r).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
-            out = project(outer, weight, bias, None, None).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
+                return _OuterProjection.apply(outer, weight, bias, d, r).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
+            out = _OuterProjection.apply(outer, weight, bias, None, None).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
         else:
             outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
             outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]

@@ -264,7 +264,7 @@ def _check_compiled_gradients(run, leaves, like):
 @pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_triangle_compile_fullgraph_traces_the_fakes(norm_dtype, with_mask):
-    # The custom ops' fakes carry torch.compile through the fused forward and backward: the output
+    # The extension ops' fakes carry torch.compile through the fused forward and backward: the output
     # and every gradient get their input's shape and dtype (layer-norm parameters in another dtype
     # than z included; float64 ones reach the kernels as float32 and autograd takes them back).
     from evoformer_blocks.ops import triangle
@@ -283,7 +283,7 @@ def test_triangle_compile_fullgraph_traces_the_fakes(norm_dtype, with_mask):
 
 
 def test_triangle_keeping_input_compile_fullgraph_traces_the_fakes():
-    # the node that returns z itself beside the update traces with the custom ops' fakes, and z's
+    # the node that returns z itself beside the update traces with the extension ops' fakes, and z's
     # gradient arrives from both outputs
     from evoformer_blocks.ops import triangle
 
@@ -300,7 +300,7 @@ def test_triangle_keeping_input_compile_fullgraph_traces_the_fakes():
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_triangle_residual_compile_fullgraph_traces_the_fakes(scaled):
-    # the node that returns z + update (* a row-wise scale) traces with the custom ops' fakes
+    # the node that returns z + update (* a row-wise scale) traces with the extension ops' fakes
     from evoformer_blocks.ops import triangle
 
     z = _meta_leaf(2, 6, 6, 16)
@@ -372,7 +372,7 @@ def test_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype):
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 def test_layer_norm_keeping_input_compile_fullgraph_traces_the_fakes(param_dtype):
-    # the node that returns x itself (a view) beside its layer norm traces with the custom ops'
+    # the node that returns x itself (a view) beside its layer norm traces with the extension ops'
     # fakes, and x's gradient arrives from both outputs
     from evoformer_blocks.ops import normalization
 

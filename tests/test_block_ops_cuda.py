@@ -15,7 +15,7 @@ os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
-from evoformer_blocks.ops import cutlass  # noqa: E402
+from evoformer_blocks.ops import _fused, cutlass  # noqa: E402
 from gpu import kernel_family, requires_sm80  # noqa: E402,F401 (kernel_family: a fixture)
 from test_block_ops import triangle_weights  # noqa: E402
 
@@ -385,25 +385,39 @@ def test_triangle_gradients_are_deterministic(kernel_family):
         assert torch.equal(a, b), "the fused triangle update must be bitwise reproducible"
 
 
-def test_triangle_custom_ops_pass_opcheck():
+def test_block_ops_pass_opcheck():
+    # the extension's triangle and layer-norm ops against their schemas and fake implementations
+    # (shapes, strides and dtypes of the real outputs), traced as torch.compile traces them
     from evoformer_blocks.ops import triangle as tri
 
+    kernels = _fused.kernels()
     z = torch.randn(1, 9, 9, 32, device=DEV, dtype=torch.bfloat16)
     mask = (torch.rand(1, 9, 9, device=DEV) > 0.2).to(torch.bfloat16)
     w = triangle_weights(32, 16, torch.bfloat16)
     weights = [w[name].to(DEV) for name in tri._WEIGHTS]
+    scale = torch.rand(1, 1, 9, 32, device=DEV).to(z.dtype)
     for family in cutlass.available_kernel_families(torch.cuda.current_device()):
-        torch.library.opcheck(tri.triangle_fwd, (z, mask, weights, 1e-5, True, family),
-                              test_utils=("test_schema", "test_faketensor"))
+        for for_backward, add_input, update_scale in ((True, False, None), (False, False, None), (True, True, scale)):
+            args = (z, mask, weights, 1e-5, True, family, for_backward, add_input, update_scale)
+            torch.library.opcheck(kernels.triangle_multiplication_fwd.default, args)
+        out, *saved = kernels.triangle_multiplication_fwd(z, mask, weights, 1e-5, False, family)
+        for dz_add in (None, torch.randn_like(z)):
+            torch.library.opcheck(kernels.triangle_multiplication_bwd.default,
+                                  (torch.randn_like(out), z, mask, weights, saved, 1e-5, False, dz_add))
     with pytest.raises(RuntimeError, match="family"):
-        tri.triangle_fwd(z, mask, weights, 1e-5, True, "sm70")
+        kernels.triangle_multiplication_fwd(z, mask, weights, 1e-5, True, "sm70")
     x = torch.randn(5, 7, 64, device=DEV, dtype=torch.bfloat16)
-    from evoformer_blocks.ops import normalization as ln
-
-    torch.library.opcheck(ln.layer_norm_fwd, (x, None, None, 1e-5), test_utils=("test_schema", "test_faketensor"))
+    weight, bias = torch.randn(64, device=DEV), torch.randn(64, device=DEV)
+    torch.library.opcheck(kernels.layer_norm_fwd.default, (x, None, None, 1e-5))
+    y, mean, rstd = kernels.layer_norm_fwd(x, weight, bias, 1e-5)
+    for need_affine in (False, True):
+        torch.library.opcheck(kernels.layer_norm_bwd.default,
+                              (torch.randn_like(y), x, weight, mean, rstd, need_affine, torch.float32))
     for scale in (None, (torch.rand(5, 7, 1, device=DEV) > 0.5).to(x.dtype), torch.rand(7, 64, device=DEV).to(x.dtype)):
-        torch.library.opcheck(ln.add_layer_norm_fwd, (x, torch.randn_like(x), None, None, 1e-5, scale),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(kernels.add_layer_norm_fwd.default, (x, torch.randn_like(x), None, None, 1e-5, scale))
+        s, y, mean, rstd = kernels.add_layer_norm_fwd(x, torch.randn_like(x), weight, bias, 1e-5, scale)
+        torch.library.opcheck(kernels.add_layer_norm_bwd.default, (
+            torch.randn_like(s), torch.randn_like(y), s, weight, mean, rstd, True, torch.float32, scale))
 
 
 def test_block_modules_compile_fullgraph():
@@ -469,18 +483,17 @@ def test_sigmoid_gate_matches_reference(dtype, layout, c):
 
 
 def test_sigmoid_gate_returns_dy_in_the_layout_of_y():
-    from evoformer_blocks.ops import gating
-
     g, y = _gate_operands("transposed", torch.bfloat16, 64)
     dout = torch.randn_like(g)
-    dg, dy = gating.sigmoid_gate_bwd(dout, g, y)
+    dg, dy = _fused.kernels().sigmoid_gate_bwd(dout, g, y)
     assert dg.is_contiguous() and dy.stride() == y.stride()
     # the attention output's gradient comes back contiguous in the op's [B, N, L, H, C'] layout
     assert dy.unflatten(-1, (2, 32)).permute(0, 2, 1, 3, 4).is_contiguous()
-    torch.library.opcheck(gating.sigmoid_gate_fwd, (g, y), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(gating.sigmoid_gate_bwd, (dout, g, y), test_utils=("test_schema", "test_faketensor"))
+    kernels = _fused.kernels()
+    torch.library.opcheck(kernels.sigmoid_gate_fwd.default, (g, y))
+    torch.library.opcheck(kernels.sigmoid_gate_bwd.default, (dout, g, y))
     for dtype in (torch.float32, torch.bfloat16):
-        torch.library.opcheck(gating.column_sum, (dout, dtype), test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(kernels.column_sum.default, (dout, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

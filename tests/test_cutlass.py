@@ -61,13 +61,6 @@ def test_backward_runs_the_family_of_its_forward(kernel_family, monkeypatch):
         assert torch.equal(first.grad, second.grad)
 
 
-@gpu
-def test_unavailable_family_is_refused():
-    q = torch.randn(1, 1, 8, 1, 32, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="family"):
-        cutlass.attention_fwd(q, q, q, None, None, 0.25, "sm70")
-
-
 def test_kernel_family_rejects_unknown_setting(monkeypatch):
     monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm90")
     with pytest.raises(ValueError, match="EVOFORMER_BLOCKS_KERNELS"):
@@ -170,7 +163,7 @@ def test_pair_needs_copy(make, needs_copy):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("len_k", [21, 24])  # the pair bias copied or read in place
 def test_compile_fullgraph_traces_the_fakes(len_k, dtype, monkeypatch):
-    # The custom ops' fakes carry torch.compile through forward and backward without a GPU (meta
+    # The extension ops' fakes carry torch.compile through forward and backward without a GPU (meta
     # tensors; the sm80 setting keeps the family choice from asking the extension).
     monkeypatch.setenv("EVOFORMER_BLOCKS_KERNELS", "sm80")
 
@@ -204,7 +197,8 @@ def test_fake_shapes(with_mask, dtype, pair_dtype, len_k):
     mask_bias = meta(1, 3, 1, 1, len_k, dtype=dtype) if with_mask else None
     pair_bias = meta(2, 1, 4, 20, len_k, dtype=pair_dtype) if pair_dtype else None
     copy_pair = pair_bias is not None and len_k % (16 // pair_bias.element_size()) != 0
-    out, stats, mask_prepared, pair_prepared = cutlass.attention_fwd(q, k, k, mask_bias, pair_bias, 0.25, "sm80")
+    kernels = torch.ops.evoformer_blocks_cuda  # (meta tensors run the fake implementations: no build)
+    out, stats, mask_prepared, pair_prepared = kernels.forward(q, k, k, mask_bias, pair_bias, 0.25, "sm80")
     assert out.shape == q.shape and out.dtype == dtype and stats.shape == (2, 3, 4, 20, 2)
     assert stats.dtype == torch.float32
     assert mask_prepared.dtype == torch.float32
@@ -214,7 +208,7 @@ def test_fake_shapes(with_mask, dtype, pair_dtype, len_k):
     else:
         assert pair_prepared.shape == (0,)
     dmask_dtype = torch.float32 if with_mask else None
-    grads = cutlass.attention_bwd(
+    grads = kernels.backward(
         q, q, k, k, out, stats, mask_prepared, pair_bias, pair_prepared, 0.25, "sm80", dmask_dtype, pair_bias is not None
     )
     assert [g.shape for g in grads[:3]] == [q.shape, k.shape, k.shape]
@@ -380,7 +374,7 @@ def test_float32_runs_the_sm80_family(kernel_family):
     assert out.grad_fn.family == "sm80" == cutlass.kernel_family(q.device, torch.float32)
     if "sm90" in cutlass.available_kernel_families(torch.cuda.current_device()):
         with pytest.raises(RuntimeError, match="sm80 kernel family only"):
-            cutlass.attention_fwd(q.detach(), k.detach(), v.detach(), None, None, 0.25, "sm90")
+            cutlass._kernels().forward(q.detach(), k.detach(), v.detach(), None, None, 0.25, "sm90")
 
 
 @gpu
@@ -390,13 +384,13 @@ def test_extension_errors_name_the_values(kernel_family):
     q, k, v, _, _ = make_inputs(1, 2, 24, 24, 2, 32, torch.bfloat16, "none")
     family = cutlass.kernel_family(q.device, q.dtype)
     with pytest.raises(RuntimeError, match=r"`scale` must be positive and finite, got -1\.5"):
-        cutlass._kernels().forward(q, k, v, None, None, -1.5, family, False)
+        cutlass._kernels().forward(q, k, v, None, None, -1.5, family)
     with pytest.raises(RuntimeError, match=r"k and v must have one shape; k: shape=\[1, 2, 24, 2, 32\] "
                                            r"dtype=BFloat16 device=cuda:\d+ stride=\[3072, 1536, 64, 32, 1\]"):
-        cutlass._kernels().forward(q, k, v[:, :, :20], None, None, 0.25, family, False)
+        cutlass._kernels().forward(q, k, v[:, :, :20], None, None, 0.25, family)
     with pytest.raises(RuntimeError, match=r"must be one of the kernel families this build runs on device \d+ "
                                            r"\(sm80(, sm90)?\), got `sm70`"):
-        cutlass._kernels().forward(q, k, v, None, None, 0.25, "sm70", False)
+        cutlass._kernels().forward(q, k, v, None, None, 0.25, "sm70")
 
 
 @gpu
@@ -569,20 +563,18 @@ def test_caller_tensors_untouched():
     [(torch.bfloat16, 20), (torch.bfloat16, 24), (torch.float32, 22), (torch.float32, 24)],
 )
 def test_opcheck(dtype, length):
-    from evoformer_blocks.ops.cutlass import attention_bwd, attention_fwd
-
+    # the extension's attention ops against their schemas and fake implementations (shapes, strides
+    # and dtypes of the real outputs), traced as torch.compile traces them
+    kernels = cutlass._kernels()
     q, k, v, mask_bias, pair_bias = make_inputs(1, 2, length, length, 2, 32, dtype, "both")
     family = cutlass.kernel_family(q.device, dtype)
     assert cutlass.pair_needs_copy(pair_bias) == (length % (16 // pair_bias.element_size()) != 0)
-    for t in (q, k, v, mask_bias, pair_bias):
-        t.requires_grad_(True)
-    torch.library.opcheck(attention_fwd, (q, k, v, mask_bias, pair_bias, 0.25, family))
-    out, stats, mask_prepared, pair_prepared = attention_fwd(
-        q.detach(), k.detach(), v.detach(), mask_bias.detach(), pair_bias.detach(), 0.25, family
-    )
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, stats, mask_prepared, pair_bias.detach(),
-            pair_prepared, 0.25, family, mask_bias.dtype, True)
-    torch.library.opcheck(attention_bwd, args)
+    forward_args = (q, k, v, mask_bias, pair_bias, 0.25, family)
+    torch.library.opcheck(kernels.forward.default, forward_args)
+    out, stats, mask_prepared, pair_prepared = kernels.forward(*forward_args)
+    args = (torch.randn_like(out), q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, 0.25, family,
+            mask_bias.dtype, True)
+    torch.library.opcheck(kernels.backward.default, args)
 
 
 @gpu

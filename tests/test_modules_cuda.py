@@ -302,7 +302,7 @@ def test_gate_backward_sums_the_attention_delta_per_head(transposed, dtype, head
 
     qkvg, heads, mask, pair = _gated_inputs(transposed, dtype, c=head_dim)
     family = cutlass.kernel_family(qkvg.device, qkvg.dtype)
-    y, out, *_ = cutlass.gated_attention_fwd(qkvg.detach(), mask, pair.detach(), heads, transposed, 0.25, family)
+    y, out, *_ = cutlass._kernels().gated_attention_fwd(qkvg.detach(), mask, pair.detach(), heads, transposed, 0.25, family)
     g = gated_views(qkvg.detach(), heads, transposed)[3]
     dg = torch.full_like(g, float("nan")).contiguous()
     o = gated_output_view(out, transposed)  # [B, A, A', H D]
@@ -332,7 +332,7 @@ def test_gated_forward_guards_its_output():
     gate = attention_view(g, heads, False)
 
     def run(gated):
-        return cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm90", True, gate, gated)
+        return cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm90", gate, gated)
 
     y = torch.empty_like(g)
     run(attention_view(y, heads, False))
@@ -347,22 +347,25 @@ def test_gated_forward_guards_its_output():
         run(gate)
     assert torch.equal(qkvg.detach(), before)
     with pytest.raises(RuntimeError, match="sm90 kernel family only"):  # the portable family has no gated epilogue
-        cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm80", True, gate, attention_view(y, heads, False))
+        cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm80", gate, attention_view(y, heads, False))
 
 
-def test_gated_attention_custom_ops_pass_opcheck():
+def test_gated_attention_ops_pass_opcheck():
+    # the extension's gated attention ops against their schemas and fake implementations, traced as
+    # torch.compile traces them
     from evoformer_blocks.ops import cutlass
 
+    kernels = cutlass._kernels()
     for transposed in (False, True):
         qkvg, heads, mask, pair = _gated_inputs(transposed, torch.bfloat16, heads=2, c=16, a=6, a2=20)
+        qkvg, pair = qkvg.detach(), pair.detach()
         family = cutlass.kernel_family(qkvg.device, qkvg.dtype)
         args = (qkvg, mask, pair, heads, transposed, 0.25, family)
-        torch.library.opcheck(cutlass.gated_attention_fwd, args)
-        y, out, stats, mask_prepared, pair_prepared = cutlass.gated_attention_fwd(
-            qkvg.detach(), mask, pair.detach(), heads, transposed, 0.25, family)
-        bwd_args = (torch.randn_like(y), qkvg.detach(), out, stats, mask_prepared, pair.detach(), pair_prepared,
+        torch.library.opcheck(kernels.gated_attention_fwd.default, args)
+        y, out, stats, mask_prepared, pair_prepared = kernels.gated_attention_fwd(*args)
+        bwd_args = (torch.randn_like(y), qkvg, out, stats, mask_prepared, pair, pair_prepared,
                     heads, transposed, 0.25, family, None, True)
-        torch.library.opcheck(cutlass.gated_attention_bwd, bwd_args)
+        torch.library.opcheck(kernels.gated_attention_bwd.default, bwd_args)
 
 
 def run_with_grads(make, module, x, mask, dout, dtype, backend, device, **kwargs):
@@ -478,7 +481,7 @@ def opm_operands(gen, batch, n_res):
 def test_outer_product_mean_tile_gemms(n_res, dtype):
     # the three tile GEMMs against float32 einsums, within 2x the error of the same products done by
     # PyTorch in the same dtype; partial last row tiles (37, 520, 700) and several of them
-    from evoformer_blocks import outer_product_mean as opm_module
+    from evoformer_blocks.ops import _fused
 
     gen = torch.Generator().manual_seed(9)
     outer, weight, bias, dout = opm_operands(gen, (1, 2), n_res)
@@ -490,8 +493,9 @@ def test_outer_product_mean_tile_gemms(n_res, dtype):
     refs = [project, torch.einsum("bijz,zce->bicje", dout, w3),
             torch.einsum("bijz,bicje->zce", dout, outer).reshape(128, 1024), residual + project / denom[..., None]]
     o, w, b, d, dn, r = (t.to(dtype) for t in (outer, weight, bias, dout, denom, residual))
-    ours = [opm_module.opm_project(o, w, b, None, None), opm_module.opm_project_input_grad(d, w),
-            opm_module.opm_project_weight_grad(d, o, torch.float32), opm_module.opm_project(o, w, b, dn, r)]
+    kernels = _fused.kernels()
+    ours = [kernels.opm_project(o, w, b, None, None), kernels.opm_project_input_grad(d, w),
+            kernels.opm_project_weight_grad(d, o, torch.float32), kernels.opm_project(o, w, b, dn, r)]
     swapped = o.transpose(2, 3).reshape(1, 2, n_res, 1024)  # [b, i, j, (c e)]
     linear = torch.nn.functional.linear(swapped, w, b)
     torch_ = [linear, (d @ w).view(1, 2, n_res, 32, 32).transpose(2, 3),
@@ -501,24 +505,25 @@ def test_outer_product_mean_tile_gemms(n_res, dtype):
                         [t.double().cpu() for t in refs])
 
 
-def test_outer_product_mean_projection_custom_ops():
-    # the projection's three custom ops (torch.compile's path) pass opcheck's schema and fake checks
-    from evoformer_blocks import outer_product_mean as opm_module
+def test_outer_product_mean_projection_ops_pass_opcheck():
+    # the projection's three ops against their schemas and fake implementations, traced as
+    # torch.compile traces them
+    from evoformer_blocks.ops import _fused
 
+    kernels = _fused.kernels()
     outer, weight, bias, dout = (t.bfloat16() for t in opm_operands(torch.Generator().manual_seed(6), (2, 3), 37))
-    utils = ("test_schema", "test_faketensor")
     denom = torch.rand(2, 3, 37, device="cuda").add(1.0).bfloat16()
     residual = torch.randn(2, 3, 37, 128, device="cuda").bfloat16()
-    torch.library.opcheck(opm_module.opm_project, (outer, weight, bias, None, None), test_utils=utils)
-    torch.library.opcheck(opm_module.opm_project, (outer, weight, None, None, None), test_utils=utils)
-    torch.library.opcheck(opm_module.opm_project, (outer, weight, bias, denom, residual), test_utils=utils)
-    torch.library.opcheck(opm_module.opm_project_input_grad, (dout, weight), test_utils=utils)
-    torch.library.opcheck(opm_module.opm_project_weight_grad, (dout, outer, torch.float32), test_utils=utils)
+    torch.library.opcheck(kernels.opm_project.default, (outer, weight, bias, None, None))
+    torch.library.opcheck(kernels.opm_project.default, (outer, weight, None, None, None))
+    torch.library.opcheck(kernels.opm_project.default, (outer, weight, bias, denom, residual))
+    torch.library.opcheck(kernels.opm_project_input_grad.default, (dout, weight))
+    torch.library.opcheck(kernels.opm_project_weight_grad.default, (dout, outer, torch.float32))
 
 
 @pytest.mark.slow
 def test_outer_product_mean_compiles_with_fused_projection():
-    # torch.compile(fullgraph=True) runs the projection's tile GEMMs (as custom ops) forward and
+    # torch.compile(fullgraph=True) runs the projection's tile GEMMs (the extension's ops) forward and
     # backward and matches the uncompiled module's output and gradients
     from torch.profiler import ProfilerActivity, profile
 

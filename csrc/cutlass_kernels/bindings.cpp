@@ -1,17 +1,18 @@
-// TORCH_LIBRARY bindings of the fused Evoformer attention kernels: the guards that keep direct
+// Op kernels (TORCH_LIBRARY_IMPL) of the fused Evoformer attention: the guards that keep direct
 // torch.ops calls memory-safe (the user-facing validation is Python's _inputs.validate), the biases'
 // preparation into the layouts the kernels read (once per forward; the backward reuses it),
 // dispatch to one instantiation of the family the caller chose, and the reductions of the
 // bias-gradient partials to the biases' broadcast shapes.
 //
-// Ops (namespace evoformer_blocks_cuda), CUDA only:
+// Ops (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), CUDA only:
 //   available_kernel_families(int device) -> str[]: the families this build can run on that device
 //       ("sm80": compute capability >= 8.0; "sm90": also a build with sm_90a code and a 9.0 device).
-//   forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family,
-//           bool copy_pair) -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32, mask_prepared, pair_prepared)
+//   forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family)
+//       -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32, mask_prepared, pair_prepared)
 //       mask_prepared: the prepared mask float32 [B|1, N|1, Lk_pad] (evoformer_attention.h), [0] without
-//       a mask bias. pair_prepared: with copy_pair, the pair bias copied into kernel layout
-//       [B|1, H|1, Lq, Lk_pad] (zero-padded); else [0], and pair_bias itself must be in kernel layout.
+//       a mask bias. pair_prepared: [0] where the kernels read pair_bias in place (keys contiguous,
+//       rows 16-byte aligned and a multiple of 16 bytes long), else the pair bias copied into kernel
+//       layout [B|1, H|1, Lq, Lk_pad] (zero-padded).
 //   gated_forward(the same arguments, Tensor gate, Tensor(a!) gated) -> the same results; also writes
 //       gated = sigmoid(gate) * out (gate and gated [B, N, Lq, H, D] in q's dtype, D contiguous, gated's
 //       rows aligned to two elements) in the forward's epilogue: the gated attention without a gate pass
@@ -27,6 +28,14 @@
 //       -> (dmask_bias, dpair_bias); delta: rowsum(dout * out) [B, N, H, Lq] float32 when the caller has it
 //       writes dq, dk, dv into the caller's tensors (any layout with D contiguous and even row
 //       strides: e.g. rows of one buffer laid out as the caller's projection) instead of new ones.
+//   gated_attention_fwd(Tensor qkvg, Tensor? mask_bias, Tensor? pair_bias, int heads, bool transposed,
+//                       float scale, str family) -> (y, out, stats, mask_prepared, pair_prepared)
+//       the gated attention of a stacked projection qkvg [B, A, A', 4 H D] (q, k, v, gate g as column
+//       blocks, read in place): y = sigmoid(g) * attention [B, A, A', H D], then forward's results
+//   gated_attention_bwd(Tensor dy, Tensor qkvg, Tensor out, Tensor stats, Tensor mask_prepared,
+//                       Tensor? pair_bias, Tensor pair_prepared, int heads, bool transposed, float scale,
+//                       str family, ScalarType? dmask_dtype, bool need_dpair) -> (dqkvg, dmask_bias, dpair_bias)
+//       dqkvg [B, A, A', 4 H D] contiguous; the bias gradients as backward returns them
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -317,8 +326,9 @@ at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mas
 }
 
 // Whether t [B|1, H|1, Lq, Lk(_pad)] is in the kernels' pair-bias layout: keys contiguous, every row
-// 16-byte aligned and readable to a multiple of 16 bytes. The metadata part mirrors Python's
-// pair_needs_copy (ops/cutlass.py), which decides for the caller; the pointer is checked here too.
+// 16-byte aligned and readable to a multiple of 16 bytes. Python's pair_needs_copy (ops/cutlass.py)
+// applies the same rule to the metadata, for the fake implementation's pair_prepared; here the
+// pointer is checked too (a storage whose start is not 16-byte aligned gets a copy).
 bool pair_in_kernel_layout(const at::Tensor& t) {
   const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
   bool ok = t.stride(3) == 1 && t.size(3) % per_chunk == 0 &&
@@ -350,21 +360,16 @@ int use_pair(AttentionParams& p, const at::Tensor& t, const at::Tensor& q) {
   return t.scalar_type() == q.scalar_type() ? kPairInput : kPairFloat;
 }
 
-// The forward's pair bias: with copy_pair a zero-padded copy in kernel layout (returned, read by the
-// kernels); else pair_bias itself, which must be in kernel layout ([0] returned). Sets p and the
-// pair kind.
+// The forward's pair bias: pair_bias itself where it is in kernel layout ([0] returned), else a
+// zero-padded copy in kernel layout (returned, read by the kernels). Sets p and the pair kind.
 at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<at::Tensor>& pair_bias,
-                        bool copy_pair, const at::Tensor& q) {
+                        const at::Tensor& q) {
   p.pair = nullptr;
   p.pair_stride_b = p.pair_stride_h = p.pair_stride_q = 0;
   pair_kind = kNoPair;
   if (!pair_bias.has_value()) return at::empty({0}, q.options());
   const at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
-  if (!copy_pair) {
-    EVO_CHECK(pair_in_kernel_layout(t),
-              "evoformer attention: `pair_bias` must have contiguous keys and 16-byte aligned rows of a multiple of "
-              "16 bytes when `copy_pair` is false; ",
-              describe("pair_bias", *pair_bias));
+  if (pair_in_kernel_layout(t)) {
     pair_kind = use_pair(p, t, q);
     return at::empty({0}, t.options());
   }
@@ -379,7 +384,7 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
 // caller's output for y = sigmoid(gate) * out (both or neither).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const std::optional<at::Tensor>& mask_bias,
-    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair,
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family,
     const at::Tensor* gate_in = nullptr, at::Tensor* gated = nullptr) {
   guard_qkv(q_in, k_in, v_in);
   at::Tensor gate;
@@ -406,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
   const at::Tensor& q = ops.q;
   at::Tensor mask_prepared = prepare_mask(p, mask_bias, q);
   int pair_kind = kNoPair;
-  at::Tensor pair_prepared = prepare_pair(p, pair_kind, pair_bias, copy_pair, q);
+  at::Tensor pair_prepared = prepare_pair(p, pair_kind, pair_bias, q);
 
   at::Tensor out = at::empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
   at::Tensor stats = at::empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
@@ -426,15 +431,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask_bias,
-    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair) {
-  return run_forward(q, k, v, mask_bias, pair_bias, scale, family, copy_pair);
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family) {
+  return run_forward(q, k, v, mask_bias, pair_bias, scale, family);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask_bias,
-    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family, bool copy_pair,
+    const std::optional<at::Tensor>& pair_bias, double scale, const std::string& family,
     const at::Tensor& gate, at::Tensor& gated) {
-  return run_forward(q, k, v, mask_bias, pair_bias, scale, family, copy_pair, &gate, &gated);
+  return run_forward(q, k, v, mask_bias, pair_bias, scale, family, &gate, &gated);
 }
 
 // Rows n summed by one CTA of the pair-bias gradient kernel. Its grid is ctas_per_chunk CTAs per
@@ -591,25 +596,89 @@ std::tuple<at::Tensor, at::Tensor> backward_into(
   return {std::get<3>(grads), std::get<4>(grads)};
 }
 
+// ---- the gated attention of a stacked projection (ops.gated_evoformer_attention) ----
+// qkvg [B, A, A', 4 H D] holds q, k, v and the gate g as four column blocks. The attention runs along
+// A' (N = A, L = A') or, transposed, along A (N = A', L = A); nothing is copied: q, k, v are strided
+// views in the attention's orientation [B, N, L, H, D] and g stays [B, A, A', H D].
+struct GatedViews {
+  at::Tensor q, k, v, g;
+};
+
+GatedViews gated_views(const at::Tensor& qkvg, int64_t heads, bool transposed) {
+  const char* op = "evoformer gated attention";
+  EVO_CHECK(qkvg.dim() == 4 && heads > 0 && qkvg.size(3) % (4 * heads) == 0, op,
+            ": `qkvg` must be [B, A, A', 4 H D] with H = heads = ", heads, "; ", describe("qkvg", qkvg));
+  const int64_t D = qkvg.size(3) / (4 * heads);
+  at::Tensor blocks = qkvg.view({qkvg.size(0), qkvg.size(1), qkvg.size(2), 4, heads, D});  // [B, A, A', 4, H, D]
+  if (transposed) blocks = blocks.transpose(1, 2);  // [B, A', A, 4, H, D]
+  const std::vector<at::Tensor> qkv = blocks.unbind(3);  // q, k, v, (g) [B, N, L, H, D]
+  return {qkv[0], qkv[1], qkv[2], qkvg.narrow(3, 3 * heads * D, heads * D)};  // g [B, A, A', H D]
+}
+
+// [B, A, A', H D] (the gate's layout) as [B, N, L, H, D] (the attention's), a view.
+at::Tensor attention_view(const at::Tensor& t, int64_t heads, bool transposed) {
+  const at::Tensor blocks = t.view({t.size(0), t.size(1), t.size(2), heads, t.size(3) / heads});  // [B, A, A', H, D]
+  return transposed ? blocks.transpose(1, 2) : blocks;
+}
+
+// The attention output [B, N, L, H, D] as [B, A, A', H D] (the inverse of attention_view), a view.
+at::Tensor gated_output_view(const at::Tensor& out, bool transposed) {
+  return (transposed ? out.transpose(1, 2) : out).flatten(-2);
+}
+
+// (y = sigmoid(g) * attention(q, k, v) [B, A, A', H D] contiguous, then forward's out, stats,
+// mask_prepared, pair_prepared). The sm90 family writes y in the attention's epilogue; sm80 runs the
+// gate kernel on out after it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_attention_fwd(
+    const at::Tensor& qkvg, const std::optional<at::Tensor>& mask_bias, const std::optional<at::Tensor>& pair_bias,
+    int64_t heads, bool transposed, double scale, const std::string& family) {
+  const GatedViews in = gated_views(qkvg, heads, transposed);
+  if (family != "sm90") {
+    auto [out, stats, mask_prepared, pair_prepared] =
+        run_forward(in.q, in.k, in.v, mask_bias, pair_bias, scale, family);  // out [B, N, L, H, D]
+    at::Tensor y = block::sigmoid_gate_forward(in.g, gated_output_view(out, transposed));  // [B, A, A', H D]
+    return {y, out, stats, mask_prepared, pair_prepared};
+  }
+  at::Tensor y = at::empty(in.g.sizes(), in.g.options());  // [B, A, A', H D]
+  at::Tensor gated = attention_view(y, heads, transposed);  // [B, N, L, H, D]
+  const at::Tensor gate = attention_view(in.g, heads, transposed);
+  auto [out, stats, mask_prepared, pair_prepared] =
+      run_forward(in.q, in.k, in.v, mask_bias, pair_bias, scale, family, &gate, &gated);
+  return {y, out, stats, mask_prepared, pair_prepared};
+}
+
+// (d qkvg [B, A, A', 4 H D] contiguous, d mask_bias, d pair_bias as backward returns them) from y's
+// gradient dy and the forward's outputs: the gate's backward writes dg into dqkvg's last block and
+// dO (with the attention backward's delta = rowsum(dO * out) where the gate kernel can sum it), then
+// the attention's backward writes dq, dk, dv into the other three.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_attention_bwd(
+    const at::Tensor& dy, const at::Tensor& qkvg, const at::Tensor& out, const at::Tensor& stats,
+    const at::Tensor& mask_prepared, const std::optional<at::Tensor>& pair_bias, const at::Tensor& pair_prepared,
+    int64_t heads, bool transposed, double scale, const std::string& family,
+    std::optional<at::ScalarType> dmask_dtype, bool need_dpair) {
+  const GatedViews in = gated_views(qkvg, heads, transposed);
+  EVO_CHECK(out.dim() == 5 && out.size(3) == heads, "evoformer gated attention: `out` must be [B, N, L, H, D]; ",
+            describe("out", out));
+  at::Tensor dqkvg = at::empty(qkvg.sizes(), qkvg.options());  // the kernels write all of it
+  GatedViews d = gated_views(dqkvg, heads, transposed);
+  const int64_t batch = out.size(0), rows = out.size(1), length = out.size(2);
+  auto [dout_rows, delta] =
+      block::sigmoid_gate_backward_into(dy, in.g, gated_output_view(out, transposed), d.g, heads, length);
+  const at::Tensor dout = attention_view(dout_rows, heads, transposed);  // dO [B, N, L, H, D]
+  std::optional<at::Tensor> delta_rows;
+  if (delta.numel() > 0) delta_rows = delta.view({batch, rows, heads, length});  // [B, N, H, L]
+  auto grads = run_backward(dout, in.q, in.k, in.v, out, stats, mask_prepared, pair_bias, pair_prepared, scale,
+                            family, dmask_dtype, need_dpair, d.q, d.k, d.v, delta_rows);
+  return {dqkvg, std::get<3>(grads), std::get<4>(grads)};
+}
+
 }  // namespace
 }  // namespace evoformer
 
-TORCH_LIBRARY(evoformer_blocks_cuda, m) {
-  m.def("available_kernel_families(int device) -> str[]", &evoformer::available_kernel_families);
-  m.def(
-      "forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "
-      "bool copy_pair) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "gated_forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "
-      "bool copy_pair, Tensor gate, Tensor(a!) gated) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
-      "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "backward_into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
-      "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? delta=None) -> (Tensor, Tensor)");
+// The schemas are declared in Python (evoformer_blocks/ops/_fused.py, with the fake implementations
+// that torch.compile traces); the extension registers the kernels.
+TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CompositeExplicitAutograd, m) {
+  m.impl("available_kernel_families", &evoformer::available_kernel_families);
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
@@ -617,4 +686,6 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("gated_forward", &evoformer::gated_forward);
   m.impl("backward", &evoformer::backward);
   m.impl("backward_into", &evoformer::backward_into);
+  m.impl("gated_attention_fwd", &evoformer::gated_attention_fwd);
+  m.impl("gated_attention_bwd", &evoformer::gated_attention_bwd);
 }

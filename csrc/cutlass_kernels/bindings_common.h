@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -111,5 +112,14 @@ inline bool hopper_kernels_available(int64_t device) {
   return false;
 #endif
 }
+
+namespace block {
+// The gate kernels' entry points that the gated attention (bindings.cpp) composes with the attention
+// kernels; block_bindings.cpp defines them (its ops sigmoid_gate_fwd and sigmoid_gate_bwd_into).
+at::Tensor sigmoid_gate_forward(const at::Tensor& g, const at::Tensor& y);
+std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& dout, const at::Tensor& g,
+                                                              const at::Tensor& y, at::Tensor& dg,
+                                                              int64_t delta_heads, int64_t delta_len);
+}  // namespace block
 
 }  // namespace evoformer

@@ -1,10 +1,10 @@
-// TORCH_LIBRARY bindings of the block ops: the layer norm (also behind a residual add), the triangle
+// Op kernels (TORCH_LIBRARY_IMPL) of the block ops: the layer norm (also behind a residual add), the triangle
 // multiplicative update, the sigmoid gate of an output and the column sums of bias gradients,
 // forward and backward. The Python
 // ops (evoformer_blocks.ops) validate the arguments; the checks here only guard the kernels' memory
 // accesses for direct torch.ops calls.
 //
-// Ops (namespace evoformer_blocks_cuda), CUDA only:
+// Ops (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), CUDA only:
 //   layer_norm_fwd(x [..., C], weight?, bias?, eps) -> (y [..., C], mean [M], rstd [M])
 //   layer_norm_bwd(dy, x, weight?, mean, rstd, need_affine, affine_dtype)
 //       -> (dx, [2, C] in affine_dtype (a float type): the gradients of weight and bias, or [0] without
@@ -20,7 +20,7 @@
 //       -> (out [B, N, N, c_z], mean_in, rstd_in [M], a, b [c, M], n_hat [M, c], rstd_out [M], g [M, c_z],
 //           the folded w_ab [4 c, c_z], b_ab [4 c] fp32, w_g [c_z, c_z], w_z [c_z, c], b_z [c_z]);
 //       for_backward=False (a forward no backward follows): n_hat, which only the backward reads, is
-//       an empty tensor where the fused output kernel runs (it is not written); add_input=True: out is
+//       an empty tensor [0] (the fused output kernel does not write it); add_input=True: out is
 //       z + the update (times update_scale [B, 1, N, c_z] where given), added as the output kernel
 //       writes it where that kernel runs
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
@@ -717,6 +717,8 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
   auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
       triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper, for_backward,
                               add_input, update_scale);
+  // n_hat only for the backward (without it, [0] whether or not the output half used one)
+  if (!for_backward) n_hat = at::empty({0}, z.options());
   return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, f.w_ab, f.b_ab, f.w_g, f.w_z, f.b_z};
 }
 
@@ -1129,38 +1131,19 @@ at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& out
 }
 
 }  // namespace
+
+at::Tensor sigmoid_gate_forward(const at::Tensor& g, const at::Tensor& y) { return sigmoid_gate_fwd(g, y); }
+
+std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& dout, const at::Tensor& g,
+                                                              const at::Tensor& y, at::Tensor& dg,
+                                                              int64_t delta_heads, int64_t delta_len) {
+  return sigmoid_gate_bwd_into(dout, g, y, dg, delta_heads, delta_len);
+}
+
 }  // namespace block
 }  // namespace evoformer
 
-TORCH_LIBRARY_FRAGMENT(evoformer_blocks_cuda, m) {
-  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine, "
-      "ScalarType affine_dtype) "
-      "-> (Tensor, Tensor)");
-  m.def(
-      "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family, "
-      "bool for_backward=True, bool add_input=False, Tensor? update_scale=None) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "
-      "float eps, bool outgoing, Tensor? dz_add=None) -> Tensor[]");
-  m.def("sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor");
-  m.def("sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)");
-  m.def("sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
-        "-> (Tensor, Tensor)");
-  m.def("column_sum(Tensor x, ScalarType dtype) -> Tensor");
-  m.def("opm_project(Tensor outer, Tensor weight, Tensor? bias, Tensor? denom, Tensor? residual) -> Tensor");
-  m.def("opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor");
-  m.def("opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor");
-  m.def("linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
-        "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)");
-  m.def("add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
-        "Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
-        "bool need_affine, ScalarType affine_dtype, Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor)");
-}
-
+// (schemas: evoformer_blocks/ops/_fused.py)
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("layer_norm_fwd", &evoformer::block::layer_norm_fwd);
   m.impl("layer_norm_bwd", &evoformer::block::layer_norm_bwd);

@@ -1,15 +1,83 @@
-"""Access to the compiled CUDA extension shared by every fused ("cutlass") backend."""
+"""The compiled CUDA extension shared by every fused ("cutlass") backend: its ops' schemas, their fake
+implementations and access to the ops.
+
+The ops (``torch.ops.evoformer_blocks_cuda``) are declared here, at import, and the extension
+(csrc/cutlass_kernels, built on first use) registers their CUDA kernels. The backends call the ops
+directly inside their autograd.Functions, eagerly and under torch.compile alike: a compiled graph
+calls them as it calls an ATen op. Tracing one needs its fake implementation (output shapes, dtypes
+and strides from the inputs' metadata), written beside the code that calls it (:func:`fake`); being
+declared here, the ops trace on meta tensors without a build.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from . import _build
 
+# Shapes and meanings: the header comments of csrc/cutlass_kernels/bindings.cpp (attention) and
+# block_bindings.cpp (block ops).
+SCHEMAS = (
+    # attention
+    "available_kernel_families(int device) -> str[]",
+    "forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "gated_forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "
+    "Tensor gate, Tensor(a!) gated) -> (Tensor, Tensor, Tensor, Tensor)",
+    "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
+    "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "backward_into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
+    "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair, "
+    "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? delta=None) -> (Tensor, Tensor)",
+    "gated_attention_fwd(Tensor qkvg, Tensor? mask_bias, Tensor? pair_bias, int heads, bool transposed, "
+    "float scale, str family) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "gated_attention_bwd(Tensor dy, Tensor qkvg, Tensor out, Tensor stats, Tensor mask_prepared, "
+    "Tensor? pair_bias, Tensor pair_prepared, int heads, bool transposed, float scale, str family, "
+    "ScalarType? dmask_dtype, bool need_dpair) -> (Tensor, Tensor, Tensor)",
+    # block ops
+    "layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+    "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine, "
+    "ScalarType affine_dtype) -> (Tensor, Tensor)",
+    "add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
+    "Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
+    "bool need_affine, ScalarType affine_dtype, Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor)",
+    "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family, "
+    "bool for_backward=True, bool add_input=False, Tensor? update_scale=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "
+    "float eps, bool outgoing, Tensor? dz_add=None) -> Tensor[]",
+    "sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor",
+    "sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)",
+    "sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
+    "-> (Tensor, Tensor)",
+    "column_sum(Tensor x, ScalarType dtype) -> Tensor",
+    "opm_project(Tensor outer, Tensor weight, Tensor? bias, Tensor? denom, Tensor? residual) -> Tensor",
+    "opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor",
+    "opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor",
+    "linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
+    "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)",
+)
+
+_LIBRARY = torch.library.Library(_build.OP_NAMESPACE, "DEF")
+for _schema in SCHEMAS:
+    _LIBRARY.define(_schema)
+
+
+def fake(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function is the fake implementation of the extension's op ``name``."""
+    return torch.library.register_fake(f"{_build.OP_NAMESPACE}::{name}", lib=_LIBRARY)
+
 
 def kernels():
-    """The extension's ops (``torch.ops.evoformer_blocks_cuda``), building it on first use."""
-    _build.load()
+    """The extension's ops (``torch.ops.evoformer_blocks_cuda``), with their kernels: builds the
+    extension on first use (under torch.compile the ops are taken as they are; selecting the
+    backend, :func:`build_reasons`, built it when the graph was traced)."""
+    if not torch.compiler.is_compiling():
+        _build.load()
     return getattr(torch.ops, _build.OP_NAMESPACE)
 
 

@@ -1,15 +1,13 @@
-"""The "cutlass" backend: the fused CUDA kernels of csrc/cutlass_kernels as torch custom ops.
+"""The "cutlass" backend: the fused CUDA kernels of csrc/cutlass_kernels behind autograd.
 
-``evoformer_blocks::cutlass_attention_fwd`` returns the output, the softmax statistics of each
-query row (max score and log2 row sum) and the biases as the kernels read them;
-``evoformer_blocks::cutlass_attention_bwd`` recomputes the probabilities from them and returns the
-gradients of q, k, v and of each bias that needs one. Both have fake (meta) implementations, and
-autograd connects them, so the op works under torch.compile(fullgraph=True). Outside torch.compile
-:class:`_CutlassAttentionFunction` calls the same kernels directly, for less host time per call; both
-paths share one save and one gradient function. ``cutlass_gated_attention_fwd`` / ``_bwd`` (and
-:class:`_CutlassGatedAttentionFunction`) are the same pair for ``ops.gated_evoformer_attention``:
-the attention and its sigmoid gate on a stacked q/k/v/g projection as one node, whose backward
-writes every gradient of the projection into one tensor.
+:class:`_CutlassAttentionFunction` calls the extension's ``forward`` (the output, the softmax
+statistics of each query row, max score and log2 row sum, and the biases as the kernels read them)
+and ``backward`` (recomputes the probabilities from them; the gradients of q, k, v and of each bias
+that needs one). :class:`_CutlassGatedAttentionFunction` is the same pair for
+``ops.gated_evoformer_attention`` (``gated_attention_fwd`` / ``_bwd``): the attention and its sigmoid
+gate on a stacked q/k/v/g projection as one node, whose backward writes every gradient of the
+projection into one tensor. The ops have fake implementations (below), so both nodes trace under
+torch.compile(fullgraph=True), where the compiled graph calls the same ops.
 
 Kernel families: ``"sm80"``, the portable kernels (any GPU of compute capability >= 8.0), and
 ``"sm90"``, the Hopper kernels (a 9.0 GPU and a build holding sm_90a code). :func:`kernel_family` is
@@ -25,9 +23,8 @@ The biases, from the op to the kernels (prepared once per forward, reused by the
   16-byte rows); ``[0]`` without a mask bias.
 - ``pair_bias`` ``[B|1, 1, H|1, Lq, Lk]`` in q's dtype or float32 is read in place when its rows are
   in kernel layout; else the forward makes one zero-padded copy ``pair_prepared``
-  ``[B|1, H|1, Lq, Lk_pad]``; ``[0]`` when it made none. :func:`pair_needs_copy` decides, from
-  metadata alone, both for the real op (which passes the decision to the extension) and for the
-  fake implementation, so that their shapes agree.
+  ``[B|1, H|1, Lq, Lk_pad]``; ``[0]`` when it made none. The extension decides; :func:`pair_needs_copy`
+  applies its rule to the metadata, for the fake implementation.
 
 Limits and instantiation lists come from ``csrc/cutlass_kernels/kernel_table.json``, the table the
 kernels' generated sources come from.
@@ -43,7 +40,7 @@ import torch
 
 from . import _build, _fused
 from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
-from ._inputs import AttentionInputs, attention_view, gated_output_view, gated_views
+from ._inputs import AttentionInputs, gated_views
 
 Tensor = torch.Tensor
 
@@ -83,9 +80,10 @@ def _round_up(x, multiple: int):
 def pair_needs_copy(pair_bias: Tensor) -> bool:
     """Whether the kernels need a zero-padded copy of ``pair_bias`` [B|1, 1, H|1, Lq, Lk]: they read it
     in place only when its keys are contiguous and every row starts on a 16-byte boundary and is
-    readable to a multiple of 16 bytes. Decided from metadata alone (dtype, sizes, strides, storage
-    offset), so fake tensors get the answer real ones do; the storage itself is taken to start
-    16-byte aligned (CUDA allocations do), which the C++ op checks."""
+    readable to a multiple of 16 bytes: the extension's rule, applied to metadata alone (dtype, sizes,
+    strides, storage offset) so that the fake implementation's ``pair_prepared`` matches the real
+    one; the storage itself is taken to start 16-byte aligned (CUDA allocations do; the extension
+    copies a pair bias whose storage does not)."""
     element = pair_bias.element_size()
     per_chunk = ROW_ALIGN_BYTES // element
     batch, _, heads, len_q, len_k = pair_bias.shape
@@ -102,10 +100,6 @@ def _mask_prepared_like(q: Tensor, mask_bias: Optional[Tensor], len_k) -> Tensor
     return mask_bias.new_empty(shape, dtype=torch.float32)
 
 
-def _copy_pair(pair_bias: Optional[Tensor]) -> bool:
-    return pair_bias is not None and pair_needs_copy(pair_bias)
-
-
 def _pair_prepared_like(q: Tensor, pair_bias: Optional[Tensor]) -> Tensor:
     if pair_bias is None:
         return q.new_empty(0)
@@ -113,33 +107,6 @@ def _pair_prepared_like(q: Tensor, pair_bias: Optional[Tensor]) -> Tensor:
         return pair_bias.new_empty(0)
     batch, _, heads, len_q, len_k = pair_bias.shape
     return pair_bias.new_empty((batch, heads, len_q, _round_up(len_k, ROW_ALIGN_BYTES // pair_bias.element_size())))
-
-
-def _check_family(family: str, device: torch.device) -> None:
-    """ValueError unless the extension can run ``family`` on ``device`` (the extension checks it too,
-    but an error raised in C++ is no substitute for a clear one here)."""
-    available = available_kernel_families(device.index if device.index is not None else torch.cuda.current_device())
-    if family not in available:
-        raise ValueError(f"evoformer attention: invalid `family`: must be one of {list(available)} on {device}, got {family!r}")
-
-
-@torch.library.custom_op("evoformer_blocks::cutlass_attention_fwd", mutates_args=(), device_types="cuda")
-def attention_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask_bias: Optional[Tensor],
-    pair_bias: Optional[Tensor],
-    scale: float,
-    family: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (out [B, N, Lq, H, D], stats [B, N, H, Lq, 2] float32: row max, log2 row sum,
-    mask_prepared, pair_prepared) with the kernels of ``family``."""
-    _check_family(family, q.device)
-    out, stats, mask_prepared, pair_prepared = _kernels().forward(
-        q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias)
-    )
-    return out, stats, mask_prepared, pair_prepared
 
 
 def _forward_like(q: Tensor, k: Tensor, mask_bias: Optional[Tensor], pair_bias: Optional[Tensor]):
@@ -153,34 +120,9 @@ def _forward_like(q: Tensor, k: Tensor, mask_bias: Optional[Tensor], pair_bias: 
     )
 
 
-@attention_fwd.register_fake
+@_fused.fake("forward")
 def _(q, k, v, mask_bias, pair_bias, scale, family):
     return _forward_like(q, k, mask_bias, pair_bias)
-
-
-@torch.library.custom_op("evoformer_blocks::cutlass_attention_bwd", mutates_args=(), device_types="cuda")
-def attention_bwd(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    stats: Tensor,
-    mask_prepared: Tensor,
-    pair_bias: Optional[Tensor],
-    pair_prepared: Tensor,
-    scale: float,
-    family: str,
-    dmask_dtype: Optional[torch.dtype],
-    need_dpair: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, d mask_bias, d pair_bias) from the forward's outputs; the mask-bias
-    gradient comes in ``dmask_dtype`` (None: not wanted); an unwanted bias gradient is an empty tensor."""
-    _check_family(family, q.device)
-    dq, dk, dv, dmask, dpair = _kernels().backward(
-        dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair
-    )
-    return dq, dk, dv, dmask, dpair
 
 
 def memory_order(t: Tensor) -> list[int]:
@@ -205,7 +147,7 @@ def _bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair) ->
     return dmask, dpair
 
 
-@attention_bwd.register_fake
+@_fused.fake("backward")
 def _(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair):
     dmask, dpair = _bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair)
     return empty_in_memory_order(q), empty_in_memory_order(k), empty_in_memory_order(v), dmask, dpair
@@ -242,24 +184,13 @@ def _gradients(ctx, dout, backward):
     return (*d_operands, dmask if need_dmask else None, dpair if need_dpair else None, *([None] * len(ctx.options)))
 
 
-attention_fwd.register_autograd(
-    lambda ctx, dout, *_unused: _gradients(ctx, dout, attention_bwd),
-    setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output, operands=3),
-)
-
-
 class _CutlassAttentionFunction(torch.autograd.Function):
-    """The autograd.Function that calls the cutlass kernels without the custom-op layers: the same
-    kernels, save and gradients as the custom ops above.
-
-    Outside torch.compile this path saves about 0.15 ms of host time per forward+backward
-    (benchmarks/host_overhead.py), which decides the speed of small shapes; under torch.compile the
-    custom ops (with their fake implementations) are used instead.
-    """
+    """The attention node: the extension's ``forward`` and ``backward`` (arguments after q, k, v and
+    the biases: scale, family)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family):
-        outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family, _copy_pair(pair_bias))
+        outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family)
         _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs, operands=3)
         # Only the output leaves the Function: the statistics and prepared biases are saved
         # intermediates, so autograd has no gradients of them to materialize as zeros.
@@ -276,137 +207,50 @@ def _family_of(t: Tensor) -> str:
 
 def attention(q, k, v, mask_bias, pair_bias, scale: float) -> Tensor:
     """The fused attention output, differentiable in q, k, v and both biases."""
-    family = _family_of(q)
-    if torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, mask_bias, pair_bias, scale, family)[0]
-    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, family)
+    return _CutlassAttentionFunction.apply(q, k, v, mask_bias, pair_bias, scale, _family_of(q))
 
 
 # ---- gated attention of a stacked projection (ops.gated_evoformer_attention) -------------------
-# One node for the attention and its sigmoid gate: forward, the attention kernels on the q, k, v
-# views of qkvg [B, A, A', 4 H D] and the gated output y = sigmoid(g) * O (the sm90 family writes it
-# in the forward's epilogue beside O, gated_forward; the sm80 family runs the gate kernel on O
-# after it); backward, the gate's backward writes dg into qkvg's gradient and dO, and the
-# attention's backward writes dq, dk, dv into the same tensor (backward_into), so the gradient of
-# qkvg leaves as one dense tensor.
+# One node for the attention and its sigmoid gate (the extension's gated_attention_fwd / _bwd):
+# forward, the attention kernels on the q, k, v views of qkvg [B, A, A', 4 H D] and the gated output
+# y = sigmoid(g) * O (the sm90 family writes it in the forward's epilogue, the sm80 family runs the
+# gate kernel on O after it); backward, the gate's backward writes dg into qkvg's gradient and dO,
+# and the attention's backward writes dq, dk, dv into the same tensor, so the gradient of qkvg
+# leaves as one dense tensor.
 
 
-def _gated_forward(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, scale: float, family: str):
-    q, k, v, g = gated_views(qkvg, heads, transposed)
-    copy_pair = _copy_pair(pair_bias)
-    if family != "sm90":
-        out, stats, mask_prepared, pair_prepared = _kernels().forward(
-            q, k, v, mask_bias, pair_bias, scale, family, copy_pair
-        )  # out [B, N, L, H, D]
-        y = _kernels().sigmoid_gate_fwd(g, gated_output_view(out, transposed))  # [B, A, A', H D]
-        return y, out, stats, mask_prepared, pair_prepared
-    y = g.new_empty(g.shape)  # [B, A, A', H D], contiguous
-    out, stats, mask_prepared, pair_prepared = _kernels().gated_forward(
-        q, k, v, mask_bias, pair_bias, scale, family, copy_pair,
-        attention_view(g, heads, transposed), attention_view(y, heads, transposed),
-    )  # out [B, N, L, H, D]
-    return y, out, stats, mask_prepared, pair_prepared
-
-
-def _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads: int, transposed: bool,
-                    scale: float, family: str, dmask_dtype, need_dpair: bool):
-    q, k, v, g = gated_views(qkvg, heads, transposed)
-    dqkvg = qkvg.new_empty(qkvg.shape)  # [B, A, A', 4 H D] contiguous (rows of one stride); the kernels write all of it
-    dq, dk, dv, dg = gated_views(dqkvg, heads, transposed)
-    # dO in out's layout ([B, A, A', H D] seen as [B, N, L, H, D]) and, where the gate kernel can sum
-    # it, the attention backward's delta = rowsum(dO * out) per head (else the attention sums it)
-    batch, rows, length = out.shape[:3]
-    do, delta = _kernels().sigmoid_gate_bwd_into(dy, g, gated_output_view(out, transposed), dg, heads, length)
-    do = do.view(*do.shape[:-1], heads, -1)  # [B, A, A', H, D]
-    dout = do.transpose(1, 2) if transposed else do
-    delta = delta.view(batch, rows, heads, length) if delta.numel() else None  # [B, N, H, L]
-    dmask, dpair = _kernels().backward_into(
-        dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family, dmask_dtype, need_dpair,
-        dq, dk, dv, delta,
-    )
-    return dqkvg, dmask, dpair
-
-
-@torch.library.custom_op("evoformer_blocks::cutlass_gated_attention_fwd", mutates_args=(), device_types="cuda")
-def gated_attention_fwd(
-    qkvg: Tensor,
-    mask_bias: Optional[Tensor],
-    pair_bias: Optional[Tensor],
-    heads: int,
-    transposed: bool,
-    scale: float,
-    family: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (y [B, A, A', H D] = sigmoid(g) * the attention output in qkvg's layout, then the
-    attention's out, stats, mask_prepared, pair_prepared as ``cutlass_attention_fwd`` returns them)."""
-    _check_family(family, qkvg.device)
-    return _gated_forward(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
-
-
-@gated_attention_fwd.register_fake
+@_fused.fake("gated_attention_fwd")
 def _(qkvg, mask_bias, pair_bias, heads, transposed, scale, family):
     q, k, _, g = gated_views(qkvg, heads, transposed)
     return (g.new_empty(g.shape), *_forward_like(q, k, mask_bias, pair_bias))
 
 
-@torch.library.custom_op("evoformer_blocks::cutlass_gated_attention_bwd", mutates_args=(), device_types="cuda")
-def gated_attention_bwd(
-    dy: Tensor,
-    qkvg: Tensor,
-    out: Tensor,
-    stats: Tensor,
-    mask_prepared: Tensor,
-    pair_bias: Optional[Tensor],
-    pair_prepared: Tensor,
-    heads: int,
-    transposed: bool,
-    scale: float,
-    family: str,
-    dmask_dtype: Optional[torch.dtype],
-    need_dpair: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (d qkvg, contiguous, d mask_bias, d pair_bias), the bias gradients as
-    ``cutlass_attention_bwd`` returns them."""
-    _check_family(family, qkvg.device)
-    return _gated_backward(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, transposed, scale,
-                           family, dmask_dtype, need_dpair)
-
-
-@gated_attention_bwd.register_fake
+@_fused.fake("gated_attention_bwd")
 def _(dy, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, heads, transposed, scale, family, dmask_dtype,
       need_dpair):
     q, k, _, _ = gated_views(qkvg, heads, transposed)
     return (qkvg.new_empty(qkvg.shape), *_bias_grads_like(q, k, mask_prepared, pair_bias, dmask_dtype, need_dpair))
 
 
-gated_attention_fwd.register_autograd(
-    lambda ctx, dy, *_unused: _gradients(ctx, dy, gated_attention_bwd),
-    setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output, operands=1),
-)
-
-
 class _CutlassGatedAttentionFunction(torch.autograd.Function):
-    """The gated attention's node outside torch.compile: the same kernels, save and gradients as the
-    custom ops above, without their layers (as :class:`_CutlassAttentionFunction`)."""
+    """The gated attention's node (arguments after qkvg and the biases: heads, transposed, scale,
+    family); saves and gradients as :class:`_CutlassAttentionFunction`'s."""
 
     @staticmethod
     def forward(ctx, qkvg, mask_bias, pair_bias, heads, transposed, scale, family):
-        outputs = _gated_forward(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
+        outputs = _kernels().gated_attention_fwd(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
         _save(ctx, (qkvg, mask_bias, pair_bias, heads, transposed, scale, family), outputs, operands=1)
         return outputs[0]
 
     @staticmethod
     def backward(ctx, dy):
-        return _gradients(ctx, dy, _gated_backward)
+        return _gradients(ctx, dy, _kernels().gated_attention_bwd)
 
 
 def gated_attention(qkvg, mask_bias, pair_bias, heads: int, transposed: bool, scale: float) -> Tensor:
     """sigmoid(g) * attention(q, k, v) of the stacked projection qkvg (ops.gated_evoformer_attention),
     differentiable in qkvg and both biases."""
-    family = _family_of(qkvg)
-    if torch.compiler.is_compiling():
-        return gated_attention_fwd(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)[0]
-    return _CutlassGatedAttentionFunction.apply(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
+    return _CutlassGatedAttentionFunction.apply(qkvg, mask_bias, pair_bias, heads, transposed, scale, _family_of(qkvg))
 
 
 _available: dict[int, tuple[str, ...]] = {}

@@ -82,40 +82,19 @@ def _eager_gate(inputs: GateInputs) -> Tensor:
     return torch.sigmoid(inputs.g) * inputs.y
 
 
-@torch.library.custom_op("evoformer_blocks::fused_sigmoid_gate_fwd", mutates_args=(), device_types="cuda")
-def sigmoid_gate_fwd(g: Tensor, y: Tensor) -> Tensor:
-    return _fused.kernels().sigmoid_gate_fwd(g, y)
-
-
-@sigmoid_gate_fwd.register_fake
+@_fused.fake("sigmoid_gate_fwd")
 def _(g, y):
     return g.new_empty(g.shape)
 
 
-@torch.library.custom_op("evoformer_blocks::fused_sigmoid_gate_bwd", mutates_args=(), device_types="cuda")
-def sigmoid_gate_bwd(dout: Tensor, g: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """(dg contiguous, dy as ``torch.empty_like(y)``: y's layout where y is dense, else contiguous)."""
-    dg, dy = _fused.kernels().sigmoid_gate_bwd(dout, g, y)
-    return dg, dy
-
-
-@sigmoid_gate_bwd.register_fake
+@_fused.fake("sigmoid_gate_bwd")
 def _(dout, g, y):
+    """(dg contiguous, dy as ``torch.empty_like(y)``: y's layout where y is dense, else contiguous)."""
     return g.new_empty(g.shape), torch.empty_like(y)
 
 
-def _gate_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-sigmoid_gate_fwd.register_autograd(
-    lambda ctx, dout: sigmoid_gate_bwd(dout, *ctx.saved_tensors), setup_context=_gate_setup
-)
-
-
 class _FusedGateFunction(torch.autograd.Function):
-    """The fused gate kernels with the custom ops' autograd, without the custom-op layers (less host
-    time per call outside torch.compile)."""
+    """The fused gate: forward ``sigmoid_gate_fwd``, backward ``sigmoid_gate_bwd``."""
 
     @staticmethod
     def forward(ctx, g, y):
@@ -145,8 +124,6 @@ class CutlassSigmoidGate(Backend):
         return row_reasons(inputs.g.shape[-1], inputs.g.element_size(), "C") + _fused.build_reasons()
 
     def forward(self, inputs: GateInputs, chunk_size: Optional[int] = None) -> Tensor:
-        if torch.compiler.is_compiling():
-            return sigmoid_gate_fwd(inputs.g, inputs.y)
         return _FusedGateFunction.apply(inputs.g, inputs.y)
 
 
@@ -223,27 +200,18 @@ def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.relu(F.linear(x, weight, bias))
 
 
-@torch.library.custom_op("evoformer_blocks::fused_column_sum", mutates_args=(), device_types="cuda")
-def column_sum(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The sum over the rows of ``x [*, C]`` in float32 (fixed order), rounded to ``dtype``."""
-    return _fused.kernels().column_sum(x, dtype)
-
-
-@column_sum.register_fake
+@_fused.fake("column_sum")
 def _(x, dtype):
+    """The sum over the rows of ``x [*, C]`` in float32 (fixed order), rounded to ``dtype``."""
     return x.new_empty(x.shape[-1], dtype=dtype)
 
 
-def bias_gradient(dy: Tensor, dtype: torch.dtype, custom_op: bool = False) -> Tensor:
+def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
     """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
-    kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``. The kernel runs as
-    its custom op under torch.compile and where ``custom_op`` (a custom op's backward, which
-    torch.compile traces outside Dynamo)."""
+    kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
     fits = dy.dtype in ROW_KERNEL_DTYPES and dtype in ROW_KERNEL_DTYPES and not row_reasons(
         dy.shape[-1], dy.element_size(), "out")
     if dy.is_cuda and fits:
-        if custom_op or torch.compiler.is_compiling():
-            return column_sum(dy, dtype)
         return _fused.kernels().column_sum(dy, dtype)
     return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(dtype)
 

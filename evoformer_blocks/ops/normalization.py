@@ -120,39 +120,27 @@ class EagerLayerNorm(Backend):
         return _eager(inputs)
 
 
-# ---- the fused kernels as custom ops ------------------------------------------------------------
+# ---- the fused kernels' autograd (eager and under torch.compile) ----------------------------------
 
 
-@torch.library.custom_op("evoformer_blocks::fused_layer_norm_fwd", mutates_args=(), device_types="cuda")
-def layer_norm_fwd(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (y [*, C], mean [M], rstd [M]) with M = x.numel() / C (float32 statistics)."""
-    y, mean, rstd = _fused.kernels().layer_norm_fwd(x, weight, bias, eps)
-    return y, mean, rstd
-
-
-@layer_norm_fwd.register_fake
+@_fused.fake("layer_norm_fwd")
 def _(x, weight, bias, eps):
+    """(y [*, C], mean [M], rstd [M]) with M = x.numel() / C (float32 statistics)."""
     rows = x.numel() // x.shape[-1]
     return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("evoformer_blocks::fused_layer_norm_bwd", mutates_args=(), device_types="cuda")
-def layer_norm_bwd(
-    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool,
-    affine_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """Returns (dx, affine): affine [2, C] holds the gradients of weight and bias, summed in float32
-    and rounded to affine_dtype (empty, float32, unless need_affine)."""
-    dx, affine = _fused.kernels().layer_norm_bwd(dy, x, weight, mean, rstd, need_affine, affine_dtype)
-    return dx, affine
-
-
-@layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, need_affine, affine_dtype):
+def _affine_like(x: Tensor, need_affine: bool, affine_dtype: torch.dtype) -> Tensor:
+    """The backward's ``affine`` [2, C]: the gradients of weight and bias, summed in float32 and
+    rounded to affine_dtype (empty, float32, unless need_affine)."""
     shape, dtype = ((2, x.shape[-1]), affine_dtype) if need_affine else ((0,), torch.float32)
-    return x.new_empty(x.shape), x.new_empty(shape, dtype=dtype)
+    return x.new_empty(shape, dtype=dtype)
+
+
+@_fused.fake("layer_norm_bwd")
+def _(dy, x, weight, mean, rstd, need_affine, affine_dtype):
+    """(dx, affine)."""
+    return x.new_empty(x.shape), _affine_like(x, need_affine, affine_dtype)
 
 
 def _save(ctx, x, weight, bias, eps, mean, rstd) -> None:
@@ -178,26 +166,9 @@ def _affine_grads(ctx, weight, affine, want_w: bool, want_b: bool) -> tuple[Opti
     return dw, db
 
 
-def _gradients(ctx, dy, backward):
-    x, weight, mean, rstd = ctx.saved_tensors
-    want_w, want_b, affine_dtype = _affine_request(ctx, weight, 1)
-    dx, affine = backward(dy.contiguous(), x, weight, mean, rstd, want_w or want_b, affine_dtype)
-    return (dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps = inputs
-    _save(ctx, x, weight, bias, eps, output[1], output[2])
-
-
-layer_norm_fwd.register_autograd(
-    lambda ctx, dy, _dmean, _drstd: _gradients(ctx, dy, layer_norm_bwd), setup_context=_setup_context
-)
-
-
 class _FusedLayerNormFunction(torch.autograd.Function):
-    """The fused kernels with the custom ops' autograd, called without the custom-op layers (less host
-    time per call outside torch.compile)."""
+    """The fused layer norm: forward ``layer_norm_fwd``, backward ``layer_norm_bwd`` (float32 sums
+    of the affine gradients, rounded to the parameters' dtype)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
@@ -207,7 +178,11 @@ class _FusedLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return _gradients(ctx, dy, _fused.kernels().layer_norm_bwd)
+        x, weight, mean, rstd = ctx.saved_tensors
+        want_w, want_b, affine_dtype = _affine_request(ctx, weight, 1)
+        dx, affine = _fused.kernels().layer_norm_bwd(
+            dy.contiguous(), x, weight, mean, rstd, want_w or want_b, affine_dtype)
+        return (dx, *_affine_grads(ctx, weight, affine, want_w, want_b), None)
 
 
 class _CutlassRowNorm(Backend):
@@ -231,8 +206,6 @@ class CutlassLayerNorm(_CutlassRowNorm):
     def forward(self, inputs: LayerNormInputs, chunk_size: Optional[int] = None) -> Tensor:
         x, eps = inputs.x, inputs.eps
         weight, bias = self.kernel_parameters(inputs)
-        if torch.compiler.is_compiling():
-            return layer_norm_fwd(x, weight, bias, eps)[0]
         return _FusedLayerNormFunction.apply(x, weight, bias, eps)
 
 
@@ -240,20 +213,17 @@ class _LayerNormKeepingInputFunction(torch.autograd.Function):
     """``(x, layer_norm(x))`` as one node, for an x that the caller uses again (a residual stream):
     the backward adds the gradient of the passed-on x to the layer norm's input gradient in the
     kernel's one pass (the add + layer norm backward, with the passed-on gradient as the sum's),
-    where autograd would add the two gradients of x in a pass of its own. Under torch.compile it
-    calls the custom ops (with their fakes), else the extension directly."""
+    where autograd would add the two gradients of x in a pass of its own."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        forward = layer_norm_fwd if torch.compiler.is_compiling() else _fused.kernels().layer_norm_fwd
-        y, mean, rstd = forward(x, weight, bias, eps)
+        y, mean, rstd = _fused.kernels().layer_norm_fwd(x, weight, bias, eps)
         _save_add(ctx, x, weight, bias, mean, rstd, None, None)  # x as the sum of an add without a residual
         return x.view_as(x), y
 
     @staticmethod
     def backward(ctx, dx_kept, dy):
-        backward = add_layer_norm_bwd if torch.compiler.is_compiling() else _fused.kernels().add_layer_norm_bwd
-        dx, _, dw, db, _, _ = _add_gradients(ctx, dx_kept, dy, backward, first_param=1)
+        dx, _, dw, db, _, _ = _add_gradients(ctx, dx_kept, dy, first_param=1)
         return dx, dw, db, None
 
 
@@ -384,42 +354,21 @@ class EagerAddLayerNorm(Backend):
         return _eager_add(inputs)
 
 
-@torch.library.custom_op("evoformer_blocks::fused_add_layer_norm_fwd", mutates_args=(), device_types="cuda")
-def add_layer_norm_fwd(
-    x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-    residual_scale: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (s = x + residual (* residual_scale), y = layer_norm(s), mean [M], rstd [M])."""
-    s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps, residual_scale)
-    return s, y, mean, rstd
-
-
-@add_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, residual_scale):
+@_fused.fake("add_layer_norm_fwd")
+def _(x, residual, weight, bias, eps, residual_scale=None):
+    """(s = x + residual (* residual_scale), y = layer_norm(s), mean [M], rstd [M])."""
     rows = x.numel() // x.shape[-1]
     stats = (x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32))
     return x.new_empty(x.shape), x.new_empty(x.shape), *stats
 
 
-@torch.library.custom_op("evoformer_blocks::fused_add_layer_norm_bwd", mutates_args=(), device_types="cuda")
-def add_layer_norm_bwd(
-    ds: Tensor, dy: Tensor, s: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, need_affine: bool,
-    affine_dtype: torch.dtype, residual_scale: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, affine, dresidual): dx = ds + the layer norm's input gradient (the gradient of x,
-    and of the residual without a scale); affine as :func:`layer_norm_bwd`; with residual_scale,
-    dresidual = dx * residual_scale (else empty)."""
-    dx, affine, dresidual = _fused.kernels().add_layer_norm_bwd(
-        ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale
-    )
-    return dx, affine, dresidual
-
-
-@add_layer_norm_bwd.register_fake
-def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale):
-    shape, dtype = ((2, s.shape[-1]), affine_dtype) if need_affine else ((0,), torch.float32)
+@_fused.fake("add_layer_norm_bwd")
+def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale=None):
+    """(dx = ds + the layer norm's input gradient: the gradient of x, and of the residual without a
+    scale; affine as layer_norm_bwd's; with residual_scale, dresidual = dx * residual_scale, else
+    empty)."""
     dresidual = s.new_empty(s.shape if residual_scale is not None else (0,))
-    return s.new_empty(s.shape), s.new_empty(shape, dtype=dtype), dresidual
+    return s.new_empty(s.shape), _affine_like(s, need_affine, affine_dtype), dresidual
 
 
 def _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale) -> None:
@@ -430,7 +379,7 @@ def _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale) -> Non
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _add_gradients(ctx, ds, dy, backward, first_param: int = 2):
+def _add_gradients(ctx, ds, dy, first_param: int = 2):
     """(dx, dresidual, dweight, dbias, None, dresidual_scale): without a residual_scale dx and
     dresidual are one tensor (the add passes the gradient through to both). ``first_param``: the
     index of the weight among the node's inputs (the bias follows it)."""
@@ -438,7 +387,8 @@ def _add_gradients(ctx, ds, dy, backward, first_param: int = 2):
     ds = torch.zeros_like(s) if ds is None else ds.contiguous()
     dy = torch.zeros_like(s) if dy is None else dy.contiguous()
     want_w, want_b, affine_dtype = _affine_request(ctx, weight, first_param)
-    dx, affine, dresidual = backward(ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype, scale)
+    dx, affine, dresidual = _fused.kernels().add_layer_norm_bwd(
+        ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype, scale)
     dscale = None
     if scale is None:
         dresidual = dx
@@ -449,19 +399,9 @@ def _add_gradients(ctx, ds, dy, backward, first_param: int = 2):
     return (dx, dresidual, *_affine_grads(ctx, weight, affine, want_w, want_b), None, dscale)
 
 
-def _add_setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, residual_scale = inputs
-    _save_add(ctx, output[0], weight, bias, output[2], output[3], residual, residual_scale)
-
-
-add_layer_norm_fwd.register_autograd(
-    lambda ctx, ds, dy, _dmean, _drstd: _add_gradients(ctx, ds, dy, add_layer_norm_bwd),
-    setup_context=_add_setup_context,
-)
-
-
 class _FusedAddLayerNormFunction(torch.autograd.Function):
-    """The fused add + layer norm with the custom ops' autograd, called without the custom-op layers."""
+    """The fused residual add + layer norm: forward ``add_layer_norm_fwd``, backward
+    ``add_layer_norm_bwd``."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, residual_scale):
@@ -471,7 +411,7 @@ class _FusedAddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ds, dy):
-        return _add_gradients(ctx, ds, dy, _fused.kernels().add_layer_norm_bwd)
+        return _add_gradients(ctx, ds, dy)
 
 
 class CutlassAddLayerNorm(_CutlassRowNorm):
@@ -479,11 +419,8 @@ class CutlassAddLayerNorm(_CutlassRowNorm):
 
     def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
         weight, bias = self.kernel_parameters(inputs)
-        args = (inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale)
-        if torch.compiler.is_compiling():
-            s, y, _, _ = add_layer_norm_fwd(*args)
-            return s, y
-        return _FusedAddLayerNormFunction.apply(*args)
+        return _FusedAddLayerNormFunction.apply(
+            inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale)
 
 
 _dispatch.register(CutlassAddLayerNorm(), auto_priority=10)

@@ -8,8 +8,8 @@ backend setting as :func:`evoformer_blocks.ops.evoformer_attention`.
 The fused path folds the affine parameters of both layer norms into the projections that follow
 them (``LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c)``, with ``x_hat`` the plain normalisation;
 in float32, in the extension), so its kernels normalise without parameters; the backward maps the
-folded projections' gradients back onto every parameter. One custom op each way, so a call costs
-two launches of Python-level work.
+folded projections' gradients back onto every parameter. One extension call each way, so a call
+costs two calls' worth of Python-level work.
 """
 
 from __future__ import annotations
@@ -271,43 +271,25 @@ class EagerTriangleMultiplication(Backend):
 # ---- the fused path ------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_fwd", mutates_args=(), device_types="cuda")
-def triangle_fwd(
-    z: Tensor, mask: Optional[Tensor], weights: list[Tensor], eps: float, outgoing: bool, family: str,
-    add_input: bool = False, update_scale: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order (contiguous,
-    float16, bfloat16 or float32), the kernel family (:func:`~evoformer_blocks.ops.cutlass.kernel_family`:
-    "sm90" runs the Hopper input kernel) -> (out, *saved): the output (with ``add_input``, z plus the
-    output times ``update_scale`` [B, 1, N, c_z] where given), then what the backward reuses (mean_in,
-    rstd_in, a, b, n_hat, rstd_out, g and the folded weights w_ab, b_ab, w_g, w_z, b_z: y is
-    recomputed from n_hat)."""
-    return tuple(_fused.kernels().triangle_multiplication_fwd(
-        z, mask, weights, eps, outgoing, family, True, add_input, update_scale))
-
-
-@triangle_fwd.register_fake
-def _(z, mask, weights, eps, outgoing, family, add_input=False, update_scale=None):
+@_fused.fake("triangle_multiplication_fwd")
+def _(z, mask, weights, eps, outgoing, family, for_backward=True, add_input=False, update_scale=None):
+    """z [B, N, N, c_z], mask [B, N, N] or None, the ten parameters in _WEIGHTS order -> (out, *saved):
+    the output (with ``add_input``, z plus the output times ``update_scale`` [B, 1, N, c_z] where
+    given), then what the backward reuses: mean_in, rstd_in [M], a, b [c, M], n_hat [M, c] ([0]
+    unless ``for_backward``), rstd_out [M], g [M, c_z] and the folded weights w_ab [4 c, c_z], b_ab
+    [4 c] (float32), w_g [c_z, c_z], w_z [c_z, c], b_z [c_z]."""
     batch, n, _, c_z = z.shape
     m, c = batch * n * n, weights[2].shape[0] // 4
     stat = z.new_empty(m, dtype=torch.float32)
-    return (z.new_empty(z.shape), stat, stat.new_empty(m), z.new_empty(c, m), z.new_empty(c, m), z.new_empty(m, c),
+    n_hat = z.new_empty(m, c) if for_backward else z.new_empty(0)
+    return (z.new_empty(z.shape), stat, stat.new_empty(m), z.new_empty(c, m), z.new_empty(c, m), n_hat,
             stat.new_empty(m), z.new_empty(m, c_z),
             z.new_empty(4 * c, c_z), stat.new_empty(4 * c), z.new_empty(c_z, c_z), z.new_empty(c_z, c), z.new_empty(c_z))
 
 
-@torch.library.custom_op("evoformer_blocks::fused_triangle_multiplication_bwd", mutates_args=(), device_types="cuda")
-def triangle_bwd(
-    dout: Tensor, z: Tensor, mask: Optional[Tensor], weights: list[Tensor], saved: list[Tensor], eps: float,
-    outgoing: bool, dz_add: Optional[Tensor] = None,
-) -> list[Tensor]:
-    """-> [dz, the gradient of each parameter in its own dtype]; dz_add (z's shape and dtype) is added
-    to dz in the kernels' last pass."""
-    return list(_fused.kernels().triangle_multiplication_bwd(dout, z, mask, weights, saved, eps, outgoing, dz_add))
-
-
-@triangle_bwd.register_fake
+@_fused.fake("triangle_multiplication_bwd")
 def _(dout, z, mask, weights, saved, eps, outgoing, dz_add=None):
+    """[dz, the gradient of each parameter in its own dtype]."""
     return [z.new_empty(z.shape)] + [w.new_empty(w.shape) for w in weights]
 
 
@@ -318,48 +300,29 @@ def _save(ctx, z, mask, weights, eps, outgoing, saved, *extra) -> None:
     ctx.eps, ctx.outgoing, ctx.n_weights, ctx.n_saved = eps, outgoing, len(weights), len(saved)
 
 
-def _gradients(ctx, dout, backward, dz_add: Optional[Tensor] = None, tensors: Optional[tuple] = None):
-    """(dz, d weights): the backward of the op's autograd (every path); ``dz_add``, another gradient
-    of z, is added to dz in the kernels' last pass; ``tensors``: ctx.saved_tensors where the caller
-    has unpacked them already (each unpacking costs host time)."""
-    z, mask, *rest = ctx.saved_tensors if tensors is None else tensors
+def _gradients(ctx, dout, dz_add: Optional[Tensor], tensors: tuple):
+    """(dz, d weights) from the output's gradient ``dout`` (None: zero); ``dz_add``, another gradient
+    of z, is added to dz in the kernels' last pass; ``tensors``: ctx.saved_tensors."""
+    z, mask, *rest = tensors
     weights, saved = rest[: ctx.n_weights], rest[ctx.n_weights : ctx.n_weights + ctx.n_saved]
     dout = torch.zeros_like(z) if dout is None else dout.contiguous()
     dz_add = None if dz_add is None else dz_add.contiguous()
-    dz, *dweights = backward(dout, z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing, dz_add)
+    dz, *dweights = _fused.kernels().triangle_multiplication_bwd(
+        dout, z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing, dz_add)
     return dz, dweights
 
 
-def _setup_context(ctx, inputs, output):
-    z, mask, weights, eps, outgoing, _family, *_plain = inputs  # (the plain op: add_input False)
-    _save(ctx, z, mask, weights, eps, outgoing, output[1:])
-
-
-def _custom_op_backward(ctx, dout, *_):
-    dz, dweights = _gradients(ctx, dout, triangle_bwd)
-    # one gradient per argument the call passed (the dispatcher leaves out those at their defaults)
-    return (dz, None, dweights, *([None] * (len(ctx.needs_input_grad) - 3)))
-
-
-triangle_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
-
-
 class _FusedTriangleFunction(torch.autograd.Function):
-    """The fused forward and backward with the custom ops' autograd, called without the custom-op
-    layers (less host time per call outside torch.compile); weights come as separate arguments.
-    ``mode`` _KEEP returns ``(z, out)``, z itself (a view), and its backward adds z's gradient from
-    that output to dz in the kernels' last pass; _ADD returns ``z + out * update_scale``, added by
-    the output kernel, and its backward takes the sum's gradient (times the scale) as out's and adds
-    it to dz the same way. Those two forms also run under torch.compile, through the custom ops."""
+    """The fused forward and backward (``triangle_multiplication_fwd`` / ``_bwd``); weights come as
+    separate arguments. ``mode`` _PLAIN returns the update; _KEEP returns ``(z, out)``, z itself (a
+    view), and its backward adds z's gradient from that output to dz in the kernels' last pass; _ADD
+    returns ``z + out * update_scale``, added by the output kernel, and its backward takes the sum's
+    gradient (times the scale) as out's and adds it to dz the same way."""
 
     @staticmethod
     def forward(ctx, z, mask, eps, outgoing, family, mode, update_scale, *weights):
-        add = mode == _ADD
-        if torch.compiler.is_compiling():
-            out, *saved = triangle_fwd(z, mask, list(weights), eps, outgoing, family, add, update_scale)
-        else:
-            out, *saved = _fused.kernels().triangle_multiplication_fwd(
-                z, mask, list(weights), eps, outgoing, family, True, add, update_scale)
+        out, *saved = _fused.kernels().triangle_multiplication_fwd(
+            z, mask, list(weights), eps, outgoing, family, True, mode == _ADD, update_scale)
         ctx.mode, ctx.scaled = mode, update_scale is not None
         _save(ctx, z, mask, weights, eps, outgoing, saved, *([update_scale] if ctx.scaled else []))
         return (z.view_as(z), out) if mode == _KEEP else out
@@ -374,8 +337,7 @@ class _FusedTriangleFunction(torch.autograd.Function):
             dout = dz_kept * tensors[-1] if ctx.scaled else dz_kept
         else:
             dz_kept, dout = None, grads[0]
-        backward = triangle_bwd if torch.compiler.is_compiling() else _fused.kernels().triangle_multiplication_bwd
-        dz, dweights = _gradients(ctx, dout, backward, dz_kept, tensors)
+        dz, dweights = _gradients(ctx, dout, dz_kept, tensors)
         return (dz, None, None, None, None, None, None, *dweights)
 
 
@@ -398,15 +360,13 @@ def fused_triangle_multiplication(inputs: TriangleInputs, mode: str = _PLAIN, up
             kept, out = result
             return kept.view(z.shape), out.reshape(z.shape)  # z itself and the update, [*, N, N, c_z]
         return result.reshape(z.shape)  # z + update (* scale), [*, N, N, c_z]
-    if not recording and not torch.compiler.is_compiling():
+    if not recording:
         # no backward follows: the kernels skip what only the backward reads (n_hat), and add z where
         # they can
         out = _fused.kernels().triangle_multiplication_fwd(
             zb, mask, weights, inputs.eps, inputs.outgoing, family, False, kernels_add, scale)[0]
         if kernels_add:
             return out.reshape(z.shape)  # z + update (* scale), [*, N, N, c_z]
-    elif torch.compiler.is_compiling():
-        out = triangle_fwd(zb, mask, weights, inputs.eps, inputs.outgoing, family)[0]
     else:
         out = _FusedTriangleFunction.apply(zb, mask, inputs.eps, inputs.outgoing, family, _PLAIN, None, *weights)
     return _result(z, out.reshape(z.shape), mode, update_scale)  # [*, N, N, c_z]
