@@ -361,6 +361,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
       if (t == 0) red[(0 * 2 + col_half) * kTriInRows + r] = s_d, red[(1 * 2 + col_half) * kTriInRows + r] = s_dx;
     }
   __syncthreads();
+  const float inv_c = 1.f / float(p.C);
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
       // scaled by rstd: dp = rstd * dn_hat - sums[0] - n_hat * sums[1]
 #pragma unroll
       for (int k = 0; k < 2; ++k)
-        sums[k][mt][hh] = rstd * (red[(2 * k) * kTriInRows + r] + red[(2 * k + 1) * kTriInRows + r]) / float(p.C);
+        sums[k][mt][hh] = rstd * (red[(2 * k) * kTriInRows + r] + red[(2 * k + 1) * kTriInRows + r]) * inv_c;
       sums[2][mt][hh] = rstd;
     }
   // dp staged channel-major [C, kSP] in the weight buffer
