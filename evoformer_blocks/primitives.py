@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import _fused
 from .ops._inputs import as_dtype, compute_dtype
-from .ops.gating import bias_gradient, fused_bias_gradient, linear
+from .ops.gating import fused_bias_gradient, linear, linear_grads
 from .ops.normalization import layer_norm
 
 # Standard deviation of a unit normal truncated to [-2, 2]. A truncated-normal initializer divides
@@ -184,7 +183,7 @@ class _StackedProjection(torch.autograd.Function):
     k, v and g so, or autograd gathers those of views of the output), so the backward takes one GEMM
     for dx, one for every weight, and one column sum for the biases (over the columns from the first
     biased projection on): one extension call (``linear_bwd`` from that column) where the bias sums
-    run on the column-sum kernel, outside torch.compile. Inputs: ``x, fused_bias_grad, k,
+    run on the column-sum kernel. Inputs: ``x, fused_bias_grad, k,
     head_weight, W_1..W_k, b_1..b_k``.
 
     With ``head_weight`` ``[H, c_in]`` (x then ``[B, L, L, c_in]``), a second output: the head-major
@@ -225,9 +224,9 @@ class _StackedProjection(torch.autograd.Function):
         bias_from = sum(widths[:first])  # its first column
         dtypes = {ctx.bias_dtypes[i] for i in range(first, count) if need_biases[i]}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the bias sums' dtype
-        if ctx.fused_bias_grad and not torch.compiler.is_compiling():
+        if ctx.fused_bias_grad:
             # one extension call: the column sums from bias_from on, then the two GEMMs
-            dx, dw, sums = _fused.kernels().linear_bwd(
+            dx, dw, sums = linear_grads(
                 dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from
             )  # [..., c_in], [sum of widths, c_in], [sum of widths from bias_from on]
         else:
@@ -240,7 +239,7 @@ class _StackedProjection(torch.autograd.Function):
                 dw = torch.mm(dy2.t(), x2)  # [sum of widths, c_in]
             if need_db:
                 tail = dy2[:, bias_from:]  # [rows, ...]: the columns from the first wanted bias on
-                sums = bias_gradient(tail, dtype) if ctx.fused_bias_grad else as_dtype(tail.sum(0), dtype)
+                sums = as_dtype(tail.sum(0), dtype)
         d_head = None
         if head_weight is not None and dh is not None:
             dx, d_head = _head_major_grads(dx, dh, x, head_weight, need_dx, ctx.needs_input_grad[3])

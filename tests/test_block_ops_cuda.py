@@ -418,6 +418,14 @@ def test_block_ops_pass_opcheck():
         s, y, mean, rstd = kernels.add_layer_norm_fwd(x, torch.randn_like(x), weight, bias, 1e-5, scale)
         torch.library.opcheck(kernels.add_layer_norm_bwd.default, (
             torch.randn_like(s), torch.randn_like(y), s, weight, mean, rstd, True, torch.float32, scale))
+    # the linear backward: with a ReLU's output, a stacked projection's bias from a column on, no bias
+    x = torch.randn(6, 5, 32, device=DEV, dtype=torch.bfloat16)
+    weight = torch.randn(64, 32, device=DEV)  # a float32 weight under bfloat16 activations
+    relu_out = torch.relu(torch.randn(6, 5, 64, device=DEV, dtype=torch.bfloat16))
+    for relu, wanted, bias_from in ((relu_out, (True, True, True), 0), (None, (True, False, True), 16),
+                                    (None, (False, True, False), 0)):
+        torch.library.opcheck(kernels.linear_bwd.default,
+                              (torch.randn_like(relu_out), x, weight, relu, *wanted, torch.float32, bias_from))
 
 
 def test_block_modules_compile_fullgraph():

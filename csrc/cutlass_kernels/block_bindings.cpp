@@ -43,7 +43,7 @@
 //       weight gradient (Z at most 128), float32 partial sums added in a fixed order
 //   linear_bwd(dy [..., out], x [..., in], weight [out, in], relu_out?, need_dx, need_dw, need_db, bias_dtype,
 //              bias_from=0)
-//       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), undefined unless wanted;
+//       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), each [0] unless wanted;
 //       bias [out - bias_from] adds to the columns from bias_from on (a stacked projection's biased part)
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
 // them; family "sm90" runs the Hopper input kernel (triangle_input_sm90.cuh), "sm80" the portable one. The layer norms' affine parameters are folded into the projections that follow them
@@ -992,7 +992,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   at::Tensor dx, dw;
   if (need_dx) dx = at::mm(dy, weight.to(dy.scalar_type())).view(x.sizes()).to(x.scalar_type());  // [..., in]
   if (need_dw) dw = at::mm(dy.t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type())).to(weight.scalar_type());  // [out, in]
-  return {dx, dw, need_db ? db : at::Tensor()};
+  // an op returns tensors: a new [0] one for each gradient not wanted (outputs must not alias)
+  const auto wanted = [&](bool need, const at::Tensor& t) { return need ? t : at::empty({0}, dy_in.options()); };
+  return {wanted(need_dx, dx), wanted(need_dw, dw), wanted(need_db, db)};
 }
 
 // ---- the outer product mean's products around its [i, c, j, e] intermediate (opm_gemm.cuh) --------

@@ -222,13 +222,28 @@ def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Option
     return _dispatch.select(LINEAR_OP, validate_linear(x, weight, bias), backend).name == CutlassLinear.name
 
 
+@_fused.fake("linear_bwd")
+def _(dy, x, weight, relu_out, need_dx, need_dw, need_db, bias_dtype, bias_from=0):
+    """(dx [..., in] in x's dtype, dweight [out, in] in weight's dtype, dbias [out - bias_from] in
+    bias_dtype), each a new [0] tensor (dy's dtype) unless wanted."""
+    return (x.new_empty(x.shape) if need_dx else dy.new_empty(0),
+            weight.new_empty(weight.shape) if need_dw else dy.new_empty(0),
+            dy.new_empty(dy.shape[-1] - bias_from, dtype=bias_dtype) if need_db else dy.new_empty(0))
+
+
+def linear_grads(dy, x, weight, relu_out, need_dx: bool, need_dw: bool, need_db: bool, bias_dtype, bias_from: int = 0):
+    """The gradients of ``x . weight^T + bias`` (then ReLU, ``relu_out`` its output) from ``dy``, by the
+    extension's ``linear_bwd``: the ReLU's backward and the bias gradient (over the columns from
+    ``bias_from`` on) in one pass over dy, then the two GEMMs, in the output gradient's dtype (so that
+    autocast training works: weights and inputs may be float32 under a bfloat16 output). None for a
+    gradient not wanted."""
+    dx, dw, db = _fused.kernels().linear_bwd(dy, x, weight, relu_out, need_dx, need_dw, need_db, bias_dtype, bias_from)
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
+
+
 class _FusedBiasLinear(torch.autograd.Function):
     """``F.linear`` (with ``relu``: then ReLU, fused into the GEMM by :func:`_linear_relu`) whose
-    backward sums the bias gradient with the column-sum kernel. Input and weight gradients as
-    PyTorch computes them (in the output gradient's dtype, so that autocast training works: weights
-    and inputs may be float32 under a bfloat16 output). Outside torch.compile the backward is one
-    extension call (``linear_bwd``: the ReLU's backward and the bias gradient in one pass over the
-    output gradient, then the two GEMMs); under it, the same steps as traceable ops."""
+    backward is :func:`linear_grads` (the bias gradient on the column-sum kernel)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, relu):
@@ -240,21 +255,7 @@ class _FusedBiasLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, y = ctx.saved_tensors
-        if not torch.compiler.is_compiling():
-            # one extension call: the ReLU's backward and the bias gradient in one pass, then the GEMMs
-            dx, dw, db = _fused.kernels().linear_bwd(dy, x, weight, y, *ctx.needs_input_grad[:3], ctx.bias_dtype)
-            return dx, dw, db, None
-        if y is not None:
-            dy = torch.ops.aten.threshold_backward(dy, y, 0)  # the ReLU's gradient: 0 where y = 0
-        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, out]
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = as_dtype(torch.mm(dy2, as_dtype(weight, dy2.dtype)).view(x.shape), x.dtype)  # [*, in]
-        if ctx.needs_input_grad[1]:
-            dw = as_dtype(torch.mm(dy2.t(), as_dtype(x.reshape(-1, x.shape[-1]), dy2.dtype)), weight.dtype)  # [out, in]
-        if ctx.needs_input_grad[2]:
-            db = bias_gradient(dy2, ctx.bias_dtype)  # [out]
-        return dx, dw, db, None
+        return (*linear_grads(dy, x, weight, y, *ctx.needs_input_grad[:3], ctx.bias_dtype), None)
 
 
 class EagerLinear(Backend):
