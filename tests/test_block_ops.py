@@ -440,6 +440,34 @@ def test_gate_and_linear_cutlass_on_cpu_lists_reasons():
         ops.linear(torch.randn(3, 8, requires_grad=True), torch.randn(4, 8), torch.randn(4), backend="cutlass")
 
 
+def test_linear_compile_fullgraph_traces_the_fakes():
+    # the fused linear's backward (one linear_bwd call: the bias sum, then the GEMMs) traces with its
+    # fake (the ReLU form asks autocast about the device, which meta tensors cannot answer)
+    from evoformer_blocks.ops import gating
+
+    x, weight, bias = _meta_leaf(3, 5, 32), _meta_leaf(48, 32), _meta_leaf(48)
+
+    def run(x, weight, bias):
+        return gating._FusedBiasLinear.apply(x, weight, bias, False) * 2
+
+    _check_compiled_gradients(run, [x, weight, bias], torch.empty(3, 5, 48, dtype=torch.bfloat16))
+
+
+def test_stacked_projection_compile_fullgraph_traces_the_fakes():
+    # the stacked projection's fused backward (linear_bwd with the bias sums from the first biased
+    # projection's column on) traces with its fake
+    from evoformer_blocks.primitives import _StackedProjection
+
+    x = _meta_leaf(3, 5, 32)
+    weights = [_meta_leaf(16, 32) for _ in range(3)]
+    biases = [None, _meta_leaf(16), _meta_leaf(16)]
+
+    def run(x, w0, w1, w2, b1, b2):
+        return _StackedProjection.apply(x, True, 3, None, w0, w1, w2, None, b1, b2) * 2
+
+    _check_compiled_gradients(run, [x, *weights, *biases[1:]], torch.empty(3, 5, 48, dtype=torch.bfloat16))
+
+
 def test_sigmoid_gate_compile_fullgraph_traces_the_fakes():
     from evoformer_blocks.ops import gating
 
