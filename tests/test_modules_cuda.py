@@ -325,17 +325,17 @@ def test_gated_forward_guards_its_output():
     # the extension's gated forward writes `gated` at its strides: a tensor of another shape, odd
     # strides or storage shared with its inputs is refused before any launch
     from evoformer_blocks.ops import cutlass
-    from evoformer_blocks.ops._inputs import attention_view, gated_views
+    from evoformer_blocks.ops._inputs import gated_views
 
     qkvg, heads, mask, pair = _gated_inputs(False, torch.bfloat16)
     q, k, v, g = gated_views(qkvg.detach(), heads, False)
-    gate = attention_view(g, heads, False)
+    gate = g.unflatten(-1, (heads, -1))  # [B, A, A', H, D]: the attention's orientation, untransposed
 
     def run(gated):
         return cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm90", gate, gated)
 
     y = torch.empty_like(g)
-    run(attention_view(y, heads, False))
+    run(y.unflatten(-1, (heads, -1)))
     assert torch.isfinite(y).all()
     with pytest.raises(RuntimeError, match=r"`gated` must match .*gated: shape=\[1, 2, 3, 4, 32\] dtype=BFloat16 "
                                            r"device=cuda:\d+ stride=\[768, 384, 128, 32, 1\]"):
@@ -347,7 +347,7 @@ def test_gated_forward_guards_its_output():
         run(gate)
     assert torch.equal(qkvg.detach(), before)
     with pytest.raises(RuntimeError, match="sm90 kernel family only"):  # the portable family has no gated epilogue
-        cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm80", gate, attention_view(y, heads, False))
+        cutlass._kernels().gated_forward(q, k, v, mask, pair, 0.25, "sm80", gate, y.unflatten(-1, (heads, -1)))
 
 
 def test_gated_attention_ops_pass_opcheck():

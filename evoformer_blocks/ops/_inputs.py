@@ -220,14 +220,6 @@ def gated_output_view(out: torch.Tensor, transposed: bool) -> torch.Tensor:
     return (out.transpose(1, 2) if transposed else out).flatten(-2)
 
 
-def attention_view(t: torch.Tensor, heads: int, transposed: bool) -> torch.Tensor:
-    """A tensor ``[B, A, A', H * D]`` of the stacked projection's layout (the gate g, the gated
-    output) seen as ``[B, N, L, H, D]`` in the attention's orientation (a view; the inverse of
-    :func:`gated_output_view`)."""
-    blocks = t.view(*t.shape[:-1], heads, t.shape[-1] // heads)  # [B, A, A', H, D]
-    return blocks.transpose(1, 2) if transposed else blocks
-
-
 def validate_gated(qkvg, heads, mask_bias=None, pair_bias=None, scale=None, transposed=False):
     """Checks ``gated_evoformer_attention``'s arguments; returns the attention's validated inputs
     (q, k, v as views of ``qkvg``, see :func:`gated_views`) and the gate g.
