@@ -24,10 +24,6 @@
 //       [0]); dmask_dtype: the mask bias's dtype when its gradient is wanted, else None. dq, dk, dv
 //       are dense and laid out like q, k, v (empty_in_memory_order). The bias gradients come in
 //       their biases' broadcast shapes and dtypes; one not asked for is [0].
-//   backward_into(the same arguments, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? delta=None)
-//       -> (dmask_bias, dpair_bias); delta: rowsum(dout * out) [B, N, H, Lq] float32 when the caller has it
-//       writes dq, dk, dv into the caller's tensors (any layout with D contiguous and even row
-//       strides: e.g. rows of one buffer laid out as the caller's projection) instead of new ones.
 //   gated_attention_fwd(Tensor qkvg, Tensor? mask_bias, Tensor? pair_bias, int heads, bool transposed,
 //                       float scale, str family) -> (y, out, stats, mask_prepared, pair_prepared)
 //       the gated attention of a stacked projection qkvg [B, A, A', 4 H D] (q, k, v, gate g as column
@@ -469,9 +465,11 @@ int choose_n_chunk_size(const AttentionParams& p, int blocks_per_sm) {
   return int((p.N + chunks - 1) / chunks);
 }
 
-// The backward of both entry points below; dq_out, dk_out, dv_out: the caller's gradient tensors, or
-// absent (new contiguous ones); delta_in: rowsum(dout * out) [B, N, H, Lq] float32 contiguous, summed
-// by the caller (the gated attention's gate backward), or absent (the delta pass runs).
+// The backward of the ops backward and gated_attention_bwd; dq_out, dk_out, dv_out: the caller's
+// gradient tensors (any layout with D contiguous and even row strides: the gated attention's are
+// column blocks of its projection's gradient), or absent (new ones laid out like q, k, v);
+// delta_in: rowsum(dout * out) [B, N, H, Lq] float32 contiguous, summed by the caller (the gated
+// attention's gate backward), or absent (the delta pass runs).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& stats_in, const at::Tensor& mask_prepared,
@@ -585,17 +583,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
                       need_dpair, std::nullopt, std::nullopt, std::nullopt);
 }
 
-std::tuple<at::Tensor, at::Tensor> backward_into(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& stats, const at::Tensor& mask_prepared, const std::optional<at::Tensor>& pair_bias,
-    const at::Tensor& pair_prepared, double scale, const std::string& family,
-    std::optional<at::ScalarType> dmask_dtype, bool need_dpair, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-    const std::optional<at::Tensor>& delta) {
-  auto grads = run_backward(dout, q, k, v, out, stats, mask_prepared, pair_bias, pair_prepared, scale, family,
-                            dmask_dtype, need_dpair, dq, dk, dv, delta);
-  return {std::get<3>(grads), std::get<4>(grads)};
-}
-
 // ---- the gated attention of a stacked projection (ops.gated_evoformer_attention) ----
 // qkvg [B, A, A', 4 H D] holds q, k, v and the gate g as four column blocks. The attention runs along
 // A' (N = A, L = A') or, transposed, along A (N = A', L = A); nothing is copied: q, k, v are strided
@@ -685,7 +672,6 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("forward", &evoformer::forward);
   m.impl("gated_forward", &evoformer::gated_forward);
   m.impl("backward", &evoformer::backward);
-  m.impl("backward_into", &evoformer::backward_into);
   m.impl("gated_attention_fwd", &evoformer::gated_attention_fwd);
   m.impl("gated_attention_bwd", &evoformer::gated_attention_bwd);
 }

@@ -29,9 +29,6 @@ SCHEMAS = (
     "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
     "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "backward_into(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor mask_prepared, "
-    "Tensor? pair_bias, Tensor pair_prepared, float scale, str family, ScalarType? dmask_dtype, bool need_dpair, "
-    "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? delta=None) -> (Tensor, Tensor)",
     "gated_attention_fwd(Tensor qkvg, Tensor? mask_bias, Tensor? pair_bias, int heads, bool transposed, "
     "float scale, str family) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "gated_attention_bwd(Tensor dy, Tensor qkvg, Tensor out, Tensor stats, Tensor mask_prepared, "
