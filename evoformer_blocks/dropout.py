@@ -30,12 +30,21 @@ class SharedDropout(nn.Module):
     def keep_mask(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The mask ``forward(x)`` multiplies ``x`` by (``[*, 1 at shared_dim, *]``: 0, or ``1 / (1 - p)``
         in x's dtype; one draw from the RNG, as ``forward`` makes), or None where dropout is off
-        (eval mode or ``p == 0``). The blocks pass it to the residual add that follows."""
+        (eval mode or ``p == 0``)."""
+        return self.keep_masks(x, 1)[0]
+
+    def keep_masks(self, x: torch.Tensor, count: int) -> tuple[Optional[torch.Tensor], ...]:
+        """``count`` independent masks as :meth:`keep_mask` gives them, drawn from the RNG in one
+        call (each a contiguous ``[*, 1 at shared_dim, *]`` slice of one ``[count, ...]`` draw), or
+        ``count`` Nones where dropout is off. The blocks draw their masks this way before a
+        checkpointed group runs and pass them to the residual adds, so that the group's
+        recomputation uses the same masks without replaying the RNG."""
         if not self.training or self.p == 0.0:
-            return None
+            return (None,) * count
         shape = list(x.shape)
         shape[self.shared_dim] = 1
-        return F.dropout(x.new_ones(shape), p=self.p, training=True)  # [*, 1 at shared_dim, *]
+        keep = F.dropout(x.new_ones([count] + shape), p=self.p, training=True)  # [count, *, 1 at shared_dim, *]
+        return tuple(keep.unbind(0))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, shared_dim={self.shared_dim}"

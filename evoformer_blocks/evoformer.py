@@ -11,7 +11,7 @@ given to the constructor (None: the ops' default, see :func:`evoformer_blocks.op
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -88,8 +88,9 @@ class _MSABlock(nn.Module):
     The block runs the attentions, transitions and outer product mean through their internal
     entry points (a residual add fused with the next layer norm, mask biases shared), not their
     ``forward``: forward hooks registered on those sub-modules do not fire inside the block; those
-    on the triangle multiplications and on the dropout after the outgoing one do (the other dropouts'
-    masks scale their update inside the residual add and layer norm that follow it).
+    on the triangle multiplications do. The dropout modules' forwards do not run either: the block
+    draws their masks with :meth:`dropout_masks` and each mask scales its update inside the
+    residual add (and layer norm) that follows it.
     """
 
     def __init__(
@@ -155,8 +156,24 @@ class _MSABlock(nn.Module):
         )
         return self._update(m, z, msa_mask, pair_mask, chunk_size)
 
-    def _update(self, m, z, msa_mask, pair_mask, chunk_size):
+    def dropout_masks(self, m: torch.Tensor, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        """The block's five dropout keep-masks for inputs shaped like ``m`` and ``z``, in the order
+        the block applies them: the row-wise one after the MSA row attention ``[*, 1, N_res, c_m]``,
+        the row-wise ones after the outgoing and the incoming triangle multiplication and the
+        starting-node triangle attention ``[*, 1, N_res, c_z]``, the column-wise one after the
+        ending-node triangle attention ``[*, N_res, 1, c_z]``. Each value is 0 or ``1 / (1 - p)``;
+        None where that dropout is off (eval mode or rate 0). Three draws from the RNG (one per
+        dropout module); they depend only on the shapes, dtypes and device of ``m`` and ``z``."""
+        (msa_row,) = self.msa_dropout_row.keep_masks(m, 1)
+        pair_rows = self.pair_dropout_row.keep_masks(z, 3)
+        (pair_col,) = self.pair_dropout_col.keep_masks(z, 1)
+        return (msa_row, *pair_rows, pair_col)
+
+    def _update(self, m, z, msa_mask, pair_mask, chunk_size, keep=None):
         # Masks are already checked 0/1 tensors: [*, N_seq, N_res] and [*, N_res, N_res].
+        # `keep`: the five dropout masks of dropout_masks (drawn here when None). A checkpointed
+        # stack draws them before the group runs and passes them in, so that the recomputation in
+        # the backward pass applies the same masks without restoring the RNG state.
         # Where a residual add feeds a module that starts with a layer norm, the two run as one op
         # (add_and_norm) and the module goes on from the normalised rows (its _normalized):
         # `m = m + update; module(m)` becomes `m, m_ln = add_and_norm(m, norm, update);
@@ -170,13 +187,14 @@ class _MSABlock(nn.Module):
         # over that representation (the second reads the first's as a transposed view).
         # The MSA transition's mask and the dropouts in front of a layer norm scale their update in
         # that residual add and layer norm (add_layer_norm's residual_scale; the dropout masks are
-        # drawn where the dropout modules would draw them), the pair transition's mask in its residual
-        # add (torch.addcmul): the values of the multiply then the add.
+        # drawn up front by dropout_masks), the pair transition's mask in its residual add
+        # (torch.addcmul): the values of the multiply then the add.
+        keep_msa, keep_out, keep_in, keep_start, keep_end = self.dropout_masks(m, z) if keep is None else keep
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
         m, m_ln = keep_and_norm(m, self.msa_att_row.layer_norm_m)
         z, z_ln = keep_and_norm(z, self.msa_att_row.layer_norm_z)
         update = self.msa_att_row._normalized(m_ln, z_ln, msa_bias, chunk_size)
-        m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, self.msa_dropout_row.keep_mask(update))
+        m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, keep_msa)
         update = self.msa_att_col._normalized(
             m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
         )
@@ -185,17 +203,17 @@ class _MSABlock(nn.Module):
         update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
         m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, msa_mask.unsqueeze(-1))
         z = self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size, residual=z)
-        z = self.tri_mul_out._adding_to_input(z, pair_mask, self.pair_dropout_row.keep_mask(z))
+        z = self.tri_mul_out._adding_to_input(z, pair_mask, keep_out)
         z, update = self.tri_mul_in._keeping_input(z, pair_mask)
-        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, self.pair_dropout_row.keep_mask(update))
+        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
         pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
         update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
-        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, self.pair_dropout_row.keep_mask(update))
+        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
         update = self.tri_att_end._normalized(
             z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
         )
         del pair_bias
-        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, self.pair_dropout_col.keep_mask(update))
+        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end)
         z = self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
         return m, z
 
@@ -234,16 +252,43 @@ class ExtraMSABlock(_MSABlock):
 
 
 class _Stack(nn.Module):
-    """Runs ``blocks`` in order, with activation checkpointing every ``blocks_per_ckpt`` blocks."""
+    """Runs ``blocks`` in order, with activation checkpointing every ``blocks_per_ckpt`` blocks and,
+    with ``cuda_graphs``, as replays of CUDA graphs captured per input signature
+    (:mod:`evoformer_blocks.cuda_graphs`)."""
 
     config_section: str = ""
 
-    def _init_stack(self, block_cls: type, no_blocks: int, blocks_per_ckpt: Optional[int], **block_args) -> None:
+    def _init_stack(
+        self, block_cls: type, no_blocks: int, blocks_per_ckpt: Optional[int], cuda_graphs, **block_args
+    ) -> None:
         name = type(self).__name__
         check_positive_int(name, no_blocks=no_blocks)
         check_optional_positive_int(name, "blocks_per_ckpt", blocks_per_ckpt)
         self.blocks = nn.ModuleList([block_cls(**block_args) for _ in range(no_blocks)])
         self.blocks_per_ckpt = blocks_per_ckpt
+        self.cuda_graphs = cuda_graphs  # validated by the property's setter
+
+    @property
+    def cuda_graphs(self) -> int:
+        """How many input signatures (shapes, dtypes, masks given, train/eval, grad mode, ...) keep
+        captured CUDA graphs; 0 when the stack runs without graphs. Set it to True (2 signatures),
+        False (off) or a positive int; setting it drops the graphs captured so far."""
+        return 0 if self._graphs is None else self._graphs.max_signatures
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value) -> None:
+        from .cuda_graphs import StackGraphs, signatures_to_keep  # (imported here: an optional feature)
+
+        n = signatures_to_keep(type(self).__name__, value)
+        # Kept out of the module tree (no submodule, no state-dict entries): the graphs hold buffers
+        # of this device only and are rebuilt on demand.
+        self.__dict__["_graphs"] = None if n == 0 else StackGraphs(self, n)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half(), ...: the parameters may move, so captured graphs are dropped.
+        if self.__dict__.get("_graphs") is not None:
+            self._graphs.clear("the module's parameters were moved or converted")
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(
         self,
@@ -256,31 +301,44 @@ class _Stack(nn.Module):
     ):
         """Runs the blocks (see the class docstring for the outputs). ``chunk_size`` bounds the
         memory of attention, transitions and outer product mean at inference."""
+        block = self.blocks[0]
+        msa_mask, pair_mask = _check_inputs(
+            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, block.c_m, block.c_z
+        )
+        if self._graphs is not None:
+            out = self._graphs.run(m, z, msa_mask, pair_mask, chunk_size)
+            if out is not None:
+                return out
+        return self._forward_checked(m, z, msa_mask, pair_mask, chunk_size)
+
+    def _forward_checked(self, m, z, msa_mask, pair_mask, chunk_size):
+        """``forward`` on checked inputs (masks as 0/1 tensors of m's and z's dtype): what the CUDA
+        graphs capture."""
         return self._outputs(*self._run_blocks(m, z, msa_mask, pair_mask, chunk_size))
 
     def _outputs(self, m: torch.Tensor, z: torch.Tensor):
         raise NotImplementedError
 
-    def _run_group(self, start: int, stop: int, m, z, msa_mask, pair_mask, chunk_size):
-        for block in self.blocks[start:stop]:
-            m, z = block._update(m, z, msa_mask, pair_mask, chunk_size)
+    def _run_group(self, start: int, stop: int, m, z, msa_mask, pair_mask, chunk_size, keeps=None):
+        for i, block in enumerate(self.blocks[start:stop]):
+            m, z = block._update(m, z, msa_mask, pair_mask, chunk_size, None if keeps is None else keeps[i])
         return m, z
 
     def _run_blocks(self, m, z, msa_mask, pair_mask, chunk_size):
-        block = self.blocks[0]
-        msa_mask, pair_mask = _check_inputs(
-            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, block.c_m, block.c_z
-        )
         n = len(self.blocks)
         group = self.blocks_per_ckpt if torch.is_grad_enabled() else None
         if group is None:
             return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size)
         for start in range(0, n, group):
-            # Only the group's inputs are kept; its activations are recomputed in the backward
-            # pass (with the same dropout masks: the RNG state is restored).
+            stop = min(start + group, n)
+            # Only the group's inputs and its blocks' dropout masks (drawn here, outside the
+            # checkpoint) are kept; its activations are recomputed in the backward pass with the
+            # same masks, so the RNG state need not be saved and restored. (m and z keep their
+            # shapes through the blocks: the masks can be drawn from the group's inputs.)
+            keeps = [block.dropout_masks(m, z) for block in self.blocks[start:stop]]
             m, z = checkpoint(
-                self._run_group, start, min(start + group, n), m, z, msa_mask, pair_mask, chunk_size,
-                use_reentrant=False,
+                self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps,
+                use_reentrant=False, preserve_rng_state=False,
             )
         return m, z
 
@@ -306,7 +364,10 @@ class EvoformerStack(_Stack):
     Args: as :class:`EvoformerBlock`, plus ``c_s`` (single channels), ``no_blocks`` and
     ``blocks_per_ckpt``: while gradients are enabled, every group of that many blocks runs under
     ``torch.utils.checkpoint`` (non-reentrant), storing only the group's inputs; None: no
-    checkpointing. Parameter names follow OpenFold's (``blocks.{i}.msa_att_row``, …, ``linear``),
+    checkpointing; ``cuda_graphs``: run the stack as replays of CUDA graphs captured once per
+    input signature, True (keep two signatures' graphs), a positive int (that many) or False (see
+    :mod:`evoformer_blocks.cuda_graphs`: training with checkpointing and dropout, inference,
+    the fallbacks). Parameter names follow OpenFold's (``blocks.{i}.msa_att_row``, …, ``linear``),
     except that the pair updates sit directly in the block (OpenFold: ``blocks.{i}.pair_stack``);
     :func:`evoformer_blocks.compat.load_openfold_state_dict` converts.
     """
@@ -332,12 +393,13 @@ class EvoformerStack(_Stack):
         inf: float = 1e9,
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
+        cuda_graphs: Union[bool, int] = False,
     ):
         super().__init__()
         check_positive_int(type(self).__name__, c_s=c_s)
         self.c_s = c_s
         self._init_stack(
-            EvoformerBlock, no_blocks, blocks_per_ckpt,
+            EvoformerBlock, no_blocks, blocks_per_ckpt, cuda_graphs,
             c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
@@ -380,10 +442,11 @@ class ExtraMSAStack(_Stack):
         eps: float = 1e-10,
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
+        cuda_graphs: Union[bool, int] = False,
     ):
         super().__init__()
         self._init_stack(
-            ExtraMSABlock, no_blocks, blocks_per_ckpt,
+            ExtraMSABlock, no_blocks, blocks_per_ckpt, cuda_graphs,
             c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,

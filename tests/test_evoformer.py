@@ -179,16 +179,18 @@ def test_fresh_block_is_the_identity(cls):
 
 
 def _algorithm_6(block, m, z, msa_mask, pair_mask):
-    """One block written with its sub-modules' public forwards, dropout modules and plain residual
-    adds (AF2 supplement Algorithm 6), the order of the block's docstring."""
-    m = m + block.msa_dropout_row(block.msa_att_row(m, z, msa_mask))
+    """One block written with its sub-modules' public forwards, plain residual adds and dropout as
+    a multiplication by the block's keep-masks (AF2 supplement Algorithm 6), the order of the
+    block's docstring."""
+    keep = [1 if k is None else k for k in block.dropout_masks(m, z)]
+    m = m + block.msa_att_row(m, z, msa_mask) * keep[0]
     m = m + block.msa_att_col(m, msa_mask)
     m = m + block.msa_transition(m, msa_mask)
     z = z + block.outer_product_mean(m, msa_mask)
-    z = z + block.pair_dropout_row(block.tri_mul_out(z, pair_mask))
-    z = z + block.pair_dropout_row(block.tri_mul_in(z, pair_mask))
-    z = z + block.pair_dropout_row(block.tri_att_start(z, pair_mask))
-    z = z + block.pair_dropout_col(block.tri_att_end(z, pair_mask))
+    z = z + block.tri_mul_out(z, pair_mask) * keep[1]
+    z = z + block.tri_mul_in(z, pair_mask) * keep[2]
+    z = z + block.tri_att_start(z, pair_mask) * keep[3]
+    z = z + block.tri_att_end(z, pair_mask) * keep[4]
     z = z + block.pair_transition(z, pair_mask)
     return m, z
 
@@ -198,8 +200,8 @@ def _algorithm_6(block, m, z, msa_mask, pair_mask):
 def test_block_is_algorithm_6(cls, train):
     """The block's fused glue (residual adds with the next layer norm, masks and dropout masks
     scaling the update inside that add, shared mask biases) computes the algorithm as written, its
-    gradients too; in training mode with the same dropout masks (one RNG draw per dropout, in the
-    same order)."""
+    gradients too; in training mode with the same dropout masks (the block's dropout_masks, drawn
+    from the same RNG state)."""
     block = randomize_(cls(**TINY, backend="eager")).to(F64).train(train)
     m, z, msa_mask, pair_mask = inputs()
     outs, grads = [], []

@@ -1,0 +1,245 @@
+"""The peer trunk of bench_trunk.py: AF2's Evoformer and extra-MSA blocks written in plain PyTorch
+the way OpenFold writes them, with cuEquivariance's fused ops where it has them.
+
+* MSA row attention with pair bias and both triangle attentions: ``cuequivariance_torch.
+  triangle_attention`` (q, k, v ``[B, N, H, L, D]``, the pair bias ``[B, 1, H, L, L]`` in float32,
+  the mask as booleans ``[B, N, 1, 1, L]``);
+* both triangle multiplicative updates: ``cuequivariance_torch.triangle_multiplicative_update``
+  (layer norms, projections, gates and the triangle product in its fused kernels);
+* MSA column attention: ``torch.nn.functional.scaled_dot_product_attention`` with the mask as an
+  additive bias; the extra MSA's global column attention in plain PyTorch;
+* layer norms, projections, transitions, the outer product mean, dropout and residual adds: plain
+  PyTorch modules and operations.
+
+A :class:`PeerStack` checkpoints each block (``torch.utils.checkpoint``, non-reentrant, the RNG state
+restored for the recomputation's dropout) and can ``torch.compile`` each block. Its weights are its
+own (random); the benchmark times it, nothing compares its values with the library's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+INF = 1e9
+
+
+def _cueq():
+    import cuequivariance_torch
+
+    return cuequivariance_torch
+
+
+class GatedAttention(nn.Module):
+    """The projections around an attention core: q, k, v (no bias) and the gate from the normalised
+    input, then ``linear_o(sigmoid(g) * o)``."""
+
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int):
+        super().__init__()
+        self.no_heads, self.c_hidden = no_heads, c_hidden
+        hidden = no_heads * c_hidden
+        self.linear_q = nn.Linear(c_in, hidden, bias=False)
+        self.linear_k = nn.Linear(c_in, hidden, bias=False)
+        self.linear_v = nn.Linear(c_in, hidden, bias=False)
+        self.linear_g = nn.Linear(c_in, hidden)
+        self.linear_o = nn.Linear(hidden, c_in)
+
+    def heads(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """q, k, v of x ``[*, L, c_in]`` as ``[*, H, L, D]``."""
+        shape = (*x.shape[:-1], self.no_heads, self.c_hidden)
+        return [lin(x).view(shape).transpose(-2, -3) for lin in (self.linear_q, self.linear_k, self.linear_v)]
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``linear_o(sigmoid(linear_g(x)) * o)`` for the core's output o ``[*, H, L, D]``."""
+        o = o.transpose(-2, -3).flatten(-2)  # [*, L, H * D]
+        return self.linear_o(torch.sigmoid(self.linear_g(x)) * o)
+
+
+class TriangleAttention(nn.Module):
+    """The pair attention around (starting node) or, with ``ending``, across edges; with ``c_z``
+    given for an MSA row attention, the pair bias comes from z instead of from the input."""
+
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, c_z: Optional[int] = None, ending: bool = False):
+        super().__init__()
+        self.ending = ending
+        self.layer_norm = nn.LayerNorm(c_in)
+        self.layer_norm_z = nn.LayerNorm(c_z) if c_z is not None else None
+        self.linear_z = nn.Linear(c_z or c_in, no_heads, bias=False)
+        self.attention = GatedAttention(c_in, c_hidden, no_heads)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x [B, N, L, c_in], mask [B, N, L]; z [B, L, L, c_z] for the MSA row attention
+        if self.ending:
+            x, mask = x.transpose(-2, -3), mask.transpose(-1, -2)
+        x = self.layer_norm(x)
+        zz = x if z is None else self.layer_norm_z(z)
+        bias = self.linear_z(zz).permute(0, 3, 1, 2).unsqueeze(1).float()  # [B, 1, H, L, L]
+        q, k, v = self.attention.heads(x)  # [B, N, H, L, D]
+        o = _cueq().triangle_attention(q, k, v, bias, mask.bool()[:, :, None, None, :])  # [B, N, H, L, D]
+        out = self.attention.output(x, o)  # [B, N, L, c_in]
+        return out.transpose(-2, -3) if self.ending else out
+
+
+class ColumnAttention(nn.Module):
+    """MSA column attention by SDPA, the mask as an additive bias."""
+
+    def __init__(self, c_m: int, c_hidden: int, no_heads: int):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.attention = GatedAttention(c_m, c_hidden, no_heads)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(m.transpose(-2, -3))  # [B, R, S, c_m]
+        q, k, v = self.attention.heads(x)  # [B, R, H, S, D]
+        b, r, h, s, d = q.shape
+        bias = (INF * (mask.transpose(-1, -2) - 1)).to(q.dtype).reshape(b * r, 1, 1, s)  # [B * R, 1, 1, S]
+        o = F.scaled_dot_product_attention(*(t.reshape(b * r, h, s, d) for t in (q, k, v)), attn_mask=bias)
+        return self.attention.output(x, o.view(b, r, h, s, d)).transpose(-2, -3)  # [B, S, R, c_m]
+
+
+class GlobalColumnAttention(nn.Module):
+    """The extra MSA's global column attention (AF2 Algorithm 19) in plain PyTorch."""
+
+    def __init__(self, c_m: int, c_hidden: int, no_heads: int, eps: float = 1e-10):
+        super().__init__()
+        self.no_heads, self.c_hidden, self.eps = no_heads, c_hidden, eps
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.linear_q = nn.Linear(c_m, no_heads * c_hidden, bias=False)
+        self.linear_k = nn.Linear(c_m, c_hidden, bias=False)
+        self.linear_v = nn.Linear(c_m, c_hidden, bias=False)
+        self.linear_g = nn.Linear(c_m, no_heads * c_hidden)
+        self.linear_o = nn.Linear(no_heads * c_hidden, c_m)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(m.transpose(-2, -3))  # [B, R, S, c_m]
+        mask = mask.transpose(-1, -2)  # [B, R, S]
+        q = (x * mask[..., None]).sum(-2) / (mask.sum(-1, keepdim=True) + self.eps)  # [B, R, c_m]
+        q = self.linear_q(q).unflatten(-1, (self.no_heads, self.c_hidden)) * self.c_hidden**-0.5  # [B, R, H, D]
+        k, v = self.linear_k(x), self.linear_v(x)  # [B, R, S, D]
+        a = torch.softmax(q @ k.transpose(-1, -2) + (INF * (mask - 1))[..., None, :], dim=-1)  # [B, R, H, S]
+        o = a @ v  # [B, R, H, D]
+        g = torch.sigmoid(self.linear_g(x)).unflatten(-1, (self.no_heads, self.c_hidden))  # [B, R, S, H, D]
+        out = self.linear_o((g * o.unsqueeze(-3)).flatten(-2))  # [B, R, S, c_m]
+        return out.transpose(-2, -3)
+
+
+class Transition(nn.Module):
+    def __init__(self, c: int, n: int):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(c)
+        self.linear_1, self.linear_2 = nn.Linear(c, n * c), nn.Linear(n * c, c)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(torch.relu(self.linear_1(self.layer_norm(x)))) * mask[..., None]
+
+
+class OuterProductMean(nn.Module):
+    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm = nn.LayerNorm(c_m)
+        self.linear_1, self.linear_2 = nn.Linear(c_m, c_hidden), nn.Linear(c_m, c_hidden)
+        self.linear_out = nn.Linear(c_hidden * c_hidden, c_z)
+
+    def forward(self, m: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(m)
+        a = self.linear_1(x) * mask[..., None]  # [B, S, R, c]
+        b = self.linear_2(x) * mask[..., None]
+        outer = torch.einsum("bsic,bsjd->bijcd", a, b).flatten(-2)  # [B, R, R, c * c]
+        norm = torch.einsum("bsi,bsj->bij", mask, mask)[..., None]  # [B, R, R, 1]
+        return self.linear_out(outer) / (norm + self.eps)
+
+
+class TriangleMultiplication(nn.Module):
+    """AF2 Algorithms 11/12 by cuEquivariance's fused triangle_multiplicative_update."""
+
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool):
+        super().__init__()
+        self.direction = "outgoing" if outgoing else "incoming"
+        self.norm_in = nn.LayerNorm(c_z)
+        self.norm_out = nn.LayerNorm(c_hidden)
+        self.p_in = nn.Linear(c_z, 2 * c_hidden)
+        self.g_in = nn.Linear(c_z, 2 * c_hidden)
+        self.p_out = nn.Linear(c_hidden, c_z)
+        self.g_out = nn.Linear(c_z, c_z)
+
+    def forward(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return _cueq().triangle_multiplicative_update(
+            z, self.direction, mask,
+            norm_in_weight=self.norm_in.weight, norm_in_bias=self.norm_in.bias,
+            p_in_weight=self.p_in.weight, p_in_bias=self.p_in.bias,
+            g_in_weight=self.g_in.weight, g_in_bias=self.g_in.bias,
+            norm_out_weight=self.norm_out.weight, norm_out_bias=self.norm_out.bias,
+            p_out_weight=self.p_out.weight, p_out_bias=self.p_out.bias,
+            g_out_weight=self.g_out.weight, g_out_bias=self.g_out.bias,
+        )
+
+
+def shared_dropout(x: torch.Tensor, p: float, dim: int, training: bool) -> torch.Tensor:
+    """x times a dropout mask shared along ``dim`` (AF2's row- and column-wise dropout)."""
+    if not training or p == 0.0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = 1
+    return x * F.dropout(x.new_ones(shape), p=p, training=True)
+
+
+class PeerBlock(nn.Module):
+    """One Evoformer block (or, with ``extra``, an extra-MSA block) of the af2 preset's widths."""
+
+    def __init__(self, c_m, c_z, c_hidden_msa_att, c_hidden_opm, c_hidden_mul, c_hidden_pair_att, no_heads_msa,
+                 no_heads_pair, transition_n, msa_dropout, pair_dropout, extra: bool = False, **_ignored):
+        super().__init__()
+        self.msa_dropout, self.pair_dropout = msa_dropout, pair_dropout
+        self.msa_att_row = TriangleAttention(c_m, c_hidden_msa_att, no_heads_msa, c_z=c_z)
+        if extra:
+            self.msa_att_col = GlobalColumnAttention(c_m, c_hidden_msa_att, no_heads_msa)
+        else:
+            self.msa_att_col = ColumnAttention(c_m, c_hidden_msa_att, no_heads_msa)
+        self.msa_transition = Transition(c_m, transition_n)
+        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm)
+        self.tri_mul_out = TriangleMultiplication(c_z, c_hidden_mul, outgoing=True)
+        self.tri_mul_in = TriangleMultiplication(c_z, c_hidden_mul, outgoing=False)
+        self.tri_att_start = TriangleAttention(c_z, c_hidden_pair_att, no_heads_pair)
+        self.tri_att_end = TriangleAttention(c_z, c_hidden_pair_att, no_heads_pair, ending=True)
+        self.pair_transition = Transition(c_z, transition_n)
+
+    def forward(self, m, z, msa_mask, pair_mask):
+        t = self.training
+        m = m + shared_dropout(self.msa_att_row(m, msa_mask, z), self.msa_dropout, -3, t)
+        m = m + self.msa_att_col(m, msa_mask)
+        m = m + self.msa_transition(m, msa_mask)
+        z = z + self.outer_product_mean(m, msa_mask)
+        z = z + shared_dropout(self.tri_mul_out(z, pair_mask), self.pair_dropout, -3, t)
+        z = z + shared_dropout(self.tri_mul_in(z, pair_mask), self.pair_dropout, -3, t)
+        z = z + shared_dropout(self.tri_att_start(z, pair_mask), self.pair_dropout, -3, t)
+        z = z + shared_dropout(self.tri_att_end(z, pair_mask), self.pair_dropout, -2, t)
+        z = z + self.pair_transition(z, pair_mask)
+        return m, z
+
+
+class PeerStack(nn.Module):
+    """``no_blocks`` peer blocks, each checkpointed; with ``c_s``, the single representation from
+    the first MSA row as EvoformerStack gives it. ``compile_mode``: None (eager) or a
+    ``torch.compile`` mode (``"default"``, ``"reduce-overhead"``) applied to each block."""
+
+    def __init__(self, no_blocks: int, c_s: Optional[int] = None, compile_mode: Optional[str] = None,
+                 extra: bool = False, **block_args):
+        super().__init__()
+        self.blocks = nn.ModuleList([PeerBlock(extra=extra, **block_args) for _ in range(no_blocks)])
+        self.linear = nn.Linear(block_args["c_m"], c_s) if c_s else None
+        if compile_mode is None:
+            self._calls = list(self.blocks)
+        else:
+            self._calls = [torch.compile(b, mode=compile_mode, dynamic=False) for b in self.blocks]
+
+    def forward(self, m, z, msa_mask, pair_mask):
+        for call in self._calls:
+            m, z = checkpoint(call, m, z, msa_mask, pair_mask, use_reentrant=False)
+        if self.linear is None:
+            return z
+        return m, z, self.linear(m[..., 0, :, :])
