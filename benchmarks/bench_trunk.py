@@ -70,16 +70,17 @@ DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
 WARM_UP = {"plain": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
 
 
-def trunk_flops(case: Case) -> float:
+def trunk_flops(case: Case, with_extra: bool) -> float:
     """Model FLOPs of one forward+backward of the trunk's blocks."""
     evo = block_flops(block_args(False), case.n_seq, case.n_res, False)[1]
     extra = block_flops(block_args(True), N_EXTRA, case.n_res, True)[1]
     cfg = get_config("af2")
-    return cfg.evoformer_stack.no_blocks * evo + cfg.extra_msa_stack.no_blocks * extra
+    return cfg.evoformer_stack.no_blocks * evo + with_extra * cfg.extra_msa_stack.no_blocks * extra
 
 
 def build_trunk(impl: str, train: bool):
-    """(extra-MSA stack, Evoformer stack) of the implementation, on the GPU in bf16."""
+    """(extra-MSA stack, Evoformer stack) of the implementation, on the GPU in bf16; see make_step
+    for the trunk without the extra-MSA stack."""
     cfg = get_config("af2")
     if impl in ("plain", "graphs"):
         extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
@@ -121,13 +122,15 @@ def inputs(case: Case):
 
 
 def make_step(extra, evo, t):
-    leaves = [t["m"], t["z"], t["m_extra"]]
-    params = [p for stack in (extra, evo) for p in stack.parameters()]
+    """One training step; ``extra`` None: the Evoformer stack alone (z from the inputs)."""
+    stacks = [evo] if extra is None else [extra, evo]
+    leaves = [t["m"], t["z"]] + ([] if extra is None else [t["m_extra"]])
+    params = [p for stack in stacks for p in stack.parameters()]
 
     def step():
         for x in leaves + params:
             x.grad = None
-        z = extra(t["m_extra"], t["z"], t["extra_mask"], t["pair_mask"])
+        z = t["z"] if extra is None else extra(t["m_extra"], t["z"], t["extra_mask"], t["pair_mask"])
         m, z, s = evo(t["m"], z, t["msa_mask"], t["pair_mask"])
         loss = (m * t["cm"]).float().sum() + (z * t["cz"]).float().sum() + (s * t["cs"]).float().sum()
         loss.backward()
@@ -156,22 +159,35 @@ def profile_step(step) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    cuda_us, kernels, aten, launches = 0.0, 0, 0, 0
+    cuda_us, aten, launches, spans = 0.0, 0, 0, []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             cuda_us += event.device_time_total
-            kernels += 1
+            spans.append((event.time_range.start, event.time_range.end))
         elif event.name.startswith("aten::"):
             aten += 1
         elif event.name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuGraphLaunch")):
             launches += 1
-    return {"kernels_ms": cuda_us / 1e3, "gpu_ops": kernels, "aten": aten, "launches": launches}
+    # Where the GPU idled between its operations: gaps under 10 us (one operation waiting for the
+    # next, as inside a CUDA graph), 10-100 us, and longer (the GPU waiting for the host).
+    spans.sort()
+    gaps = {"under_10us": 0.0, "10_100us": 0.0, "over_100us": 0.0}
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            gaps["under_10us" if gap < 10 else "10_100us" if gap < 100 else "over_100us"] += gap / 1e3
+        end = max(end, stop)
+    return {"kernels_ms": cuda_us / 1e3, "gpu_ops": len(spans), "aten": aten, "launches": launches,
+            "idle_ms": gaps, "span_ms": (end - spans[0][0]) / 1e3 if spans else 0.0}
 
 
 def measure(impl: str, case: Case, args) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     extra, evo = build_trunk(impl, train=args.dropout == "on")
+    if args.no_extra:
+        extra = None
     t = inputs(case)
     step = make_step(extra, evo, t)
     for _ in range(WARM_UP[impl]):
@@ -185,7 +201,7 @@ def measure(impl: str, case: Case, args) -> dict:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
     }
     if impl == "graphs":
-        row["replays"] = extra._graphs.replays + evo._graphs.replays
+        row["replays"] = sum(stack._graphs.replays for stack in (extra, evo) if stack is not None)
     if not args.no_profile:
         row.update(profile_step(step))
     return row
@@ -196,6 +212,7 @@ def main() -> None:
     cli.add_argument("--dropout", choices=("on", "off"), default="on", help="training-mode dropout (default on)")
     cli.add_argument("--steps", type=int, default=5, help="timed steps per implementation (median)")
     cli.add_argument("--no-profile", action="store_true", help="skip the profiled step (CUDA time, host operations)")
+    cli.add_argument("--no-extra", action="store_true", help="the Evoformer stack alone (no extra-MSA stack)")
     args = cli.parse()
     if args.forward_only:
         cli.error("--forward-only: a training step is a forward and a backward")
@@ -203,9 +220,10 @@ def main() -> None:
     results = []
     for index in args.shapes:
         case = CASES[index]
-        flops = trunk_flops(case)
-        print(f"\n## trunk step, {case.label()}, dropout {args.dropout} ({flops / 1e12:.1f} TFLOP model forward+backward)",
-              flush=True)
+        flops = trunk_flops(case, not args.no_extra)
+        what = "Evoformer stack alone" if args.no_extra else "extra-MSA and Evoformer stacks"
+        print(f"\n## trunk step ({what}), {case.label()}, dropout {args.dropout} ({flops / 1e12:.1f} TFLOP model "
+              "forward+backward)", flush=True)
         rows = {}
         for impl in args.impls:
             try:
@@ -228,9 +246,14 @@ def main() -> None:
                 f"{tflops:.0f} ({pct_of_peak(tflops):.0f} %)",
                 speedup(rows.get("plain", {}).get("wall_ms"), r["wall_ms"]) if impl != "plain" else "1.00x",
             ])
+        for impl, r in rows.items():
+            if "idle_ms" in r:
+                idle = ", ".join(f"{k} {v:.1f}" for k, v in r["idle_ms"].items())
+                print(f"  {impl}: GPU idle between operations (ms): {idle}; busy span {r['span_ms']:.1f} ms", flush=True)
         print(markdown_table(["impl", "wall ms", "CUDA ms", "wall / CUDA", "ATen calls", "launches",
                               "peak GiB alloc / reserved", "model TFLOP/s", "plain wall / this wall"], table), flush=True)
-        results.append({"case": case.label(), "dropout": args.dropout, "flops": flops, "impls": rows})
+        results.append({"case": case.label(), "dropout": args.dropout, "extra_msa_stack": not args.no_extra,
+                        "flops": flops, "impls": rows})
         torch.cuda.empty_cache()
     if args.json:
         write_json(args.json, results)

@@ -41,6 +41,7 @@ Rules, all handled here and logged on the ``evoformer_blocks`` logger, never sil
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -92,9 +93,9 @@ class _Captured:
         self.grad_outputs: list[torch.Tensor] = []  # per differentiable output: the backward graph reads it
         self.input_grads: list[Optional[torch.Tensor]] = []  # per input requiring grad (m, z)
         self.params: list[torch.nn.Parameter] = []  # the parameters requiring grad, in order
-        # Parameter gradients as the backward graph writes them: per dtype, one flat buffer and the
-        # (parameter index, numel, shape) of its pieces; parameters without gradient are absent.
-        self.flat_grads: list[tuple[torch.Tensor, list[tuple[int, int, torch.Size]]]] = []
+        # Parameter gradients as the backward graph writes them, per dtype: the tensors, the indices
+        # of their parameters in `params` (parameters without gradient are absent) and their sizes.
+        self.param_grads: list[tuple[list[torch.Tensor], list[int], list[int]]] = []
         self.param_ptrs: tuple[int, ...] = ()
         self.pending: Optional[weakref.ref] = None
 
@@ -113,10 +114,14 @@ class _Captured:
         """Fresh copies of the last backward replay's gradients: (inputs', parameters')."""
         inputs = [None if g is None else g.clone() for g in self.input_grads]
         params: list[Optional[torch.Tensor]] = [None] * len(self.params)
-        for flat, pieces in self.flat_grads:
-            chunks = flat.clone().split([numel for _, numel, _ in pieces])
-            for (index, _, shape), chunk in zip(pieces, chunks):
-                params[index] = chunk.view(shape)
+        for grads, indices, sizes in self.param_grads:
+            # One new buffer per dtype, cut into the parameters' shapes and filled by one multi-tensor
+            # copy: autograd then takes each piece as the parameter's .grad without another copy.
+            flat = torch.empty(sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+            pieces = [c.view(g.shape) for c, g in zip(flat.split(sizes), grads)]
+            torch._foreach_copy_(pieces, grads)
+            for index, piece in zip(indices, pieces):
+                params[index] = piece
         return inputs, params
 
 
@@ -158,7 +163,9 @@ class StackGraphs:
     """The CUDA graphs of one stack, per input signature (see the module docstring)."""
 
     def __init__(self, stack: torch.nn.Module, max_signatures: int):
-        self.stack = stack
+        # A weak reference: the stack holds its graphs, the graphs do not hold the stack (no
+        # reference cycle, whose collection could otherwise land inside a later capture).
+        self._stack = weakref.ref(stack)
         self.max_signatures = max_signatures
         self._captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()
@@ -172,17 +179,12 @@ class StackGraphs:
         self._logged: set[str] = set()
         self.replays = 0  # calls served by graph replays
 
-    # A stack is copied (copy.deepcopy) and pickled with its setting, not with its graphs.
-    def __deepcopy__(self, memo):
-        from copy import deepcopy
+    @property
+    def stack(self) -> torch.nn.Module:
+        return self._stack()
 
-        return StackGraphs(deepcopy(self.stack, memo), self.max_signatures)
-
-    def __getstate__(self):
-        return {"stack": self.stack, "max_signatures": self.max_signatures}
-
-    def __setstate__(self, state):
-        self.__init__(state["stack"], state["max_signatures"])
+    # A stack is copied (copy.deepcopy) and pickled with its setting, not with its graphs: the
+    # stack's __deepcopy__/__reduce__ see a plain number (see _Stack.__getstate__).
 
     def clear(self, why: str) -> None:
         """Drops every captured graph (their memory pools go with them)."""
@@ -299,12 +301,17 @@ class StackGraphs:
                     "(each new one costs a capture); set cuda_graphs to a larger number"
                 )
         start = time.perf_counter()
+        collecting = gc.isenabled()
+        gc.disable()  # an object freed by the collector mid-capture (a graph, say) would break the capture
         try:
             entry = self._capture(m, z, msa_mask, pair_mask, chunk_size, training, params)
         except Exception as exc:  # the plain stack still runs this signature
             self._failed.add(key)
             self._log_once(f"capture failed, this signature runs without graphs: {type(exc).__name__}: {exc}")
             return None
+        finally:
+            if collecting:
+                gc.enable()
         self._captured[key] = entry
         logger.info("cuda_graphs: %s: captured the %s of [%s] / [%s] in %.1f s", type(self.stack).__name__,
                     "training step" if training else "forward", ", ".join(map(str, m.shape)),
@@ -351,15 +358,11 @@ class StackGraphs:
             grads = torch.autograd.grad(differentiable, wrt, grad_outputs=entry.grad_outputs, allow_unused=True)
             n_inputs = len(wrt) - len(entry.params)
             entry.input_grads = list(grads[:n_inputs])
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for i, g in enumerate(grads[n_inputs:]):
-                if g is not None:
-                    by_dtype.setdefault(g.dtype, []).append(i)
-            param_grads = grads[n_inputs:]
-            for indices in by_dtype.values():
-                # One flat buffer per dtype, written inside the graph: one copy out per replay.
-                flat = torch.cat([param_grads[i].reshape(-1) for i in indices])
-                pieces = [(i, param_grads[i].numel(), entry.params[i].shape) for i in indices]
-                entry.flat_grads.append((flat, pieces))
-            del grads, param_grads
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads[n_inputs:]):
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for indices in by_dtype.values():
+            group = [grads[n_inputs + i] for i in indices]
+            entry.param_grads.append((group, indices, [g.numel() for g in group]))
         return entry

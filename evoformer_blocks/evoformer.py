@@ -284,6 +284,17 @@ class _Stack(nn.Module):
         # of this device only and are rebuilt on demand.
         self.__dict__["_graphs"] = None if n == 0 else StackGraphs(self, n)
 
+    # Copies (copy.deepcopy) and pickles carry the setting, not the captured graphs.
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_graphs"] = self.cuda_graphs
+        return state
+
+    def __setstate__(self, state):
+        setting = state.pop("_graphs", 0)
+        super().__setstate__(state)
+        self.cuda_graphs = setting
+
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cuda(), .half(), ...: the parameters may move, so captured graphs are dropped.
         if self.__dict__.get("_graphs") is not None:
