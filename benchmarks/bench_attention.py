@@ -69,8 +69,8 @@ SUITE = [
 ]
 
 # Peers that do not run in this process, measured side by side on an H100 80GB HBM3, 2026-11-22,
-# torch 2.11+cu130, bf16, same inputs: forward ms / forward+backward ms / extra peak MiB. The full
-# table, with eager, SDPA and FlexAttention, is RESULTS.md's "Peers" section.
+# torch 2.11+cu130, bf16, same inputs: forward ms / forward+backward ms / extra peak MiB. The
+# table is RESULTS.md's "Peers" section.
 H100_PEERS_DATE = "2026-11-22"
 H100_PEERS = {
     "MSA row N512 L256 H8 D32": {"cuEquivariance 0.13": "0.455 / 2.66 / 208", "DeepSpeed": "0.985 / 4.86 / 329"},

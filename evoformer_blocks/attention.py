@@ -53,7 +53,7 @@ def _check_config(owner: str, inf: float, backend: Optional[str], **sizes: int) 
 
 def _flatten_batch(t: torch.Tensor, keep: int) -> torch.Tensor:
     """``t [*, d_1..d_keep] -> [B, d_1..d_keep]`` with B the product of the batch dims (1 for none; a
-    view wherever the batch dims allow one, as for einops' ``"... -> (...)"``)."""
+    view wherever the batch dims allow one)."""
     return t.reshape(math.prod(t.shape[:-keep]), *t.shape[-keep:])
 
 

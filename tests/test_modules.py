@@ -544,23 +544,32 @@ def test_linear_rejects_unknown_init():
 # ---- the stacked q/k/v/g projection and the gated attention on it -----------------------------------
 
 
+def _to_heads(block, heads, transposed):
+    """A column block of the projection, ``[B, N, L, H·C]`` (``[B, L, N, H·C]`` transposed), as the
+    attention's ``[B, N, L, H, C]``."""
+    per_head = block.unflatten(-1, (heads, -1))  # [B, A, A', H, C]
+    return per_head.transpose(1, 2) if transposed else per_head
+
+
+def _from_heads(out, transposed):
+    """``[B, N, L, H, C]`` back to the projection's layout, ``[B, N, L, H·C]`` (``[B, L, N, H·C]``
+    transposed); a view wherever the strides allow one."""
+    return (out.transpose(1, 2) if transposed else out).flatten(-2)
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_gated_views_follow_the_projection_layout(transposed):
-    from einops import rearrange
-
     from evoformer_blocks.ops._inputs import gated_output_view, gated_views
 
     heads, c = 2, 8
     y = torch.randn(2, 5, 7, 4 * heads * c, dtype=torch.float64)
     q, k, v, g = gated_views(y, heads, transposed)
-    to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
     for view, block in zip((q, k, v), y.split(heads * c, dim=-1)):
         assert view.data_ptr() >= y.data_ptr()  # a view, no copy
-        assert torch.equal(view, rearrange(block, to_heads, h=heads))
+        assert torch.equal(view, _to_heads(block, heads, transposed))
     assert torch.equal(g, y[..., 3 * heads * c:])
     out = torch.randn_like(q)  # [B, N, L, H, C]
-    back = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
-    assert torch.equal(gated_output_view(out, transposed), rearrange(out, back))
+    assert torch.equal(gated_output_view(out, transposed), _from_heads(out, transposed))
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -676,19 +685,15 @@ def test_stacked_projection_with_a_head_major_output(batch):
 def test_separate_gradients_follow_the_input_layout(transposed):
     # dq, dk, dv as the backward allocates them when they are not stacked (torch.compile's path):
     # dense, in q's memory order, so that the projection's backward views them without a copy
-    from einops import rearrange
-
     from evoformer_blocks.ops.cutlass import empty_in_memory_order, memory_order
 
     heads, c = 2, 8
     y = torch.randn(2, 5, 7, 4 * heads * c, dtype=torch.float64)
-    to_heads = "b l n (h c) -> b n l h c" if transposed else "b n l (h c) -> b n l h c"
-    q = rearrange(y.split(heads * c, dim=-1)[0], to_heads, h=heads)
+    q = _to_heads(y.split(heads * c, dim=-1)[0], heads, transposed)
     assert memory_order(q) == ([0, 2, 1, 3, 4] if transposed else [0, 1, 2, 3, 4])
     dq = empty_in_memory_order(q)
     assert dq.shape == q.shape and dq.stride(-1) == 1 and dq.untyped_storage().nbytes() == dq.numel() * 8  # dense
-    back = "b n l h c -> b l n (h c)" if transposed else "b n l h c -> b n l (h c)"
-    rows = rearrange(dq, back)  # what the projection's backward receives
+    rows = _from_heads(dq, transposed)  # what the projection's backward receives
     assert rows.is_contiguous() and rows.view(-1, heads * c).data_ptr() == dq.data_ptr()
 
 
