@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+from collections import Counter
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,13 +160,13 @@ def profile_step(step) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    cuda_us, aten, launches, spans = 0.0, 0, 0, []
+    cuda_us, aten, launches, spans = 0.0, Counter(), 0, []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             cuda_us += event.device_time_total
             spans.append((event.time_range.start, event.time_range.end))
         elif event.name.startswith("aten::"):
-            aten += 1
+            aten[event.name] += 1
         elif event.name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuGraphLaunch")):
             launches += 1
     # Where the GPU idled between its operations: gaps under 10 us (one operation waiting for the
@@ -178,8 +179,9 @@ def profile_step(step) -> dict:
         if gap > 0:
             gaps["under_10us" if gap < 10 else "10_100us" if gap < 100 else "over_100us"] += gap / 1e3
         end = max(end, stop)
-    return {"kernels_ms": cuda_us / 1e3, "gpu_ops": len(spans), "aten": aten, "launches": launches,
-            "idle_ms": gaps, "span_ms": (end - spans[0][0]) / 1e3 if spans else 0.0}
+    return {"kernels_ms": cuda_us / 1e3, "gpu_ops": len(spans), "aten": sum(aten.values()), "launches": launches,
+            "idle_ms": gaps, "span_ms": (end - spans[0][0]) / 1e3 if spans else 0.0,
+            "aten_top": aten.most_common(30)}
 
 
 def measure(impl: str, case: Case, args) -> dict:
@@ -230,7 +232,7 @@ def main() -> None:
                 rows[impl] = measure(impl, case, args)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 rows[impl] = {"error": failure_reason(exc)}
-            print(f"  {impl}: {rows[impl]}", flush=True)
+            print(f"  {impl}: " + str({k: v for k, v in rows[impl].items() if k != "aten_top"}), flush=True)
         table = []
         for impl, r in rows.items():
             if "error" in r:
