@@ -375,8 +375,8 @@ def evaluate(model, proteins: ProteinSet, cfg: DictConfig, device, edges, keep: 
 
 
 def draw_contacts(path: Path, kept, min_separation: int) -> None:
-    panels = []
-    for probs, contacts in kept:
+    panels, titles = [], []
+    for k, (probs, contacts) in enumerate(kept):
         n = probs.shape[0]
         i, j = torch.triu_indices(n, n, offset=min_separation)
         top = torch.zeros(n, n, dtype=torch.bool)
@@ -384,7 +384,8 @@ def draw_contacts(path: Path, kept, min_separation: int) -> None:
             best = probs[i, j].topk(min(max(1, n // 5), i.numel())).indices
             top[i[best], j[best]] = True
         panels.append(contact_panel(probs, contacts, top))
-    write_png(str(path), contact_figure(panels))
+        titles.append(f"held-out protein {k + 1} (L = {n})")
+    write_png(str(path), contact_figure(panels, titles, min_separation))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import train as train_example  # noqa: E402
 from data import collate, contact_map, make_proteins  # noqa: E402
-from plot import write_png  # noqa: E402
+from plot import FONT, colour_bar, contact_figure, contact_panel, probability_colour, text_image, text_mask, write_png  # noqa: E402
 
 # A few seconds of training: tiny proteins, one block per stack, evaluation and checkpoints every 2 steps.
 TINY = [
@@ -65,6 +65,58 @@ def test_png_round_trip(tmp_path):
     assert torch.equal(read_png(tmp_path / "x.png"), image)
 
 
+def occurrences(image: torch.Tensor, pattern: torch.Tensor) -> int:
+    """How many times ``pattern`` ([h, w, 3] uint8) appears in ``image`` pixel for pixel: its inkiest
+    row is searched for in every image row as bytes, and each hit compared whole."""
+    (h, w, _), (height, width, _) = pattern.shape, image.shape
+    key = int((pattern != 255).any(-1).sum(-1).argmax())  # the row with the most non-white pixels
+    needle = bytes(pattern[key].flatten().tolist())
+    found = 0
+    for y in range(height - h + 1):
+        row = bytes(image[y + key].flatten().tolist())
+        at = row.find(needle)
+        while at != -1:
+            x = at // 3
+            if at % 3 == 0 and x + w <= width and torch.equal(image[y : y + h, x : x + w], pattern):
+                found += 1
+            at = row.find(needle, at + 1)
+    return found
+
+
+def test_font():
+    assert torch.equal(text_mask("1"), FONT["1"]) and FONT["1"].shape == (9, 5)
+    assert text_mask("ij").shape == (9, 11) and not text_mask("ij")[:, 5].any()  # one blank column between
+    assert text_image("P", vertical=True).shape == (5, 9, 3)
+    with pytest.raises(ValueError, match=r"no glyph for \['#'\]"):
+        text_mask("#1")
+
+
+def test_contact_figure_is_labelled():
+    gen = torch.Generator().manual_seed(0)
+    panels = []
+    for n in (20, 33):
+        probs = torch.rand(n, n, generator=gen)
+        contacts = torch.rand(n, n, generator=gen) < 0.2
+        top = torch.zeros(n, n, dtype=torch.bool)
+        top[0, 10] = top[1, 12] = True
+        panels.append(contact_panel(probs, contacts, top))
+    image = contact_figure(panels, ["first (L = 20)", "second (L = 33)"], min_separation=6)
+    for text, count in [("residue j", 2), ("first (L = 20)", 1), ("second (L = 33)", 1), ("P(contact)", 2),
+                        ("above the diagonal: predicted P(contact); below: true contacts", 1),
+                        ("top-L/5 predicted pair with |i - j| >= 6: a true contact", 1),
+                        ("true contact (below the diagonal)", 1), ("30", 2)]:
+        assert occurrences(image, text_image(text)) == count, text
+    assert occurrences(image, text_image("held-out contact maps", scale=2)) == 1
+    assert occurrences(image, text_image("residue i", vertical=True)) == 2
+    # the colour bar, 33 * 4 pixels high, is the colour map from 1 at the top to 0 at the bottom
+    bar = colour_bar(33 * 4)
+    assert occurrences(image, bar) == 1
+    column = torch.nonzero((bar == torch.tensor([0, 51, 140], dtype=torch.uint8)).all(-1))  # P = 1: its top row
+    row, col = column[0].tolist()
+    expected = probability_colour(torch.linspace(1, 0, 33 * 4)).round().to(torch.uint8)
+    assert torch.equal(bar[row : row + 33 * 4, col], expected)
+
+
 def test_model_presets_come_from_the_library():
     cfg = config("model=af2", "model.evoformer_stack.no_blocks=3")
     stack = cfg.model.evoformer_stack
@@ -103,6 +155,8 @@ def test_train_smoke(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002.pt", "step_000004.pt"]
     image = read_png(tmp_path / "contacts.png")
     assert image.shape[0] > 40 and image.shape[1] > 2 * 40
+    assert occurrences(image, text_image("residue j")) == 2 and occurrences(image, text_image("P(contact)")) == 2
+    assert occurrences(image, text_image("top-L/5 predicted pair with |i - j| >= 4: not a contact")) == 1
 
 
 def test_resume_continues_exactly(tmp_path):
