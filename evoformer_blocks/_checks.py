@@ -45,9 +45,16 @@ def check_positive_number(owner: str, name: str, value) -> float:
 
 
 def check_tensor(
-    owner: str, argument: str, value, shape: Sequence[Optional[int]], legend: str, exact: bool = False
+    owner: str,
+    argument: str,
+    value,
+    shape: Sequence[Optional[int]],
+    legend: str,
+    exact: bool = False,
+    weights: Optional[torch.Tensor] = None,
 ) -> None:
-    """Raises ``ValueError`` unless ``value`` is a floating tensor whose shape ends with ``shape``.
+    """Raises ``ValueError`` unless ``value`` is a floating tensor whose shape ends with ``shape``
+    (and, given the module's ``weights``, is like them: :func:`check_like_weights`).
 
     ``shape`` lists the trailing dimensions, ``None`` where any size is fine; with ``exact`` it is
     the whole shape (batch dims included). ``legend`` spells the expected shape for the message,
@@ -62,6 +69,42 @@ def check_tensor(
     )
     if not ok:
         raise ValueError(f"{owner}: `{argument}` must have shape {legend}, got {list(value.shape)}")
+    if weights is not None:
+        check_like_weights(owner, argument, value, weights)
+
+
+# What torch.autocast casts (its matmuls take these in any mix); float64 it leaves as it is.
+AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_like_weights(owner: str, argument: str, value: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raises ``ValueError`` unless the checked tensor ``value`` is on the device of the module's
+    weights (``weight``: a projection weight, whose dtype the module's matmuls need) and has their
+    dtype. Under ``torch.autocast`` for ``value``'s device float16, bfloat16 and float32 mix freely
+    (autocast casts them); float64 must still match. Reads metadata only: no tensor op, no sync."""
+    if value.device == weight.device and (
+        value.dtype == weight.dtype
+        or (value.dtype in AUTOCAST_DTYPES and weight.dtype in AUTOCAST_DTYPES
+            and torch.is_autocast_enabled(value.device.type))
+    ):
+        return
+    if value.device != weight.device:
+        rule = (
+            f"inputs must be on the device of the module's weights; move one, e.g. "
+            f"`{argument}.to('{weight.device}')` or module.to('{value.device}')"
+        )
+    else:
+        when = "under torch.autocast, which casts float16, bfloat16 and float32 but not float64," if (
+            torch.is_autocast_enabled(value.device.type)
+        ) else "outside torch.autocast"
+        rule = (
+            f"{when} inputs must have the dtype of the module's weights; convert one, e.g. "
+            f"`{argument}.to({weight.dtype})` or module.to({value.dtype})"
+        )
+    raise ValueError(
+        f"{owner}: `{argument}` is {value.dtype} on {value.device}, the module's weights are {weight.dtype} on "
+        f"{weight.device}: {rule}"
+    )
 
 
 def _check_mask_shape(owner: str, argument: str, mask, like: torch.Tensor, legend: str) -> None:

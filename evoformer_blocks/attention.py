@@ -199,10 +199,12 @@ class MSARowAttentionWithPairBias(_GatedAttention):
             ``[*, N_seq, N_res, c_m]``, the update of m (no residual added).
         """
         name = type(self).__name__
-        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        weights = self.linear_q.weight
+        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]", weights=weights)
         *batch, n_seq, n_res, _ = m.shape
         check_tensor(
-            name, "z", z, (*batch, n_res, n_res, self.c_z), f"[*, N_res={n_res}, N_res, c_z={self.c_z}] with m's batch dims", exact=True
+            name, "z", z, (*batch, n_res, n_res, self.c_z), f"[*, N_res={n_res}, N_res, c_z={self.c_z}] with m's batch dims",
+            exact=True, weights=weights,
         )
         if mask is not None:
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
@@ -270,7 +272,9 @@ class MSAColumnAttention(_GatedAttention):
             ``[*, N_seq, N_res, c_m]``, the update of m.
         """
         name = type(self).__name__
-        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        check_tensor(
+            name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]", weights=self.linear_q.weight
+        )
         if mask is not None:
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
         return self._normalized(self.layer_norm_m(m), mask, chunk_size)
@@ -323,7 +327,9 @@ class _TriangleAttention(_GatedAttention):
             ``[*, N_res, N_res, c_z]``, the update of z.
         """
         name = type(self).__name__
-        check_tensor(name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]")
+        check_tensor(
+            name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]", weights=self.linear_q.weight
+        )
         if z.shape[-3] != z.shape[-2]:
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
         if mask is not None:
@@ -452,7 +458,9 @@ class MSAColumnGlobalAttention(nn.Module):
             ``[*, N_seq, N_res, c_m]``, the update of m.
         """
         name = type(self).__name__
-        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        check_tensor(
+            name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]", weights=self.linear_q.weight
+        )
         if mask is None:
             mask = m.new_ones(m.shape[:-1])  # [*, N_seq, N_res]
         else:

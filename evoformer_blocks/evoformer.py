@@ -56,13 +56,16 @@ def _shared(mask_bias: torch.Tensor, owner: nn.Module, other: nn.Module) -> Opti
     return mask_bias if other.inf == owner.inf else None
 
 
-def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, c_m: int, c_z: int):
-    """Validates a block's or stack's inputs; returns the masks as 0/1 tensors of m's / z's dtype."""
-    check_tensor(owner, "m", m, (None, None, c_m), f"[*, N_seq, N_res, c_m={c_m}]")
+def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, block: "_MSABlock"):
+    """Validates the inputs of ``block`` (a stack's: its first block) once per block or stack call:
+    shapes, and the dtype and device of the block's weights; returns the masks as 0/1 tensors of
+    m's / z's dtype."""
+    c_m, c_z, weights = block.c_m, block.c_z, block.msa_att_row.linear_q.weight
+    check_tensor(owner, "m", m, (None, None, c_m), f"[*, N_seq, N_res, c_m={c_m}]", weights=weights)
     *batch, _, n_res, _ = m.shape
     check_tensor(
         owner, "z", z, (*batch, n_res, n_res, c_z), f"[*, N_res={n_res}, N_res, c_z={c_z}] with m's batch dims",
-        exact=True,
+        exact=True, weights=weights,
     )
     check_optional_positive_int(owner, "chunk_size", chunk_size)
     msa_mask = as_mask(owner, "msa_mask", msa_mask, m, "[*, N_seq, N_res]")
@@ -152,7 +155,7 @@ class _MSABlock(nn.Module):
         inference; the result equals the unchunked one up to floating-point rounding.
         """
         msa_mask, pair_mask = _check_inputs(
-            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self.c_m, self.c_z
+            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self
         )
         return self._update(m, z, msa_mask, pair_mask, chunk_size)
 
@@ -312,9 +315,8 @@ class _Stack(nn.Module):
     ):
         """Runs the blocks (see the class docstring for the outputs). ``chunk_size`` bounds the
         memory of attention, transitions and outer product mean at inference."""
-        block = self.blocks[0]
         msa_mask, pair_mask = _check_inputs(
-            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, block.c_m, block.c_z
+            type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self.blocks[0]
         )
         if self._graphs is not None:
             out = self._graphs.run(m, z, msa_mask, pair_mask, chunk_size)

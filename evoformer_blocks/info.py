@@ -32,7 +32,8 @@ def main() -> None:
         print(f"gpu        {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
     else:
         print("gpu        none visible")
-    if args.build:
+    error = None
+    if args.build:  # the build's outcome first: where it cannot run here, the first missing piece
         error = _build.load_error()
         print(f"build      {'ok' if error is None else error}")
         if error is None and torch.cuda.is_available():
@@ -40,6 +41,8 @@ def main() -> None:
 
             print(f"kernels    {kernel_family()} (EVOFORMER_BLOCKS_KERNELS=sm80 forces the portable ones)")
     status = _build.status()
+    if error is not None:
+        status.pop("build", None)  # said above
     for key, value in status.items():
         print(f"{key:<10} {value}")
     built = status.get("build", "").startswith("built")  # checking cutlass then loads it without compiling

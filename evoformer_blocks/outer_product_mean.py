@@ -173,7 +173,9 @@ class OuterProductMean(nn.Module):
         self, m: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
     ) -> torch.Tensor:
         name = type(self).__name__
-        check_tensor(name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]")
+        check_tensor(
+            name, "m", m, (None, None, self.c_m), f"[*, N_seq, N_res, c_m={self.c_m}]", weights=self.linear_1.weight
+        )
         check_optional_positive_int(name, "chunk_size", chunk_size)
         mask = as_mask(name, "mask", mask, m, "[*, N_seq, N_res]")  # [*, N_seq, N_res]
         return self._normalized(self.layer_norm(m), mask, chunk_size)

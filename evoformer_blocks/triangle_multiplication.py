@@ -54,7 +54,9 @@ class TriangleMultiplicativeUpdate(nn.Module):
         self, z: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
     ) -> torch.Tensor:
         name = type(self).__name__
-        check_tensor(name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]")
+        check_tensor(
+            name, "z", z, (None, None, self.c_z), f"[*, N_res, N_res, c_z={self.c_z}]", weights=self.linear_g.weight
+        )
         if z.shape[-2] != z.shape[-3]:
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
         if mask is not None:

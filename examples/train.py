@@ -49,11 +49,14 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from evoformer_blocks.config import PRESETS, get_config
+from evoformer_blocks.ops import backend_names, get_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import ProteinSet, collate, contact_map, make_proteins  # noqa: E402
 from plot import contact_figure, contact_panel, write_png  # noqa: E402
-from trunk import ContactTrunk, contact_probability, distance_bins, distogram_loss, top_l_precision  # noqa: E402
+from trunk import (  # noqa: E402
+    ContactTrunk, bins_below, contact_probability, distance_bins, distogram_loss, top_l_precision,
+)
 
 log = logging.getLogger("train")
 
@@ -67,6 +70,104 @@ def register_configs() -> None:
         preset = get_config(name)
         node = {"evoformer_stack": preset.evoformer_stack.to_dict(), "extra_msa_stack": preset.extra_msa_stack.to_dict()}
         store.store(group="model", name=f"{name}_preset", node=node)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks before any work
+
+
+PRECISIONS = ("auto", "bf16", "fp32")  # trainer.precision
+
+
+class ConfigError(ValueError):
+    """A setting that makes the run impossible or meaningless, found before any work is done; on the
+    command line the message is all that is printed (no traceback)."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def check_config(cfg: DictConfig, cuda_available: bool) -> None:
+    """Raises :class:`ConfigError` listing every setting of ``cfg`` that makes the run fail or mean
+    nothing (a step count below 1, an MSA deeper than the sampled one, ``backend=cutlass`` without a
+    CUDA GPU, ...), before any data are made or any model is built."""
+    t, d, model = cfg.trainer, cfg.data, cfg.model
+    problems = []
+
+    def need(ok: bool, key: str, value, rule: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r} {rule}")
+
+    for section, node, keys in (
+        ("trainer", t, ("steps", "batch_size", "log_every", "eval_every", "ckpt_every", "eval_batch_size")),
+        ("data", d, ("n_train", "n_val", "min_len", "max_len", "n_seq", "msa_depth", "sweeps")),
+        ("model", model, ("no_bins", "relpos_k")),
+    ):
+        for key in keys:
+            need(_is_int(node[key]) and node[key] >= 1, f"{section}.{key}", node[key], "must be an int >= 1")
+    for key in ("warmup_steps", "plot_proteins"):
+        need(_is_int(t[key]) and t[key] >= 0, f"trainer.{key}", t[key], "must be an int >= 0")
+    need(_is_int(d.extra_msa_depth) and d.extra_msa_depth >= (1 if model.use_extra_msa else 0),
+         "data.extra_msa_depth", d.extra_msa_depth,
+         "must be an int >= 1 with model.use_extra_msa" if model.use_extra_msa else "must be an int >= 0")
+    for key in ("eval_chunk_size", "num_threads"):
+        need(t[key] is None or (_is_int(t[key]) and t[key] >= 1), f"trainer.{key}", t[key], "must be null or an int >= 1")
+    need(_is_number(t.lr) and t.lr > 0, "trainer.lr", t.lr, "must be a positive number")
+    need(_is_number(t.grad_clip) and t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "must be a positive number")
+    need(_is_number(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", t.weight_decay, "must be a number >= 0")
+    need(t.precision in PRECISIONS, "trainer.precision", t.precision, "must be auto, bf16 or fp32")
+    need(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
+    for key in ("contact_cutoff", "coupling"):
+        need(_is_number(d[key]) and d[key] > 0, f"data.{key}", d[key], "must be a positive number")
+    need(_is_number(d.field) and d.field >= 0, "data.field", d.field, "must be a number >= 0")
+    if not problems:  # the relations between settings, once each is valid on its own
+        need(d.max_len >= d.min_len, "data.max_len", d.max_len, f"must be >= data.min_len={d.min_len}")
+        extra = d.extra_msa_depth if model.use_extra_msa else 0
+        need(d.msa_depth + extra <= d.n_seq, "data.msa_depth", d.msa_depth,
+             f"plus the extra MSA's {extra} rows must be at most the {d.n_seq} sampled sequences (data.n_seq)")
+        seps = t.min_separations
+        need(len(seps) > 0 and all(_is_int(s) and 1 <= s < d.max_len for s in seps), "trainer.min_separations",
+             list(seps), f"must be a non-empty list of ints from 1 to data.max_len - 1 = {d.max_len - 1}")
+        if _is_number(model.first_break) and _is_number(model.last_break) and 0 < model.first_break < model.last_break:
+            try:
+                bins_below(distance_bins(model.first_break, model.last_break, model.no_bins), d.contact_cutoff)
+            except ValueError as exc:
+                problems.append(f"data.contact_cutoff={d.contact_cutoff!r}: {exc} (model.first_break, last_break, no_bins)")
+        else:
+            problems.append(
+                f"model.first_break={model.first_break!r}, model.last_break={model.last_break!r} must be numbers "
+                "with 0 < first_break < last_break"
+            )
+    name = cfg.backend.name
+    if name not in backend_names():
+        problems.append(f"backend.name={name!r} must be one of {backend_names()}")
+    elif name == "cutlass":
+        caps = get_backend("cutlass").capabilities
+        if not cuda_available:
+            problems.append(
+                "backend=cutlass runs only on a CUDA GPU and none is visible here: use backend=auto (cutlass "
+                "where it can run, else eager) or backend=eager"
+            )
+        elif caps.min_compute_capability and torch.cuda.get_device_capability() < caps.min_compute_capability:
+            have, want = torch.cuda.get_device_capability(), caps.min_compute_capability
+            problems.append(
+                f"backend=cutlass needs compute capability {want[0]}.{want[1]} or newer and this GPU has "
+                f"{have[0]}.{have[1]}: use backend=auto or backend=eager"
+            )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def cpu_threads(num_threads: Optional[int], cores: int, processes: int) -> int:
+    """The threads of each of ``processes`` CPU processes on ``cores`` cores: ``num_threads``, at most
+    the cores per process (more threads than cores only compete); None: all the cores per process."""
+    per_process = max(1, cores // processes)
+    return per_process if num_threads is None else min(num_threads, per_process)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,7 +185,7 @@ class Dist:
         if torch.cuda.is_available():
             gpus = torch.cuda.device_count()
             if self.local_rank >= gpus:
-                raise ValueError(
+                raise ConfigError(
                     f"local rank {self.local_rank} of {self.local_world} processes on this node has no GPU: the node "
                     f"has {gpus} visible CUDA device(s) and each process trains on its own. Start at most {gpus} "
                     f"per node (torchrun --nproc_per_node={gpus}), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to "
@@ -160,7 +261,49 @@ def find_checkpoint(path: str) -> Path:
         found = sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
         if found:
             return found[-1]
-    raise ValueError(f"resume={path!r}: no checkpoint file there and no step_*.pt in it or its checkpoints/")
+    raise ConfigError(f"resume={path!r}: no checkpoint file there and no step_*.pt in it or its checkpoints/")
+
+
+def _flat(node, prefix: str) -> dict:
+    """A nested config as ``{"model.evoformer_stack.c_m": 32, ...}``."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}").items()}
+
+
+def load_checkpoint(path: Path, model, cfg: DictConfig, device: torch.device) -> dict:
+    """The checkpoint at ``path``, its weights loaded into ``model``. Raises :class:`ConfigError`
+    where they do not fit the model of this config, saying which model settings differ (from the
+    config saved in the checkpoint) and how many tensors, with an example, instead of every key."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    have, want = state["model"], model.state_dict()
+    missing = [k for k in want if k not in have]
+    unexpected = [k for k in have if k not in want]
+    reshaped = [k for k in want if k in have and have[k].shape != want[k].shape]
+    if missing or unexpected or reshaped:
+        saved = _flat(state.get("config", {}).get("model", {}), "model")
+        current = _flat(OmegaConf.to_container(cfg.model, resolve=True), "model")
+        differ = [
+            f"{k} is {saved.get(k, '(not set)')} there and {current.get(k, '(not set)')} here"
+            for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)
+        ]
+        counts = [
+            f"{len(keys)} {what} (e.g. {example(keys[0])})"
+            for keys, what, example in (
+                (missing, "of this model's tensors not in the checkpoint", str),
+                (unexpected, "of the checkpoint's tensors not in this model", str),
+                (reshaped, "tensors of another shape",
+                 lambda k: f"{k}: {list(have[k].shape)} there, {list(want[k].shape)} here"),
+            )
+            if keys
+        ]
+        settings = f"model settings that differ: {', '.join(differ)}" if differ else "no model setting differs"
+        raise ConfigError(
+            f"resume={cfg.resume}: the checkpoint {path} holds another model than this config builds; {settings}; "
+            f"{'; '.join(counts)}. Resume with the checkpoint's model settings (its run's .hydra/config.yaml)"
+        )
+    model.load_state_dict(have)
+    return state
 
 
 def save_checkpoint(path: Path, model, optimizer, step: int, cfg: DictConfig) -> None:
@@ -185,8 +328,8 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def autocast_context(device: torch.device, precision: str):
-    if precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision must be auto, bf16 or fp32, got {precision!r}")
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
@@ -232,8 +375,8 @@ def evaluate(model, proteins: ProteinSet, cfg: DictConfig, device, edges, keep: 
 
 
 def draw_contacts(path: Path, kept, min_separation: int) -> None:
-    panels = []
-    for probs, contacts in kept:
+    panels, titles = [], []
+    for k, (probs, contacts) in enumerate(kept):
         n = probs.shape[0]
         i, j = torch.triu_indices(n, n, offset=min_separation)
         top = torch.zeros(n, n, dtype=torch.bool)
@@ -241,7 +384,8 @@ def draw_contacts(path: Path, kept, min_separation: int) -> None:
             best = probs[i, j].topk(min(max(1, n // 5), i.numel())).indices
             top[i[best], j[best]] = True
         panels.append(contact_panel(probs, contacts, top))
-    write_png(str(path), contact_figure(panels))
+        titles.append(f"held-out protein {k + 1} (L = {n})")
+    write_png(str(path), contact_figure(panels, titles, min_separation))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,18 +396,42 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     """Trains as configured, writing logs, metrics, checkpoints and the figure under ``run_dir``
     (rank 0 only). Returns the final held-out metrics (on every rank)."""
     t_start = time.perf_counter()
+    check_config(cfg, torch.cuda.is_available())
     ctx = Dist()
     run_dir = Path(run_dir)
     if ctx.main:
         run_dir.mkdir(parents=True, exist_ok=True)
     t = cfg.trainer
     if ctx.device.type == "cpu":
-        torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // ctx.local_world))
+        torch.set_num_threads(cpu_threads(t.num_threads, os.cpu_count() or 1, ctx.local_world))
     if ctx.main:
         log.info(
             "device %s | world size %d | backend %s | precision %s | threads %d | run dir %s",
             ctx.device, ctx.world, cfg.backend.name, t.precision, torch.get_num_threads(), run_dir,
         )
+
+    # Model (and the checkpoint it resumes from) before the data, so that a model that does not fit
+    # fails in seconds. The same initial weights on every process (DDP also broadcasts rank 0's).
+    torch.manual_seed(cfg.seed)
+    edges = distance_bins(cfg.model.first_break, cfg.model.last_break, cfg.model.no_bins).to(ctx.device)
+    model = ContactTrunk(
+        evoformer_stack=OmegaConf.to_container(cfg.model.evoformer_stack, resolve=True),
+        extra_msa_stack=OmegaConf.to_container(cfg.model.extra_msa_stack, resolve=True) if cfg.model.use_extra_msa else None,
+        no_bins=cfg.model.no_bins,
+        relpos_k=cfg.model.relpos_k,
+        backend=cfg.backend.name,
+    ).to(ctx.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    start_step = 0
+    if cfg.resume:
+        path = find_checkpoint(cfg.resume)
+        state = load_checkpoint(path, model, cfg, ctx.device)
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+        if ctx.main:
+            log.info("resumed from %s at step %d", path, start_step)
+    if ctx.main:
+        log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
 
     # Data: every process builds the same proteins from the seeds and draws its own batches.
     d = cfg.data
@@ -280,29 +448,6 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             "data: %d training and %d held-out proteins, length %d-%d, %d sequences each (%.1fs)",
             d.n_train, d.n_val, d.min_len, d.max_len, d.n_seq, time.perf_counter() - t0,
         )
-
-    # Model: the same initial weights on every process (DDP also broadcasts rank 0's).
-    torch.manual_seed(cfg.seed)
-    edges = distance_bins(cfg.model.first_break, cfg.model.last_break, cfg.model.no_bins).to(ctx.device)
-    model = ContactTrunk(
-        evoformer_stack=OmegaConf.to_container(cfg.model.evoformer_stack, resolve=True),
-        extra_msa_stack=OmegaConf.to_container(cfg.model.extra_msa_stack, resolve=True) if cfg.model.use_extra_msa else None,
-        no_bins=cfg.model.no_bins,
-        relpos_k=cfg.model.relpos_k,
-        backend=cfg.backend.name,
-    ).to(ctx.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    start_step = 0
-    if cfg.resume:
-        path = find_checkpoint(cfg.resume)
-        state = torch.load(path, map_location=ctx.device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_step = state["step"]
-        if ctx.main:
-            log.info("resumed from %s at step %d", path, start_step)
-    if ctx.main:
-        log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     net = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None) if ctx.world > 1 else model
     if t.compile:
         net = torch.compile(net)
@@ -363,10 +508,11 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
 
     if start_step >= t.steps and ctx.main:  # nothing left to train: report the checkpoint's model
         metrics, _ = evaluate(model, val_set, cfg, ctx.device, edges)
-    if ctx.main:
+    if ctx.main:  # what this run wrote: nothing where a resumed run had no step left to train
+        written = [name for name in ("contacts.png", "metrics.jsonl", "checkpoints/") if (run_dir / name).exists()]
         log.info(
-            "done in %.1fs | held-out top-L/5 contact precision: %s | contacts.png, metrics.jsonl and "
-            "checkpoints/ in %s", time.perf_counter() - t_start, headline(metrics), run_dir,
+            "done in %.1fs | held-out top-L/5 contact precision: %s | %s", time.perf_counter() - t_start,
+            headline(metrics), f"{', '.join(written)} in {run_dir}" if written else "no files written",
         )
     ctx.barrier()
     ctx.close()
@@ -375,7 +521,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        train(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as exc:  # the message says it all: no traceback through Hydra
+        raise SystemExit(f"examples/train.py: {exc}") from None
 
 
 def _other_ranks_write_nothing() -> None:

@@ -102,14 +102,18 @@ def distogram_loss(logits: torch.Tensor, coords: torch.Tensor, pair_mask: torch.
     return per_protein.mean()
 
 
-def contact_probability(logits: torch.Tensor, edges: torch.Tensor, cutoff: float) -> torch.Tensor:
-    """P(distance < cutoff) from distogram logits: the mass of the bins whose upper edge is at most
-    ``cutoff`` (which must be one of the edges). Returns ``[B, L, L]``."""
+def bins_below(edges: torch.Tensor, cutoff: float) -> int:
+    """How many distogram bins lie below ``cutoff``, which must be one of the ``edges``."""
     hits = (edges - cutoff).abs() < 1e-4
     if not bool(hits.any()):
         raise ValueError(f"contact cutoff {cutoff} Å must be a distogram bin edge; edges are {edges.tolist()}")
-    n_bins = int(hits.nonzero()[0, 0]) + 1  # bins 0 .. n_bins-1 lie below the cutoff
-    return torch.softmax(logits.float(), dim=-1)[..., :n_bins].sum(dim=-1)
+    return int(hits.nonzero()[0, 0]) + 1  # bins 0 .. n-1
+
+
+def contact_probability(logits: torch.Tensor, edges: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """P(distance < cutoff) from distogram logits: the mass of the bins whose upper edge is at most
+    ``cutoff`` (which must be one of the edges). Returns ``[B, L, L]``."""
+    return torch.softmax(logits.float(), dim=-1)[..., : bins_below(edges, cutoff)].sum(dim=-1)
 
 
 def top_l_precision(

@@ -386,6 +386,85 @@ def test_bad_inputs_raise():
         stack(m, z, chunk_size=0)
 
 
+def _stacks_and_blocks():
+    """Every stack and block by class name, with float32 weights and the eager backend."""
+    return {
+        "EvoformerStack": evoformer_stack(dtype=torch.float32),
+        "ExtraMSAStack": extra_msa_stack(dtype=torch.float32),
+        "EvoformerBlock": EvoformerBlock(**TINY, backend="eager"),
+        "ExtraMSABlock": ExtraMSABlock(**TINY, backend="eager"),
+    }
+
+
+@pytest.mark.parametrize("name", ["EvoformerStack", "ExtraMSAStack", "EvoformerBlock", "ExtraMSABlock"])
+@pytest.mark.parametrize(
+    "argument, m_dtype, z_dtype",
+    [("m", F64, torch.float32), ("m", torch.bfloat16, torch.float32), ("z", torch.float32, torch.bfloat16)],
+)
+def test_inputs_of_another_dtype_than_the_weights_raise(name, argument, m_dtype, z_dtype):
+    module = _stacks_and_blocks()[name]
+    m, z, msa_mask, pair_mask = inputs(dtype=torch.float32)
+    m, z = m.to(m_dtype), z.to(z_dtype)
+    wrong = {"m": m_dtype, "z": z_dtype}[argument]
+    with pytest.raises(ValueError, match=rf"{name}: `{argument}` is {wrong} on cpu, the module's weights are "
+                                         r"torch.float32 on cpu: outside torch.autocast .* dtype"):
+        module(m, z, msa_mask, pair_mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        if wrong == F64:  # autocast never casts float64
+            with pytest.raises(ValueError, match=rf"`{argument}` is {wrong} .* under torch.autocast, which casts"):
+                module(m, z, msa_mask, pair_mask)
+            m, z = (t.bfloat16() if t.dtype == F64 else t for t in (m, z))
+        out = module(m, z, msa_mask, pair_mask)  # bfloat16 against float32 weights: the ops cast, it runs
+    assert all(torch.isfinite(t).all() for t in (out if isinstance(out, tuple) else (out,)))
+
+
+@pytest.mark.parametrize("name", ["EvoformerStack", "EvoformerBlock"])
+def test_inputs_on_another_device_than_the_weights_raise(name):
+    module = _stacks_and_blocks()[name]
+    m, z, _, _ = inputs(dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"{name}: `m` is torch.float32 on meta, .* on cpu: .* device"):
+        module(m.to("meta"), z)
+    with pytest.raises(ValueError, match=rf"{name}: `z` is torch.float32 on meta, .* on cpu: .* device"):
+        module(m, z.to("meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="`m` .* device"):
+        module(m.to("meta"), z)  # autocast casts dtypes, never devices
+
+
+def test_a_stack_checks_its_inputs_once(monkeypatch):
+    """The stack checks m and z against its weights once per call; its blocks do not check again."""
+    from evoformer_blocks import _checks
+
+    checked = []
+    check = _checks.check_like_weights
+    monkeypatch.setattr(_checks, "check_like_weights", lambda *a: checked.append(a[1]) or check(*a))
+    stack = evoformer_stack(no_blocks=3, dtype=torch.float32)
+    m, z, msa_mask, pair_mask = inputs(dtype=torch.float32)
+    stack(m, z, msa_mask, pair_mask)
+    assert checked == ["m", "z"]
+
+
+@pytest.mark.parametrize(
+    "make, shape, argument",
+    [
+        (lambda: PairTransition(c_z=5, n=2), (2, 6, 6, 5), "x"),
+        (lambda: OuterProductMean(c_m=6, c_z=5, c_hidden=3), (2, 4, 6, 6), "m"),
+        (lambda: TriangleMultiplicationOutgoing(c_z=5, c_hidden=4), (2, 6, 6, 5), "z"),
+        (lambda: TriangleMultiplicationIncoming(c_z=5, c_hidden=4), (2, 6, 6, 5), "z"),
+    ],
+)
+def test_pair_modules_check_dtype_and_device(make, shape, argument):
+    module = make()
+    name = type(module).__name__
+    x = torch.randn(shape)
+    for wrong in (x.double(), x.bfloat16()):
+        with pytest.raises(ValueError, match=rf"{name}: `{argument}` is {wrong.dtype} on cpu, .* torch.float32 on cpu"):
+            module(wrong)
+    with pytest.raises(ValueError, match=rf"{name}: `{argument}` is torch.float32 on meta, .* device"):
+        module(x.to("meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(module(x.bfloat16())).all()
+
+
 # --------------------------------------------------------------------------------------------
 # OpenFold state_dicts
 

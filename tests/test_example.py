@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import train as train_example  # noqa: E402
 from data import collate, contact_map, make_proteins  # noqa: E402
-from plot import write_png  # noqa: E402
+from plot import FONT, colour_bar, contact_figure, contact_panel, probability_colour, text_image, text_mask, write_png  # noqa: E402
 
 # A few seconds of training: tiny proteins, one block per stack, evaluation and checkpoints every 2 steps.
 TINY = [
@@ -65,6 +65,58 @@ def test_png_round_trip(tmp_path):
     assert torch.equal(read_png(tmp_path / "x.png"), image)
 
 
+def occurrences(image: torch.Tensor, pattern: torch.Tensor) -> int:
+    """How many times ``pattern`` ([h, w, 3] uint8) appears in ``image`` pixel for pixel: its inkiest
+    row is searched for in every image row as bytes, and each hit compared whole."""
+    (h, w, _), (height, width, _) = pattern.shape, image.shape
+    key = int((pattern != 255).any(-1).sum(-1).argmax())  # the row with the most non-white pixels
+    needle = bytes(pattern[key].flatten().tolist())
+    found = 0
+    for y in range(height - h + 1):
+        row = bytes(image[y + key].flatten().tolist())
+        at = row.find(needle)
+        while at != -1:
+            x = at // 3
+            if at % 3 == 0 and x + w <= width and torch.equal(image[y : y + h, x : x + w], pattern):
+                found += 1
+            at = row.find(needle, at + 1)
+    return found
+
+
+def test_font():
+    assert torch.equal(text_mask("1"), FONT["1"]) and FONT["1"].shape == (9, 5)
+    assert text_mask("ij").shape == (9, 11) and not text_mask("ij")[:, 5].any()  # one blank column between
+    assert text_image("P", vertical=True).shape == (5, 9, 3)
+    with pytest.raises(ValueError, match=r"no glyph for \['#'\]"):
+        text_mask("#1")
+
+
+def test_contact_figure_is_labelled():
+    gen = torch.Generator().manual_seed(0)
+    panels = []
+    for n in (20, 33):
+        probs = torch.rand(n, n, generator=gen)
+        contacts = torch.rand(n, n, generator=gen) < 0.2
+        top = torch.zeros(n, n, dtype=torch.bool)
+        top[0, 10] = top[1, 12] = True
+        panels.append(contact_panel(probs, contacts, top))
+    image = contact_figure(panels, ["first (L = 20)", "second (L = 33)"], min_separation=6)
+    for text, count in [("residue j", 2), ("first (L = 20)", 1), ("second (L = 33)", 1), ("P(contact)", 2),
+                        ("above the diagonal: predicted P(contact); below: true contacts", 1),
+                        ("top-L/5 predicted pair with |i - j| >= 6: a true contact", 1),
+                        ("true contact (below the diagonal)", 1), ("30", 2)]:
+        assert occurrences(image, text_image(text)) == count, text
+    assert occurrences(image, text_image("held-out contact maps", scale=2)) == 1
+    assert occurrences(image, text_image("residue i", vertical=True)) == 2
+    # the colour bar, 33 * 4 pixels high, is the colour map from 1 at the top to 0 at the bottom
+    bar = colour_bar(33 * 4)
+    assert occurrences(image, bar) == 1
+    column = torch.nonzero((bar == torch.tensor([0, 51, 140], dtype=torch.uint8)).all(-1))  # P = 1: its top row
+    row, col = column[0].tolist()
+    expected = probability_colour(torch.linspace(1, 0, 33 * 4)).round().to(torch.uint8)
+    assert torch.equal(bar[row : row + 33 * 4, col], expected)
+
+
 def test_model_presets_come_from_the_library():
     cfg = config("model=af2", "model.evoformer_stack.no_blocks=3")
     stack = cfg.model.evoformer_stack
@@ -103,6 +155,8 @@ def test_train_smoke(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002.pt", "step_000004.pt"]
     image = read_png(tmp_path / "contacts.png")
     assert image.shape[0] > 40 and image.shape[1] > 2 * 40
+    assert occurrences(image, text_image("residue j")) == 2 and occurrences(image, text_image("P(contact)")) == 2
+    assert occurrences(image, text_image("top-L/5 predicted pair with |i - j| >= 4: not a contact")) == 1
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -141,6 +195,87 @@ def test_two_process_ddp_with_gloo(tmp_path):
     # Rank 0 alone writes the run directory: one log, one metrics file, rank 0's checkpoints.
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "checkpoints", "contacts.png", "metrics.jsonl", "train.log"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002.pt", "step_000004.pt"]
+
+
+# name -> (overrides, what the message must say)
+BAD_CONFIGS = {
+    "no steps": (["trainer.steps=-1"], r"trainer.steps=-1 must be an int >= 1"),
+    "zero steps": (["trainer.steps=0"], r"trainer.steps=0 must be an int >= 1"),
+    "log_every 0": (["trainer.log_every=0"], r"trainer.log_every=0 must be an int >= 1"),
+    "batch 0": (["trainer.batch_size=0"], r"trainer.batch_size=0"),
+    "negative lr": (["trainer.lr=-0.1"], r"trainer.lr=-0.1 must be a positive number"),
+    "precision": (["trainer.precision=fp8"], r"trainer.precision='fp8' must be auto, bf16 or fp32"),
+    "threads 0": (["trainer.num_threads=0"], r"trainer.num_threads=0 must be null or an int >= 1"),
+    "two problems": (["trainer.steps=0", "data.n_train=0"], r"trainer.steps=0 .*; data.n_train=0"),
+    "lengths": (["data.min_len=40", "data.max_len=30"], r"data.max_len=30 must be >= data.min_len=40"),
+    "MSA deeper than sampled": (["data.msa_depth=100"], r"data.msa_depth=100 .* at most the 96 sampled"),
+    "separation past the length": (["trainer.min_separations=[12,64]"], r"trainer.min_separations=\[12, 64\]"),
+    "no separation": (["trainer.min_separations=[]"], r"trainer.min_separations=\[\]"),
+    "cutoff off the bins": (["data.contact_cutoff=7.5"], r"data.contact_cutoff=7.5: .* bin edge"),
+    "unknown backend": (["backend.name=fast"], r"backend.name='fast' must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_is_refused_before_any_work(case, tmp_path, monkeypatch):
+    overrides, message = BAD_CONFIGS[case]
+    monkeypatch.setattr(train_example, "make_proteins", lambda *a, **k: pytest.fail("data made for a bad config"))
+    monkeypatch.setattr(train_example, "ContactTrunk", lambda *a, **k: pytest.fail("model built for a bad config"))
+    with pytest.raises(train_example.ConfigError, match=message):
+        train_example.train(config(*overrides), str(tmp_path))
+
+
+def test_cutlass_without_a_gpu_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train_example, "make_proteins", lambda *a, **k: pytest.fail("data made for a bad config"))
+    with pytest.raises(train_example.ConfigError, match="backend=cutlass runs only on a CUDA GPU and none is visible"):
+        train_example.train(config("backend=cutlass"), str(tmp_path))
+    train_example.check_config(config("backend=auto"), cuda_available=False)  # auto and eager run anywhere
+    train_example.check_config(config("backend=eager"), cuda_available=False)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("trainer.steps=-1", "trainer.steps=-1 must be an int >= 1"), ("backend=cutlass", "backend=cutlass runs only on a CUDA GPU")],
+)
+def test_command_line_prints_a_bad_config_in_one_line(tmp_path, override, message):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, also on a machine with one
+    command = [sys.executable, str(ROOT / "examples" / "train.py"), override, f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    [line] = result.stderr.strip().splitlines()  # one line on stderr: the message
+    assert line.startswith(f"examples/train.py: {message}")
+    assert "Traceback" not in result.stdout + result.stderr and "Error executing job" not in result.stderr
+    assert "data:" not in (tmp_path / "train.log").read_text()  # refused before the data were made
+
+
+def test_resume_with_another_model_size_says_which(tmp_path):
+    train_example.train(config(*TINY, "trainer.steps=2"), str(tmp_path / "a"))
+    with pytest.raises(train_example.ConfigError) as info:
+        train_example.train(config(*TINY, "model.evoformer_stack.c_m=16", f"resume={tmp_path / 'a'}"), str(tmp_path / "b"))
+    message = str(info.value)
+    assert "model.evoformer_stack.c_m is 32 there and 16 here" in message
+    assert "tensors of another shape (e.g. " in message and len(message) < 800, message
+
+
+def test_done_line_names_only_the_files_written(tmp_path, caplog):
+    caplog.set_level("INFO", logger="train")
+    train_example.train(config(*TINY, "trainer.steps=2"), str(tmp_path / "a"))
+    assert f"contacts.png, metrics.jsonl, checkpoints/ in {tmp_path / 'a'}" in caplog.records[-1].getMessage()
+    # Resumed at its last step: nothing left to train, nothing written (it used to list all three)
+    train_example.train(config(*TINY, "trainer.steps=2", f"resume={tmp_path / 'a'}"), str(tmp_path / "b"))
+    assert caplog.records[-1].getMessage().endswith("| no files written")
+    assert not (tmp_path / "b" / "contacts.png").exists()
+
+
+def test_cpu_threads():
+    assert config().trainer.num_threads == 4  # a bound by default, not every core
+    assert train_example.cpu_threads(4, cores=128, processes=1) == 4
+    assert train_example.cpu_threads(4, cores=2, processes=1) == 2  # never more threads than cores
+    assert train_example.cpu_threads(4, cores=8, processes=4) == 2
+    assert train_example.cpu_threads(None, cores=128, processes=2) == 64  # null: all the cores
+    assert train_example.cpu_threads(None, cores=1, processes=2) == 1
 
 
 def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):

@@ -460,6 +460,26 @@ def test_forward_validation(case):
         call()
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_inputs_must_match_the_weights_outside_autocast(name):
+    # float32 weights: a float64 or bfloat16 input is refused by name (not a matmul's RuntimeError),
+    # an input on another device too; under autocast the ops cast, so bfloat16 inputs run
+    spec = SPECS[name]
+    module = spec.make(backend="eager")
+    inputs = spec.inputs((2,), torch.float32)
+    first = "z" if name.startswith("triangle") else "m"
+    for dtype in (F64, torch.bfloat16):
+        with pytest.raises(ValueError, match=rf"`{first}` is {dtype} on cpu, the module's weights are torch.float32"):
+            module(inputs[0].to(dtype), *inputs[1:])
+    with pytest.raises(ValueError, match=rf"`{first}` is torch.float32 on meta, .* on cpu: .* device"):
+        module(inputs[0].to("meta"), *inputs[1:])
+    if name == "msa_row":
+        with pytest.raises(ValueError, match=r"`z` is torch.float64 on cpu"):
+            module(inputs[0], inputs[1].double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(module(*(t.bfloat16() for t in inputs))).all()
+
+
 # ---------------------------------------------------------------- half precision, torch.compile
 
 

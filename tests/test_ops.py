@@ -304,6 +304,13 @@ INVALID = {
     "k other heads": (lambda a: {"k": a["k"][:, :, :, :1], "v": a["v"][:, :, :, :1]}, "k"),
     "k other batch": (lambda a: {"k": a["k"][:1], "v": a["v"][:1]}, "k"),
     "k other head dim": (lambda a: {"k": a["k"][..., :2], "v": a["v"][..., :2]}, "k"),
+    # one of k and v off q's shape: that one is named, not the other
+    "k alone other head dim": (lambda a: {"k": a["k"][..., :2]}, "k"),
+    "k alone other heads": (lambda a: {"k": a["k"][:, :, :, :1]}, "k"),
+    "k alone other batch": (lambda a: {"k": a["k"][:1]}, "k"),
+    "v alone other head dim": (lambda a: {"v": a["v"][..., :2]}, "v"),
+    "v alone other rows": (lambda a: {"v": a["v"][:, :2]}, "v"),
+    "k alone other length": (lambda a: {"k": a["k"][:, :, :4]}, "v"),
     "zero heads": (lambda a: {"q": a["q"][..., :0, :], "k": a["k"][..., :0, :], "v": a["v"][..., :0, :]}, "q"),
     "zero head dim": (lambda a: {"q": a["q"][..., :0], "k": a["k"][..., :0], "v": a["v"][..., :0]}, "q"),
     "k on meta": (lambda a: {"k": a["k"].to(META)}, "k"),

@@ -59,13 +59,14 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_wheel_declares_hydra_only_for_the_example(wheel):
+def test_wheel_declares_numpy_and_hydra_only_for_the_example(wheel):
+    # numpy: torch imports it at startup (and warns on every run without it) but does not require it
     with zipfile.ZipFile(wheel) as archive:
         [name] = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
         metadata = email.message_from_bytes(archive.read(name))
     requires = metadata.get_all("Requires-Dist")
     core = sorted(r.split(">")[0].split(";")[0].strip() for r in requires if "extra ==" not in r)
-    assert core == ["ml-collections", "ninja", "torch"]
+    assert core == ["ml-collections", "ninja", "numpy", "torch"]
     assert any(r.startswith("hydra-core") and 'extra == "example"' in r for r in requires)
 
 

@@ -155,13 +155,54 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+class CannotBuildHere(RuntimeError):
+    """A prerequisite of the build is missing on this machine (:func:`missing_prerequisite`)."""
+
+
+def nvcc() -> Optional[Path]:
+    """The nvcc a build would run (``bin/nvcc`` of torch's CUDA_HOME), or None where there is none."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    path = None if home is None else Path(home) / "bin" / "nvcc"
+    return path if path is not None and path.is_file() else None
+
+
+def missing_prerequisite() -> Optional[str]:
+    """Why the kernels cannot be built on this machine, the first missing piece in the order a user
+    would add them (a CUDA build of torch and a GPU, then nvcc, then the CUTLASS headers); None
+    when nothing is missing. A machine without a GPU builds only where TORCH_CUDA_ARCH_LIST names
+    the architectures (and torch is a CUDA build)."""
+    if torch.version.cuda is None:
+        return (
+            f"no CUDA GPU (this torch, {torch.__version__}, is a CPU-only build); the kernels need an NVIDIA "
+            "GPU and a CUDA build of torch (the eager backend runs here)"
+        )
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return (
+            "no CUDA GPU is visible; the kernels need an NVIDIA GPU, or TORCH_CUDA_ARCH_LIST naming the "
+            "architectures to build for (the eager backend runs here)"
+        )
+    if nvcc() is None:
+        return "nvcc not found: install the CUDA toolkit (nvcc) or set CUDA_HOME to it"
+    try:
+        cutlass_include_dir()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def load() -> str:
-    """Builds (once, under a lock) and loads the extension; returns its name. Raises on failure."""
+    """Builds (once, under a lock) and loads the extension; returns its name. Raises on failure
+    (:class:`CannotBuildHere` where a prerequisite is missing)."""
     global _loaded
     if _loaded is not None:
         return _loaded
     from torch.utils import cpp_extension
 
+    missing = missing_prerequisite()
+    if missing is not None:
+        raise CannotBuildHere(missing)
     include_dir = cutlass_include_dir()
     arch = arch_list()
     srcs = sources()
@@ -211,6 +252,8 @@ def load_error() -> Optional[str]:
     if _loaded is None and _load_error is None:
         try:
             load()
+        except CannotBuildHere as exc:
+            _load_error = f"cannot build the CUDA kernels here: {exc}"
         except Exception as exc:  # any build failure becomes a reason, never a crash of `auto`
             first = str(exc).strip().splitlines()
             _load_error = f"the CUDA extension failed to build or load: {type(exc).__name__}: " + (
@@ -231,12 +274,11 @@ def status() -> dict[str, str]:
         info["cutlass"] = f"{cutlass_version(include_dir)} at {include_dir}"
     except FileNotFoundError as exc:
         info["cutlass"] = f"not found ({exc})"
+    missing = missing_prerequisite()
+    if missing is not None:
+        info["build"] = f"cannot build here: {missing}"
         return info
-    try:
-        arch = arch_list()
-    except RuntimeError as exc:
-        info["build"] = f"cannot build here: {exc}"
-        return info
+    arch = arch_list()
     _, build_dir, library = _target(arch, include_dir)
     built = library.exists()
     info["arch"] = arch

@@ -127,6 +127,16 @@ def _fail(argument: str, rule: str, tensors: dict) -> None:
     raise ValueError(f"evoformer_attention: invalid `{argument}`: {rule}\n{describe(tensors)}")
 
 
+def _key_value_shape_error(q: torch.Size, k: torch.Size, v: torch.Size) -> tuple[str, str]:
+    """(argument, rule) for k and v whose shapes do not fit q's: q is the reference, so k (then v) is
+    named for a B, N, H or D other than q's, and v for a key length other than k's."""
+    for name, shape in (("k", k), ("v", v)):
+        wrong = [f"{dim}={shape[i]} (q's {dim}={q[i]})" for dim, i in zip("BNHD", (0, 1, 3, 4)) if shape[i] != q[i]]
+        if wrong:
+            return name, f"must be [B, N, Lk, H, D] with q's B, N, H and D, got {', '.join(wrong)}"
+    return "v", f"must have k's key length Lk={k[2]}, got Lk={v[2]}"
+
+
 def validate(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> AttentionInputs:
     """Checks the op's arguments and returns them as :class:`AttentionInputs`.
 
@@ -149,11 +159,9 @@ def validate(q, k, v, mask_bias=None, pair_bias=None, scale=None) -> AttentionIn
         _fail("k" if k.dtype != q.dtype else "v", "q, k and v must share one dtype", tensors)
     if k.device != q.device or v.device != q.device:
         _fail("k" if k.device != q.device else "v", "q, k and v must be on one device", tensors)
-    if k.shape != v.shape:
-        _fail("v", "k and v must have the same shape [B, N, Lk, H, D]", tensors)
     batch, rows, len_q, heads, head_dim = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3], k.shape[4]) != (batch, rows, heads, head_dim):
-        _fail("k", "k must be [B, N, Lk, H, D] with q's B, N, H and D", tensors)
+    if k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3], k.shape[4]) != (batch, rows, heads, head_dim):
+        _fail(*_key_value_shape_error(q.shape, k.shape, v.shape), tensors)
     len_k = k.shape[2]
     if heads < 1 or head_dim < 1:
         _fail("q", "H and D must be at least 1 (B, N, Lq and Lk may be 0)", tensors)
