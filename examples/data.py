@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -186,9 +187,11 @@ def contact_map(coords: torch.Tensor, mask: torch.Tensor, cutoff: float) -> torc
 
 
 def collate(
-    proteins: ProteinSet, index: torch.Tensor, depth: int, generator: torch.Generator, extra_depth: int = 0
+    proteins: ProteinSet, index: torch.Tensor, depth: int, generator: torch.Generator, extra_depth: int = 0,
+    pad_to: Optional[int] = None,
 ) -> dict:
-    """A batch of the proteins ``index``, cropped to their longest length.
+    """A batch of the proteins ``index``, cropped to their longest length (``pad_to``: padded to that
+    length instead, at least the longest, so that every batch has one shape).
 
     MSA rows: the query row, then ``depth - 1`` other rows drawn at random (fresh for every call);
     with ``extra_depth`` > 0 another ``extra_depth`` random rows form the extra MSA.
@@ -199,6 +202,11 @@ def collate(
     """
     batch = proteins.subset(index)
     length = int(batch.lengths.max())
+    if pad_to is not None:
+        if not length <= pad_to <= batch.msa.shape[-1]:
+            raise ValueError(f"pad_to={pad_to} must lie between the longest protein ({length}) and the "
+                             f"stored length ({batch.msa.shape[-1]})")
+        length = pad_to
     n_rows = batch.msa.shape[1]
     if depth < 1 or extra_depth < 0 or depth + extra_depth > n_rows:
         raise ValueError(

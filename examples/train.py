@@ -122,6 +122,10 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> None:
     need(_is_number(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", t.weight_decay, "must be a number >= 0")
     need(t.precision in PRECISIONS, "trainer.precision", t.precision, "must be auto, bf16 or fp32")
     need(isinstance(t.compile, bool), "trainer.compile", t.compile, "must be true or false")
+    need(t.cuda_graphs in ("auto", True, False), "trainer.cuda_graphs", t.cuda_graphs, "must be auto, true or false")
+    if t.cuda_graphs is True:
+        reason = graphs_unavailable(cfg, cuda_available)
+        need(reason is None, "trainer.cuda_graphs", True, f"cannot serve: {reason}")
     for key in ("contact_cutoff", "coupling"):
         need(_is_number(d[key]) and d[key] > 0, f"data.{key}", d[key], "must be a positive number")
     need(_is_number(d.field) and d.field >= 0, "data.field", d.field, "must be a number >= 0")
@@ -323,6 +327,24 @@ def save_checkpoint(path: Path, model, optimizer, step: int, cfg: DictConfig) ->
 # Evaluation
 
 
+def graphs_unavailable(cfg: DictConfig, cuda_available: bool) -> Optional[str]:
+    """Why the stacks' CUDA graphs cannot serve this run, or None."""
+    if not cuda_available:
+        return "no CUDA GPU is visible"
+    if cfg.backend.name == "eager":
+        return "backend=eager (graphs replay the fused kernels)"
+    if cfg.trainer.compile:
+        return "trainer.compile=true (torch.compile runs the stacks itself)"
+    return None
+
+
+def use_cuda_graphs(cfg: DictConfig, device: torch.device) -> bool:
+    """trainer.cuda_graphs resolved for this run (auto: wherever they can serve)."""
+    if cfg.trainer.cuda_graphs == "auto":
+        return graphs_unavailable(cfg, device.type == "cuda") is None
+    return bool(cfg.trainer.cuda_graphs)
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -350,9 +372,10 @@ def evaluate(model, proteins: ProteinSet, cfg: DictConfig, device, edges, keep: 
     generator = torch.Generator().manual_seed(0)  # the same MSA rows at every evaluation
     losses, precision, baseline, kept = [], {}, {}, []
     extra = cfg.data.extra_msa_depth if cfg.model.use_extra_msa else 0
+    pad_to = cfg.data.max_len if use_cuda_graphs(cfg, device) else None
     for start in range(0, len(proteins), cfg.trainer.eval_batch_size):
         index = torch.arange(start, min(start + cfg.trainer.eval_batch_size, len(proteins)))
-        batch = to_device(collate(proteins, index, cfg.data.msa_depth, generator, extra), device)
+        batch = to_device(collate(proteins, index, cfg.data.msa_depth, generator, extra, pad_to), device)
         with autocast_context(device, cfg.trainer.precision):
             logits = run_model(model, batch, cfg.trainer.eval_chunk_size)
         losses.append(distogram_loss(logits, batch["coords"], batch["pair_mask"], edges).item() * len(index))
@@ -404,10 +427,12 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     t = cfg.trainer
     if ctx.device.type == "cpu":
         torch.set_num_threads(cpu_threads(t.num_threads, os.cpu_count() or 1, ctx.local_world))
+    graphs = use_cuda_graphs(cfg, ctx.device)
     if ctx.main:
         log.info(
-            "device %s | world size %d | backend %s | precision %s | threads %d | run dir %s",
-            ctx.device, ctx.world, cfg.backend.name, t.precision, torch.get_num_threads(), run_dir,
+            "device %s | world size %d | backend %s | precision %s | threads %d | CUDA graphs %s | run dir %s",
+            ctx.device, ctx.world, cfg.backend.name, t.precision, torch.get_num_threads(),
+            "on" if graphs else "off", run_dir,
         )
 
     # Model (and the checkpoint it resumes from) before the data, so that a model that does not fit
@@ -420,6 +445,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         no_bins=cfg.model.no_bins,
         relpos_k=cfg.model.relpos_k,
         backend=cfg.backend.name,
+        cuda_graphs=graphs,
     ).to(ctx.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     start_step = 0
@@ -475,7 +501,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(seed)
         index = torch.randint(len(train_set), (t.batch_size,), generator=generator)
-        batch = to_device(collate(train_set, index, d.msa_depth, generator, extra), ctx.device)
+        batch = to_device(collate(train_set, index, d.msa_depth, generator, extra, d.max_len if graphs else None), ctx.device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         with autocast_context(ctx.device, t.precision):

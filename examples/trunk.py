@@ -31,7 +31,8 @@ class ContactTrunk(nn.Module):
     head is a Linear on ``z`` symmetrized over ``(i, j)``.
 
     ``evoformer_stack`` / ``extra_msa_stack`` are the stacks' keyword arguments (a preset section of
-    :func:`evoformer_blocks.config.get_config`); ``backend`` reaches every attention.
+    :func:`evoformer_blocks.config.get_config`); ``backend`` reaches every attention;
+    ``cuda_graphs`` is both stacks' switch (they replay CUDA graphs; inputs of one shape per step).
     """
 
     def __init__(
@@ -41,6 +42,7 @@ class ContactTrunk(nn.Module):
         relpos_k: int,
         extra_msa_stack: Optional[dict] = None,
         backend: Optional[str] = None,
+        cuda_graphs: bool = False,
     ):
         super().__init__()
         c_m, c_z = evoformer_stack["c_m"], evoformer_stack["c_z"]
@@ -53,8 +55,8 @@ class ContactTrunk(nn.Module):
         self.extra_msa = None
         if extra_msa_stack is not None:
             self.extra_msa_embed = Linear(NUM_TOKENS, extra_msa_stack["c_m"])
-            self.extra_msa = ExtraMSAStack.from_config(extra_msa_stack, backend=backend)
-        self.evoformer = EvoformerStack.from_config(evoformer_stack, backend=backend)
+            self.extra_msa = ExtraMSAStack.from_config(extra_msa_stack, backend=backend, cuda_graphs=cuda_graphs)
+        self.evoformer = EvoformerStack.from_config(evoformer_stack, backend=backend, cuda_graphs=cuda_graphs)
         # The stack's single representation feeds AF2's structure module; this trunk has none, so
         # that projection gets no gradient (frozen, which DistributedDataParallel requires).
         self.evoformer.linear.requires_grad_(False)

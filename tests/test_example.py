@@ -288,3 +288,54 @@ def test_more_processes_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"local rank 1 of 2 .* 1 visible CUDA device.*--nproc_per_node=1"):
         train_example.Dist()
+
+
+def test_batches_padded_to_one_length():
+    proteins = make_proteins(
+        5, min_len=10, max_len=20, n_seq=6, sweeps=1, coupling=1.0, field=0.5, contact_cutoff=8.0,
+        seed=1, interaction_seed=0,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for index in (torch.tensor([0, 1]), torch.tensor([2, 3, 4])):
+        batch = collate(proteins, index, depth=3, generator=gen, extra_depth=2, pad_to=20)
+        assert batch["msa"].shape[-1] == 20 and batch["pair_mask"].shape[-2:] == (20, 20)
+        lengths = proteins.lengths[index]
+        beyond = torch.arange(20)[None, :] >= lengths[:, None]  # [B, 20]: the padding
+        assert torch.all(batch["seq_mask"][beyond] == 0) and torch.all(batch["seq_mask"][~beyond] == 1)
+        assert torch.all(batch["msa_mask"].transpose(1, 2)[beyond] == 0)
+    with pytest.raises(ValueError, match="pad_to=25 must lie between"):
+        collate(proteins, torch.tensor([0]), depth=3, generator=gen, pad_to=25)
+
+
+def test_cuda_graphs_setting(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not train_example.use_cuda_graphs(config(), cpu)  # auto: off without a GPU
+    train_example.check_config(config("trainer.cuda_graphs=false"), cuda_available=False)
+    with pytest.raises(train_example.ConfigError, match="trainer.cuda_graphs=True cannot serve: no CUDA GPU"):
+        train_example.check_config(config("trainer.cuda_graphs=true"), cuda_available=False)
+    with pytest.raises(train_example.ConfigError, match="cannot serve: backend=eager"):
+        train_example.check_config(config("trainer.cuda_graphs=true", "backend=eager"), cuda_available=True)
+    with pytest.raises(train_example.ConfigError, match="trainer.cuda_graphs='yes' must be auto, true or false"):
+        train_example.check_config(config("trainer.cuda_graphs=yes"), cuda_available=False)
+    gpu = torch.device("cuda", 0)
+    assert train_example.use_cuda_graphs(config(), gpu)
+    assert not train_example.use_cuda_graphs(config("trainer.compile=true"), gpu)
+    assert not train_example.use_cuda_graphs(config("backend=eager"), gpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA GPU of compute capability >= 8.0")
+def test_train_on_gpu_replays_cuda_graphs(tmp_path, caplog):
+    """On a GPU the example trains with the stacks' CUDA graphs by default (batches padded to one
+    length); its losses follow a run without graphs."""
+    gpu = [o for o in TINY if o != "backend=eager"] + ["backend=auto", "trainer.steps=6", "model.use_extra_msa=true"]
+    with caplog.at_level("INFO"):
+        with_graphs = train_example.train(config(*gpu), str(tmp_path / "graphs"))
+    assert "CUDA graphs on" in caplog.text
+    assert "cuda_graphs: EvoformerStack: captured the training step" in caplog.text
+    assert "cuda_graphs: ExtraMSAStack: captured the training step" in caplog.text
+    assert "running without graphs" not in caplog.text
+    without = train_example.train(config(*gpu, "trainer.cuda_graphs=false"), str(tmp_path / "plain"))
+    assert all(torch.isfinite(torch.tensor(v)) for v in with_graphs.values())
+    assert abs(with_graphs["val_loss"] - without["val_loss"]) <= 0.03 * abs(without["val_loss"])
