@@ -358,6 +358,10 @@ class StackGraphs:
             grads = torch.autograd.grad(differentiable, wrt, grad_outputs=entry.grad_outputs, allow_unused=True)
             n_inputs = len(wrt) - len(entry.params)
             entry.input_grads = list(grads[:n_inputs])
+        # The outputs as plain tensors: kept with their autograd graph they would keep that graph's
+        # nodes alive, among them the parameters' gradient accumulators, created on the capture
+        # stream, and every replay's backward would then synchronise that stream per parameter.
+        entry.outputs = tuple(o.detach() for o in entry.outputs)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, g in enumerate(grads[n_inputs:]):
             if g is not None:
