@@ -135,8 +135,9 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> None:
         need(d.msa_depth + extra <= d.n_seq, "data.msa_depth", d.msa_depth,
              f"plus the extra MSA's {extra} rows must be at most the {d.n_seq} sampled sequences (data.n_seq)")
         seps = t.min_separations
-        need(len(seps) > 0 and all(_is_int(s) and 1 <= s < d.max_len for s in seps), "trainer.min_separations",
-             list(seps), f"must be a non-empty list of ints from 1 to data.max_len - 1 = {d.max_len - 1}")
+        need(OmegaConf.is_list(seps) and len(seps) > 0 and all(_is_int(s) and 1 <= s < d.max_len for s in seps),
+             "trainer.min_separations", list(seps) if OmegaConf.is_list(seps) else seps,
+             f"must be a non-empty list of ints from 1 to data.max_len - 1 = {d.max_len - 1}")
         if _is_number(model.first_break) and _is_number(model.last_break) and 0 < model.first_break < model.last_break:
             try:
                 bins_below(distance_bins(model.first_break, model.last_break, model.no_bins), d.contact_cutoff)

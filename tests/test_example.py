@@ -211,6 +211,7 @@ BAD_CONFIGS = {
     "MSA deeper than sampled": (["data.msa_depth=100"], r"data.msa_depth=100 .* at most the 96 sampled"),
     "separation past the length": (["trainer.min_separations=[12,64]"], r"trainer.min_separations=\[12, 64\]"),
     "no separation": (["trainer.min_separations=[]"], r"trainer.min_separations=\[\]"),
+    "separation not a list": (["trainer.min_separations=12"], r"trainer.min_separations=12 must be a non-empty list"),
     "cutoff off the bins": (["data.contact_cutoff=7.5"], r"data.contact_cutoff=7.5: .* bin edge"),
     "unknown backend": (["backend.name=fast"], r"backend.name='fast' must be one of"),
 }
