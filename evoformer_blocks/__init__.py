@@ -15,7 +15,12 @@ from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSASt
 from .outer_product_mean import OuterProductMean
 from .primitives import LayerNorm, Linear
 from .transitions import MSATransition, PairTransition
-from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+from .triangle_multiplication import (
+    FusedTriangleMultiplicationIncoming,
+    FusedTriangleMultiplicationOutgoing,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +37,8 @@ __all__ = [
     "OuterProductMean",
     "TriangleMultiplicationOutgoing",
     "TriangleMultiplicationIncoming",
+    "FusedTriangleMultiplicationOutgoing",
+    "FusedTriangleMultiplicationIncoming",
     "DropoutRowwise",
     "DropoutColumnwise",
     "LayerNorm",

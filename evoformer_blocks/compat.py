@@ -42,7 +42,12 @@ from .attention import (
 from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSAStack
 from .outer_product_mean import OuterProductMean
 from .transitions import MSATransition, PairTransition
-from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+from .triangle_multiplication import (
+    FusedTriangleMultiplicationIncoming,
+    FusedTriangleMultiplicationOutgoing,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 __all__ = [
     "Converter",
@@ -161,6 +166,25 @@ register_converter(
         children=_TRIANGLE_MULTIPLICATION,
     ),
 )
+# AF2-Multimer's fused input projections (OpenFold's fuse_projection_weights): linear_ab_p and
+# linear_ab_g in place of the four linear_a_p/a_g/b_p/b_g
+_FUSED_TRIANGLE_MULTIPLICATION = _same(
+    "layer_norm_in", "linear_ab_p", "linear_ab_g", "linear_g", "linear_z", "layer_norm_out"
+)
+register_converter(
+    FusedTriangleMultiplicationOutgoing,
+    Converter(
+        "openfold.model.triangular_multiplicative_update.FusedTriangleMultiplicationOutgoing",
+        children=_FUSED_TRIANGLE_MULTIPLICATION,
+    ),
+)
+register_converter(
+    FusedTriangleMultiplicationIncoming,
+    Converter(
+        "openfold.model.triangular_multiplicative_update.FusedTriangleMultiplicationIncoming",
+        children=_FUSED_TRIANGLE_MULTIPLICATION,
+    ),
+)
 _BLOCK = {
     **_same("msa_att_row", "msa_att_col", "msa_transition", "outer_product_mean"),
     **{f"pair_stack.{name}": name for name in ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end", "pair_transition")},
@@ -205,6 +229,8 @@ def _key_map(module: nn.Module, path: str) -> dict[str, str]:
         out.update({name: name for name in module.state_dict() if "." not in name})
     out.update(converter.tensors)
     for openfold_child, our_child in converter.children.items():
+        if getattr(module, our_child, 0) is None:  # an optional submodule left out (no tensors)
+            continue
         for openfold_path, our_path in _expand(module, openfold_child, our_child):
             try:
                 child = module.get_submodule(our_path)

@@ -19,6 +19,7 @@ shared widths ``c_m``, ``c_z``, ``c_s``, ``c_e`` at the top: the sections refer 
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import ml_collections
 
 PRESETS = ("af2", "small")
+logger = logging.getLogger("evoformer_blocks")
 
 
 def _preset(
@@ -121,12 +123,25 @@ def _as_dict(owner: str, cfg: Any) -> dict:
 def build_from_config(cls, cfg: Any, section: str, overrides: dict):
     """``cls(**arguments)`` from a config: a mapping (``ConfigDict``, ``DictConfig``, dict) of the
     constructor's arguments, or a whole preset that holds them under ``section``; ``overrides``
-    win over the config. Unknown or missing arguments raise ``ValueError`` naming them."""
+    win over the config. Keys named in ``cls.openfold_ignored_keys`` (where the class has it) are
+    dropped, the list logged; ``cls._openfold_arguments`` (where it has it) translates the rest of
+    an OpenFold section. Unknown or missing arguments raise ``ValueError`` naming them."""
     owner = cls.__name__
     arguments = _as_dict(owner, cfg)
     if section in arguments:
         arguments = _as_dict(owner, arguments[section])
     arguments.update(overrides)
+    ignored = getattr(cls, "openfold_ignored_keys", {})
+    dropped = sorted(key for key in arguments if key in ignored)
+    if dropped:
+        logger.info(
+            "%s.from_config: ignored the OpenFold keys %s (%s)", owner, dropped,
+            "; ".join(f"{key}: {ignored[key]}" for key in dropped),
+        )
+        arguments = {key: value for key, value in arguments.items() if key not in ignored}
+    translate = getattr(cls, "_openfold_arguments", None)
+    if translate is not None:
+        arguments = translate(arguments)
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p != "self"]
     unknown = sorted(set(arguments) - set(accepted))

@@ -183,10 +183,14 @@ def _algorithm_6(block, m, z, msa_mask, pair_mask):
     a multiplication by the block's keep-masks (AF2 supplement Algorithm 6), the order of the
     block's docstring."""
     keep = [1 if k is None else k for k in block.dropout_masks(m, z)]
+    if block.opm_first:  # AF2-Multimer
+        z = z + block.outer_product_mean(m, msa_mask)
     m = m + block.msa_att_row(m, z, msa_mask) * keep[0]
-    m = m + block.msa_att_col(m, msa_mask)
+    if block.msa_att_col is not None:
+        m = m + block.msa_att_col(m, msa_mask)
     m = m + block.msa_transition(m, msa_mask)
-    z = z + block.outer_product_mean(m, msa_mask)
+    if not block.opm_first:
+        z = z + block.outer_product_mean(m, msa_mask)
     z = z + block.tri_mul_out(z, pair_mask) * keep[1]
     z = z + block.tri_mul_in(z, pair_mask) * keep[2]
     z = z + block.tri_att_start(z, pair_mask) * keep[3]
@@ -195,14 +199,22 @@ def _algorithm_6(block, m, z, msa_mask, pair_mask):
     return m, z
 
 
+MULTIMER_OPTIONS = [{}, {"opm_first": True}, {"fuse_projection_weights": True}, {"no_column_attention": True},
+                    {"opm_first": True, "no_column_attention": True}]
+
+
 @pytest.mark.parametrize("cls", [EvoformerBlock, ExtraMSABlock])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_block_is_algorithm_6(cls, train):
+@pytest.mark.parametrize("options", MULTIMER_OPTIONS, ids=lambda o: "+".join(o) or "af2")
+def test_block_is_algorithm_6(cls, train, options):
     """The block's fused glue (residual adds with the next layer norm, masks and dropout masks
     scaling the update inside that add, shared mask biases) computes the algorithm as written, its
     gradients too; in training mode with the same dropout masks (the block's dropout_masks, drawn
-    from the same RNG state)."""
-    block = randomize_(cls(**TINY, backend="eager")).to(F64).train(train)
+    from the same RNG state); with AF2-Multimer's options too (the outer product mean first, no
+    column attention: the Evoformer block's)."""
+    if cls is ExtraMSABlock and "no_column_attention" in options:
+        pytest.skip("OpenFold's no_column_attention is the Evoformer block's option")
+    block = randomize_(cls(**TINY, **options, backend="eager")).to(F64).train(train)
     m, z, msa_mask, pair_mask = inputs()
     outs, grads = [], []
     for fn in (block, lambda *args: _algorithm_6(block, *args)):
