@@ -29,7 +29,7 @@ from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
 from .ops import add_layer_norm, layer_norm_keeping_input
 from .primitives import LayerNorm, Linear
-from .transitions import MSATransition, PairTransition
+from .transitions import MSATransition, PairTransition, SwiGLUTransition
 from .triangle_multiplication import (
     FusedTriangleMultiplicationIncoming,
     FusedTriangleMultiplicationOutgoing,
@@ -75,7 +75,63 @@ def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, c_m: int, c
     return msa_mask, pair_mask  # [*, N_seq, N_res], [*, N_res, N_res]
 
 
-class _MSABlock(nn.Module):
+class _PairUpdates(nn.Module):
+    """The pair side shared by the blocks (Evoformer, extra-MSA, AF3's Pairformer and MSA module):
+    ``tri_mul_out``, ``tri_mul_in``, ``tri_att_start``, ``tri_att_end``, ``pair_transition`` and the
+    pair dropouts, run by :meth:`_pair_updates` on checked inputs."""
+
+    def _add_pair_stack(
+        self, c_z, c_hidden_mul, c_hidden_pair_att, no_heads_pair, transition_n, pair_dropout, inf, backend,
+        fuse_projection_weights: bool = False, af3: bool = False, bias_ik: bool = False,
+    ) -> None:
+        """The pair updates (both triangle multiplications, with ``fuse_projection_weights`` in
+        AF2-Multimer's fused form, both triangle attentions, the pair transition) and the pair
+        dropouts. With ``af3``, AlphaFold 3's forms (supplement Algorithms 12-15 and 11): no biases
+        in the triangle updates' projections, a SwiGLU pair transition; ``bias_ik``: the ending-node
+        attention's bias as OpenFold3's pair block takes it."""
+        mul_out, mul_in = (
+            (FusedTriangleMultiplicationOutgoing, FusedTriangleMultiplicationIncoming) if fuse_projection_weights
+            else (TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming)
+        )
+        bias = not af3
+        self.tri_mul_out = mul_out(c_z, c_hidden_mul, backend=backend, bias=bias)
+        self.tri_mul_in = mul_in(c_z, c_hidden_mul, backend=backend, bias=bias)
+        self.tri_att_start = TriangleAttentionStartingNode(
+            c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend, bias=bias
+        )
+        self.tri_att_end = TriangleAttentionEndingNode(
+            c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend, bias=bias, bias_ik=bias_ik
+        )
+        self.pair_transition = (SwiGLUTransition if af3 else PairTransition)(c_z, transition_n, backend=backend)
+        self.pair_dropout_row = DropoutRowwise(pair_dropout)
+        self.pair_dropout_col = DropoutColumnwise(pair_dropout)
+
+    def _pair_updates(self, z, pair_mask, chunk_size, keep):
+        """z after the pair updates (both triangle multiplications, both triangle attentions, the
+        pair transition; ``keep``: their four dropout keep-masks, None where off) from checked
+        inputs."""
+        keep_out, keep_in, keep_start, keep_end = keep
+        z = self.tri_mul_out._adding_to_input(z, pair_mask, keep_out)
+        z, update = self.tri_mul_in._keeping_input(z, pair_mask)
+        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
+        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
+        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
+        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
+        update = self.tri_att_end._normalized(
+            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
+        )
+        del pair_bias
+        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end)
+        return self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
+
+    def pair_dropout_masks(self, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        """The four pair dropout keep-masks of :meth:`_pair_updates` for z (two draws)."""
+        pair_rows = self.pair_dropout_row.keep_masks(z, 3)
+        (pair_col,) = self.pair_dropout_col.keep_masks(z, 1)
+        return (*pair_rows, pair_col)
+
+
+class _MSABlock(_PairUpdates):
     """The Evoformer block; subclasses choose the MSA column attention (Algorithm 6 or 18).
 
     Updates, in order (residual adds; dropout only in training mode)::
@@ -146,26 +202,6 @@ class _MSABlock(nn.Module):
             fuse_projection_weights,
         )
         self.msa_dropout_row = DropoutRowwise(msa_dropout)
-
-    def _add_pair_stack(
-        self, c_z, c_hidden_mul, c_hidden_pair_att, no_heads_pair, transition_n, pair_dropout, inf, backend,
-        fuse_projection_weights: bool = False,
-    ) -> None:
-        """The pair updates (both triangle multiplications, with ``fuse_projection_weights`` in
-        AF2-Multimer's fused form, both triangle attentions, the pair transition) and the pair
-        dropouts, shared by every block whose pair side is AF2's (Evoformer, extra-MSA, AF3's
-        Pairformer and MSA module)."""
-        mul_out, mul_in = (
-            (FusedTriangleMultiplicationOutgoing, FusedTriangleMultiplicationIncoming) if fuse_projection_weights
-            else (TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming)
-        )
-        self.tri_mul_out = mul_out(c_z, c_hidden_mul, backend=backend)
-        self.tri_mul_in = mul_in(c_z, c_hidden_mul, backend=backend)
-        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
-        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
-        self.pair_transition = PairTransition(c_z, transition_n, backend=backend)
-        self.pair_dropout_row = DropoutRowwise(pair_dropout)
-        self.pair_dropout_col = DropoutColumnwise(pair_dropout)
 
     def _column_attention(self, c_m, c_hidden, no_heads, inf, backend, **kwargs) -> nn.Module:
         raise NotImplementedError("subclasses choose the MSA column attention")
@@ -246,31 +282,6 @@ class _MSABlock(nn.Module):
             z = opm._normalized(m_ln, msa_mask, chunk_size, residual=z)
         z = self._pair_updates(z, pair_mask, chunk_size, (keep_out, keep_in, keep_start, keep_end))
         return m, z
-
-    def _pair_updates(self, z, pair_mask, chunk_size, keep):
-        """z after the pair updates (both triangle multiplications, both triangle attentions, the
-        pair transition; ``keep``: their four dropout keep-masks, None where off) from checked
-        inputs."""
-        keep_out, keep_in, keep_start, keep_end = keep
-        z = self.tri_mul_out._adding_to_input(z, pair_mask, keep_out)
-        z, update = self.tri_mul_in._keeping_input(z, pair_mask)
-        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
-        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
-        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
-        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
-        update = self.tri_att_end._normalized(
-            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
-        )
-        del pair_bias
-        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end)
-        return self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
-
-    def pair_dropout_masks(self, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        """The four pair dropout keep-masks of :meth:`_pair_updates` for z (two draws)."""
-        pair_rows = self.pair_dropout_row.keep_masks(z, 3)
-        (pair_col,) = self.pair_dropout_col.keep_masks(z, 1)
-        return (*pair_rows, pair_col)
-
 
 class EvoformerBlock(_MSABlock):
     """One Evoformer block (AF2 supplement Algorithm 6, lines 2-11), with MSA column attention.
@@ -383,6 +394,12 @@ class _Stack(nn.Module):
         msa_mask, pair_mask = _check_inputs(
             type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, block.c_m, block.c_z
         )
+        return self._run_checked(m, z, msa_mask, pair_mask, chunk_size)
+
+    def _run_checked(self, m, z, msa_mask, pair_mask, chunk_size):
+        """``forward`` on checked inputs: from CUDA graph replays where they serve, else plain. Every
+        stack takes two representations (m or s, and z) and their masks as 0/1 tensors of their
+        dtypes, in that order."""
         if self._graphs is not None:
             out = self._graphs.run(m, z, msa_mask, pair_mask, chunk_size)
             if out is not None:
