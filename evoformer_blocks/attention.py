@@ -305,9 +305,14 @@ class _TriangleAttention(_GatedAttention):
         backend: Optional[str] = None,
         *,
         bias: bool = True,
+        bias_ik: bool = False,
     ) -> None:
         super().__init__(c_hidden, no_heads, inf, backend, c_z=c_z)
-        self.bias = check_bool(type(self).__name__, "bias", bias)
+        name = type(self).__name__
+        self.bias = check_bool(name, "bias", bias)
+        self.bias_ik = check_bool(name, "bias_ik", bias_ik)
+        if bias_ik and self._starting:
+            raise ValueError(f"{name}: `bias_ik` is an option of the ending-node attention only")
         self._add_pair_bias(c_z)
         self._add_projections(c_z, bias=bias)
 
@@ -395,20 +400,6 @@ class TriangleAttentionEndingNode(_TriangleAttention):
     """
 
     _starting = False
-
-    def __init__(
-        self,
-        c_z: int,
-        c_hidden: int,
-        no_heads: int,
-        inf: float = 1e9,
-        backend: Optional[str] = None,
-        *,
-        bias: bool = True,
-        bias_ik: bool = False,
-    ) -> None:
-        super().__init__(c_z, c_hidden, no_heads, inf, backend, bias=bias)
-        self.bias_ik = check_bool(type(self).__name__, "bias_ik", bias_ik)
 
 
 class MSAColumnGlobalAttention(nn.Module):
