@@ -1,5 +1,6 @@
-"""evoformer_blocks: AlphaFold-style Evoformer blocks on fused ops (attention, triangle
-multiplication, layer norm) with exact eager fallbacks."""
+"""evoformer_blocks: AlphaFold-style Evoformer blocks (AF2, AF2-Multimer) and AlphaFold 3's
+Pairformer and MSA module on fused ops (attention, triangle multiplication, layer norm) with exact
+eager fallbacks."""
 
 from . import ops
 from .ops import evoformer_attention
@@ -12,10 +13,17 @@ from .attention import (
 )
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSAStack
+from .msa_module import MSAModule, MSAModuleBlock, MSAPairWeightedAveraging
 from .outer_product_mean import OuterProductMean
+from .pairformer import AttentionPairBias, PairformerBlock, PairformerStack
 from .primitives import LayerNorm, Linear
-from .transitions import MSATransition, PairTransition
-from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+from .transitions import MSATransition, PairTransition, SwiGLUTransition
+from .triangle_multiplication import (
+    FusedTriangleMultiplicationIncoming,
+    FusedTriangleMultiplicationOutgoing,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +40,8 @@ __all__ = [
     "OuterProductMean",
     "TriangleMultiplicationOutgoing",
     "TriangleMultiplicationIncoming",
+    "FusedTriangleMultiplicationOutgoing",
+    "FusedTriangleMultiplicationIncoming",
     "DropoutRowwise",
     "DropoutColumnwise",
     "LayerNorm",
@@ -40,4 +50,11 @@ __all__ = [
     "ExtraMSABlock",
     "EvoformerStack",
     "ExtraMSAStack",
+    "AttentionPairBias",
+    "MSAPairWeightedAveraging",
+    "SwiGLUTransition",
+    "PairformerBlock",
+    "PairformerStack",
+    "MSAModuleBlock",
+    "MSAModule",
 ]

@@ -31,6 +31,14 @@ def check_optional_positive_int(owner: str, name: str, value) -> None:
         check_positive_int(owner, **{name: value})
 
 
+def check_bool(owner: str, name: str, value) -> bool:
+    """``value`` if it is a bool; else ``ValueError`` naming ``name`` (a flag of a module's structure:
+    a 0 or a string would be read as one silently)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: `{name}` must be a bool, got {value!r}")
+    return value
+
+
 def check_rate(owner: str, name: str, value) -> float:
     """A dropout rate: a number in [0, 1)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:

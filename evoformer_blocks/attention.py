@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._checks import check_backend, check_mask, check_positive_int, check_tensor
+from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
 from .ops import gated_evoformer_attention
 from .ops._inputs import compute_dtype
 from .primitives import LayerNorm, Linear, _head_major, mask_to_bias, stacked_projection
@@ -88,13 +88,15 @@ class _GatedAttention(nn.Module):
     def _qkvg(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.linear_q, self.linear_k, self.linear_v, self.linear_g
 
-    def _add_projections(self, c_in: int) -> None:
+    def _add_projections(self, c_in: int, q_bias: bool = False, bias: bool = True) -> None:
+        """``linear_q/k/v`` (no bias; ``q_bias``: q with one, as AF3's AttentionPairBias), ``linear_g``
+        and ``linear_o`` (with biases as in AF2; without where ``bias`` is False, as in AF3)."""
         hidden = self.c_hidden * self.no_heads
-        self.linear_q = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
+        self.linear_q = Linear(c_in, hidden, bias=q_bias, init="glorot", backend=self.backend)
         self.linear_k = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
         self.linear_v = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
-        self.linear_g = Linear(c_in, hidden, init="gating", backend=self.backend)
-        self.linear_o = Linear(hidden, c_in, init="final", backend=self.backend)
+        self.linear_g = Linear(c_in, hidden, bias=bias, init="gating", backend=self.backend)
+        self.linear_o = Linear(hidden, c_in, bias=bias, init="final", backend=self.backend)
 
     def _attend(
         self,
@@ -305,10 +307,18 @@ class _TriangleAttention(_GatedAttention):
         no_heads: int,
         inf: float = 1e9,
         backend: Optional[str] = None,
+        *,
+        bias: bool = True,
+        bias_ik: bool = False,
     ) -> None:
         super().__init__(c_hidden, no_heads, inf, backend, c_z=c_z)
+        name = type(self).__name__
+        self.bias = check_bool(name, "bias", bias)
+        self.bias_ik = check_bool(name, "bias_ik", bias_ik)
+        if bias_ik and self._starting:
+            raise ValueError(f"{name}: `bias_ik` is an option of the ending-node attention only")
         self._add_pair_bias(c_z)
-        self._add_projections(c_z)
+        self._add_projections(c_z, bias=bias)
 
     def forward(
         self,
@@ -352,7 +362,9 @@ class _TriangleAttention(_GatedAttention):
         # Ending node = the starting node on z^T, run on z's own layout: row j attends over the
         # edges (k, j) with the bias of the third edge z[k, i], i.e. the starting node's bias of z^T.
         # (the one copy here is of the bias, H * N_res^2 values, instead of z's c_z * N_res^2)
-        triangle_bias = triangle_bias.transpose(-1, -2).contiguous()  # [B, 1, H, J, I]
+        # With bias_ik (OpenFold3's pair block), the bias of the edge z[i, k]: as computed, no copy.
+        if not self.bias_ik:
+            triangle_bias = triangle_bias.transpose(-1, -2).contiguous()  # [B, 1, H, J, I]
         if mask_bias is not None:
             mask_bias = mask_bias.transpose(-1, -2)  # [*, J, I]: row j attends over i
         return self._attend(z, mask_bias, triangle_bias, chunk_size, transposed=True, qkvg=qkvg)  # [*, I, J, c_z]
@@ -373,7 +385,8 @@ class TriangleAttentionStartingNode(_TriangleAttention):
 
     Parameters: ``layer_norm_z`` (LayerNorm of z), ``linear_z`` (c_z -> no_heads triangle bias, no
     bias term), ``linear_q``/``linear_k``/``linear_v``, ``linear_g``, ``linear_o``. OpenFold names
-    the first two ``layer_norm`` and ``linear``.
+    the first two ``layer_norm`` and ``linear``. ``bias=False`` gives AlphaFold 3's form (Algorithms
+    14 and 15): ``linear_g`` and ``linear_o`` without biases.
     """
 
     _starting = True
@@ -386,7 +399,10 @@ class TriangleAttentionEndingNode(_TriangleAttention):
     ``a[i, j, k] = softmax_k(q[i, j]·k[k, j] / sqrt(C) + b[k, i] + mask_bias[k, j])``. Computed as
     the starting-node attention on the transposed pair representation, transposed back.
 
-    Arguments and parameters as for :class:`TriangleAttentionStartingNode`.
+    Arguments and parameters as for :class:`TriangleAttentionStartingNode`, plus ``bias_ik``: the
+    bias of the edge (i, k) instead of (k, i), ``a[i, j, k] = softmax_k(... + b[i, k] + ...)``, the
+    form OpenFold3's pair block computes (its ``transpose_bias``); the supplements (AF2 Algorithm 14,
+    AF3 Algorithm 15) and OpenFold's AF2 take (k, i), the default.
     """
 
     _starting = False

@@ -42,7 +42,12 @@ from .attention import (
 from .evoformer import EvoformerBlock, EvoformerStack, ExtraMSABlock, ExtraMSAStack
 from .outer_product_mean import OuterProductMean
 from .transitions import MSATransition, PairTransition
-from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+from .triangle_multiplication import (
+    FusedTriangleMultiplicationIncoming,
+    FusedTriangleMultiplicationOutgoing,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 __all__ = [
     "Converter",
@@ -161,6 +166,25 @@ register_converter(
         children=_TRIANGLE_MULTIPLICATION,
     ),
 )
+# AF2-Multimer's fused input projections (OpenFold's fuse_projection_weights): linear_ab_p and
+# linear_ab_g in place of the four linear_a_p/a_g/b_p/b_g
+_FUSED_TRIANGLE_MULTIPLICATION = _same(
+    "layer_norm_in", "linear_ab_p", "linear_ab_g", "linear_g", "linear_z", "layer_norm_out"
+)
+register_converter(
+    FusedTriangleMultiplicationOutgoing,
+    Converter(
+        "openfold.model.triangular_multiplicative_update.FusedTriangleMultiplicationOutgoing",
+        children=_FUSED_TRIANGLE_MULTIPLICATION,
+    ),
+)
+register_converter(
+    FusedTriangleMultiplicationIncoming,
+    Converter(
+        "openfold.model.triangular_multiplicative_update.FusedTriangleMultiplicationIncoming",
+        children=_FUSED_TRIANGLE_MULTIPLICATION,
+    ),
+)
 _BLOCK = {
     **_same("msa_att_row", "msa_att_col", "msa_transition", "outer_product_mean"),
     **{f"pair_stack.{name}": name for name in ("tri_mul_out", "tri_mul_in", "tri_att_start", "tri_att_end", "pair_transition")},
@@ -174,12 +198,12 @@ register_converter(
 register_converter(ExtraMSAStack, Converter("openfold.model.evoformer.ExtraMSAStack", children={"blocks.*": "blocks.*"}))
 
 
-def _converter_for(module: nn.Module, path: str) -> Converter:
+def _converter_for(module: nn.Module, path: str, converters: Mapping[type, Converter]) -> Converter:
     for cls in type(module).__mro__:
-        if cls in CONVERTERS:
-            return CONVERTERS[cls]
+        if cls in converters:
+            return converters[cls]
     where = f" (at {path!r})" if path else ""
-    known = sorted(c.__name__ for c in CONVERTERS)
+    known = sorted(c.__name__ for c in converters)
     raise ValueError(
         f"no OpenFold converter for {type(module).__name__}{where}; register one with "
         f"evoformer_blocks.compat.register_converter (known: {', '.join(known)})"
@@ -198,13 +222,15 @@ def _expand(module: nn.Module, openfold_path: str, our_path: str) -> Iterator[tu
         yield f"{openfold_path[:-2]}.{index}", f"{our_path[:-2]}.{index}"
 
 
-def _key_map(module: nn.Module, path: str) -> dict[str, str]:
-    converter = _converter_for(module, path)
+def _key_map(module: nn.Module, path: str, converters: Mapping[type, Converter]) -> dict[str, str]:
+    converter = _converter_for(module, path, converters)
     out: dict[str, str] = {}
     if converter.same_names:
         out.update({name: name for name in module.state_dict() if "." not in name})
     out.update(converter.tensors)
     for openfold_child, our_child in converter.children.items():
+        if getattr(module, our_child, 0) is None:  # an optional submodule left out (no tensors)
+            continue
         for openfold_path, our_path in _expand(module, openfold_child, our_child):
             try:
                 child = module.get_submodule(our_path)
@@ -213,20 +239,23 @@ def _key_map(module: nn.Module, path: str) -> dict[str, str]:
                     f"converter of {type(module).__name__}: no submodule {our_path!r} ({error})"
                 ) from None
             child_path = f"{path}.{our_path}" if path else our_path
-            for openfold_key, our_key in _key_map(child, child_path).items():
+            for openfold_key, our_key in _key_map(child, child_path, converters).items():
                 out[f"{openfold_path}.{openfold_key}"] = f"{our_path}.{our_key}"
     return out
 
 
-def openfold_key_map(module: nn.Module) -> dict[str, str]:
+def openfold_key_map(module: nn.Module, converters: Mapping[type, Converter] = CONVERTERS) -> dict[str, str]:
     """OpenFold state_dict key -> our state_dict key, for every tensor of ``module``.
+
+    ``converters``: the table to use (default :data:`CONVERTERS`, OpenFold's names; another
+    implementation's, such as :data:`evoformer_blocks.compat_af3.OPENFOLD3_CONVERTERS`).
 
     Raises ValueError if a class in ``module`` has no converter, or if the converters do not name
     each tensor of ``module.state_dict()`` exactly once.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"openfold_key_map: `module` must be an nn.Module, got {type(module).__name__}")
-    mapping = _key_map(module, "")
+    mapping = _key_map(module, "", converters)
     ours = list(module.state_dict())
     produced = list(mapping.values())
     uncovered = sorted(set(ours) - set(produced))
@@ -248,7 +277,8 @@ class LoadResult(NamedTuple):
 
 
 def load_openfold_state_dict(
-    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+    converters: Mapping[type, Converter] = CONVERTERS,
 ) -> LoadResult:
     """Loads the state_dict of the corresponding OpenFold module into ``module``.
 
@@ -268,7 +298,7 @@ def load_openfold_state_dict(
             f"load_openfold_state_dict: `state_dict` must be a mapping of names to tensors, "
             f"got {type(state_dict).__name__}"
         )
-    mapping = openfold_key_map(module)
+    mapping = openfold_key_map(module, converters)
     targets = module.state_dict()
     missing = sorted(k for k in mapping if k not in state_dict)
     unexpected = sorted(k for k in state_dict if k not in mapping)
@@ -291,7 +321,7 @@ def load_openfold_state_dict(
     if mismatched:
         problems.append("shape mismatches:\n    " + "\n    ".join(mismatched))
     if problems:
-        openfold_class = _converter_for(module, "").openfold_class
+        openfold_class = _converter_for(module, "", converters).openfold_class
         raise ValueError(
             f"load_openfold_state_dict: `state_dict` does not fit {type(module).__name__} "
             f"(OpenFold {openfold_class}):\n  " + "\n  ".join(problems)
@@ -300,7 +330,8 @@ def load_openfold_state_dict(
     return LoadResult([] if strict else missing, [] if strict else unexpected)
 
 
-def to_openfold_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` under OpenFold's names (the reverse of :func:`load_openfold_state_dict`)."""
+def to_openfold_state_dict(module: nn.Module, converters: Mapping[type, Converter] = CONVERTERS) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` under OpenFold's names (the reverse of :func:`load_openfold_state_dict`;
+    ``converters`` as there)."""
     ours = module.state_dict()
-    return {openfold_key: ours[our_key] for openfold_key, our_key in openfold_key_map(module).items()}
+    return {openfold_key: ours[our_key] for openfold_key, our_key in openfold_key_map(module, converters).items()}

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ._checks import as_mask, check_optional_positive_int, check_positive_int, check_rate, check_tensor
+from ._checks import as_mask, check_bool, check_optional_positive_int, check_positive_int, check_rate, check_tensor
 from .attention import (
     MSAColumnAttention,
     MSAColumnGlobalAttention,
@@ -29,8 +29,13 @@ from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
 from .ops import add_layer_norm, layer_norm_keeping_input
 from .primitives import LayerNorm, Linear
-from .transitions import MSATransition, PairTransition
-from .triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
+from .transitions import MSATransition, PairTransition, SwiGLUTransition
+from .triangle_multiplication import (
+    FusedTriangleMultiplicationIncoming,
+    FusedTriangleMultiplicationOutgoing,
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
 
 
 def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: Optional[torch.Tensor] = None):
@@ -73,7 +78,63 @@ def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, block: "_MS
     return msa_mask, pair_mask  # [*, N_seq, N_res], [*, N_res, N_res]
 
 
-class _MSABlock(nn.Module):
+class _PairUpdates(nn.Module):
+    """The pair side shared by the blocks (Evoformer, extra-MSA, AF3's Pairformer and MSA module):
+    ``tri_mul_out``, ``tri_mul_in``, ``tri_att_start``, ``tri_att_end``, ``pair_transition`` and the
+    pair dropouts, run by :meth:`_pair_updates` on checked inputs."""
+
+    def _add_pair_stack(
+        self, c_z, c_hidden_mul, c_hidden_pair_att, no_heads_pair, transition_n, pair_dropout, inf, backend,
+        fuse_projection_weights: bool = False, af3: bool = False, bias_ik: bool = False,
+    ) -> None:
+        """The pair updates (both triangle multiplications, with ``fuse_projection_weights`` in
+        AF2-Multimer's fused form, both triangle attentions, the pair transition) and the pair
+        dropouts. With ``af3``, AlphaFold 3's forms (supplement Algorithms 12-15 and 11): no biases
+        in the triangle updates' projections, a SwiGLU pair transition; ``bias_ik``: the ending-node
+        attention's bias as OpenFold3's pair block takes it."""
+        mul_out, mul_in = (
+            (FusedTriangleMultiplicationOutgoing, FusedTriangleMultiplicationIncoming) if fuse_projection_weights
+            else (TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming)
+        )
+        bias = not af3
+        self.tri_mul_out = mul_out(c_z, c_hidden_mul, backend=backend, bias=bias)
+        self.tri_mul_in = mul_in(c_z, c_hidden_mul, backend=backend, bias=bias)
+        self.tri_att_start = TriangleAttentionStartingNode(
+            c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend, bias=bias
+        )
+        self.tri_att_end = TriangleAttentionEndingNode(
+            c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend, bias=bias, bias_ik=bias_ik
+        )
+        self.pair_transition = (SwiGLUTransition if af3 else PairTransition)(c_z, transition_n, backend=backend)
+        self.pair_dropout_row = DropoutRowwise(pair_dropout)
+        self.pair_dropout_col = DropoutColumnwise(pair_dropout)
+
+    def _pair_updates(self, z, pair_mask, chunk_size, keep):
+        """z after the pair updates (both triangle multiplications, both triangle attentions, the
+        pair transition; ``keep``: their four dropout keep-masks, None where off) from checked
+        inputs."""
+        keep_out, keep_in, keep_start, keep_end = keep
+        z = self.tri_mul_out._adding_to_input(z, pair_mask, keep_out)
+        z, update = self.tri_mul_in._keeping_input(z, pair_mask)
+        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
+        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
+        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
+        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
+        update = self.tri_att_end._normalized(
+            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
+        )
+        del pair_bias
+        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end)
+        return self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
+
+    def pair_dropout_masks(self, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        """The four pair dropout keep-masks of :meth:`_pair_updates` for z (two draws)."""
+        pair_rows = self.pair_dropout_row.keep_masks(z, 3)
+        (pair_col,) = self.pair_dropout_col.keep_masks(z, 1)
+        return (*pair_rows, pair_col)
+
+
+class _MSABlock(_PairUpdates):
     """The Evoformer block; subclasses choose the MSA column attention (Algorithm 6 or 18).
 
     Updates, in order (residual adds; dropout only in training mode)::
@@ -87,6 +148,12 @@ class _MSABlock(nn.Module):
         z += DropoutRowwise(pair_dropout)(TriangleAttentionStartingNode(z))
         z += DropoutColumnwise(pair_dropout)(TriangleAttentionEndingNode(z))
         z += PairTransition(z)
+
+    AF2-Multimer's options (OpenFold's): ``opm_first`` moves ``z += OuterProductMean(m)`` to the
+    front, from the block's input MSA; ``fuse_projection_weights`` holds each triangle
+    multiplication's four input projections as two (:class:`FusedTriangleMultiplicationOutgoing`,
+    ``linear_ab_p`` and ``linear_ab_g``: the same function); :class:`EvoformerBlock`'s
+    ``no_column_attention`` leaves the column attention out (``msa_att_col`` is None).
 
     The block runs the attentions, transitions and outer product mean through their internal
     entry points (a residual add fused with the next layer norm, mask biases shared), not their
@@ -109,6 +176,9 @@ class _MSABlock(nn.Module):
         transition_n: int = 4,
         msa_dropout: float = 0.15,
         pair_dropout: float = 0.25,
+        *,
+        opm_first: bool = False,
+        fuse_projection_weights: bool = False,
         inf: float = 1e9,
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
@@ -120,6 +190,8 @@ class _MSABlock(nn.Module):
         self.c_m, self.c_z = c_m, c_z
         check_rate(name, "msa_dropout", msa_dropout)
         check_rate(name, "pair_dropout", pair_dropout)
+        self.opm_first = check_bool(name, "opm_first", opm_first)
+        self.fuse_projection_weights = check_bool(name, "fuse_projection_weights", fuse_projection_weights)
         self.msa_att_row = MSARowAttentionWithPairBias(
             c_m, c_z, c_hidden_msa_att, no_heads_msa, inf=inf, backend=backend
         )
@@ -128,14 +200,11 @@ class _MSABlock(nn.Module):
         )
         self.msa_transition = MSATransition(c_m, transition_n, backend=backend)
         self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm, eps=eps_opm, backend=backend)
-        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul, backend=backend)
-        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul, backend=backend)
-        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
-        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf, backend=backend)
-        self.pair_transition = PairTransition(c_z, transition_n, backend=backend)
+        self._add_pair_stack(
+            c_z, c_hidden_mul, c_hidden_pair_att, no_heads_pair, transition_n, pair_dropout, inf, backend,
+            fuse_projection_weights,
+        )
         self.msa_dropout_row = DropoutRowwise(msa_dropout)
-        self.pair_dropout_row = DropoutRowwise(pair_dropout)
-        self.pair_dropout_col = DropoutColumnwise(pair_dropout)
 
     def _column_attention(self, c_m, c_hidden, no_heads, inf, backend, **kwargs) -> nn.Module:
         raise NotImplementedError("subclasses choose the MSA column attention")
@@ -168,9 +237,7 @@ class _MSABlock(nn.Module):
         None where that dropout is off (eval mode or rate 0). Three draws from the RNG (one per
         dropout module); they depend only on the shapes, dtypes and device of ``m`` and ``z``."""
         (msa_row,) = self.msa_dropout_row.keep_masks(m, 1)
-        pair_rows = self.pair_dropout_row.keep_masks(z, 3)
-        (pair_col,) = self.pair_dropout_col.keep_masks(z, 1)
-        return (msa_row, *pair_rows, pair_col)
+        return (msa_row, *self.pair_dropout_masks(z))
 
     def _update(self, m, z, msa_mask, pair_mask, chunk_size, keep=None):
         # Masks are already checked 0/1 tensors: [*, N_seq, N_res] and [*, N_res, N_res].
@@ -193,33 +260,31 @@ class _MSABlock(nn.Module):
         # drawn up front by dropout_masks), the pair transition's mask in its residual add
         # (torch.addcmul): the values of the multiply then the add.
         keep_msa, keep_out, keep_in, keep_start, keep_end = self.dropout_masks(m, z) if keep is None else keep
+        opm = self.outer_product_mean
+        if self.opm_first:  # AF2-Multimer: the outer product mean of the block's input MSA first
+            m, m_ln = keep_and_norm(m, opm.layer_norm)
+            z = opm._normalized(m_ln, msa_mask, chunk_size, residual=z)
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
         m, m_ln = keep_and_norm(m, self.msa_att_row.layer_norm_m)
         z, z_ln = keep_and_norm(z, self.msa_att_row.layer_norm_z)
         update = self.msa_att_row._normalized(m_ln, z_ln, msa_bias, chunk_size)
-        m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, keep_msa)
-        update = self.msa_att_col._normalized(
-            m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
-        )
+        scale = keep_msa  # the scale of `update` in the next residual add
+        if self.msa_att_col is not None:  # (OpenFold's no_column_attention: none)
+            m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, scale)
+            update = self.msa_att_col._normalized(
+                m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
+            )
+            scale = None
         del msa_bias  # (each bias lives only while its two attentions run)
-        m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update)
-        update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
-        m, m_ln = add_and_norm(m, self.outer_product_mean.layer_norm, update, msa_mask.unsqueeze(-1))
-        z = self.outer_product_mean._normalized(m_ln, msa_mask, chunk_size, residual=z)
-        z = self.tri_mul_out._adding_to_input(z, pair_mask, keep_out)
-        z, update = self.tri_mul_in._keeping_input(z, pair_mask)
-        z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
-        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
-        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
-        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
-        update = self.tri_att_end._normalized(
-            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
-        )
-        del pair_bias
-        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end)
-        z = self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
+        m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update, scale)
+        if self.opm_first:  # the transition's update is the block's last MSA update: masked and added
+            m = self.msa_transition._normalized(m_ln, msa_mask, chunk_size, residual=m)
+        else:
+            update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
+            m, m_ln = add_and_norm(m, opm.layer_norm, update, msa_mask.unsqueeze(-1))
+            z = opm._normalized(m_ln, msa_mask, chunk_size, residual=z)
+        z = self._pair_updates(z, pair_mask, chunk_size, (keep_out, keep_in, keep_start, keep_end))
         return m, z
-
 
 class EvoformerBlock(_MSABlock):
     """One Evoformer block (AF2 supplement Algorithm 6, lines 2-11), with MSA column attention.
@@ -235,13 +300,17 @@ class EvoformerBlock(_MSABlock):
         msa_dropout: row-wise dropout rate after the MSA row attention (AF2: 0.15).
         pair_dropout: dropout rate after the triangle updates (AF2: 0.25; row-wise, column-wise
             for the ending-node attention).
+        no_column_attention: leave the MSA column attention out (OpenFold's sequence-embedding mode).
+        opm_first, fuse_projection_weights: AF2-Multimer's options (see :class:`_MSABlock`).
         inf: the large number of the attention masks. eps_opm: the outer product mean's epsilon.
         backend: the backend of every op in the block (attention, layer norms, triangle
             multiplications: "auto", "eager",
             "cutlass"; None: the op's default).
     """
 
-    def _column_attention(self, c_m, c_hidden, no_heads, inf, backend) -> nn.Module:
+    def _column_attention(self, c_m, c_hidden, no_heads, inf, backend, no_column_attention: bool = False):
+        if check_bool(type(self).__name__, "no_column_attention", no_column_attention):
+            return None
         return MSAColumnAttention(c_m, c_hidden, no_heads, inf=inf, backend=backend)
 
 
@@ -260,6 +329,15 @@ class _Stack(nn.Module):
     (:mod:`evoformer_blocks.cuda_graphs`)."""
 
     config_section: str = ""
+    # Keys of an OpenFold config section that the stack does not take, each with why:
+    # from_config drops them and logs the list
+    openfold_ignored_keys: dict[str, str] = {}
+
+    @classmethod
+    def _openfold_arguments(cls, arguments: dict) -> dict:
+        """A config section's arguments with OpenFold's keys translated to the constructor's (after
+        the overrides were applied)."""
+        return arguments
 
     def _init_stack(
         self, block_cls: type, no_blocks: int, blocks_per_ckpt: Optional[int], cuda_graphs, **block_args
@@ -318,6 +396,12 @@ class _Stack(nn.Module):
         msa_mask, pair_mask = _check_inputs(
             type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self.blocks[0]
         )
+        return self._run_checked(m, z, msa_mask, pair_mask, chunk_size)
+
+    def _run_checked(self, m, z, msa_mask, pair_mask, chunk_size):
+        """``forward`` on checked inputs: from CUDA graph replays where they serve, else plain. Every
+        stack takes two representations (m or s, and z) and their masks as 0/1 tensors of their
+        dtypes, in that order."""
         if self._graphs is not None:
             out = self._graphs.run(m, z, msa_mask, pair_mask, chunk_size)
             if out is not None:
@@ -361,7 +445,12 @@ class _Stack(nn.Module):
         (``ml_collections.ConfigDict``, ``omegaconf.DictConfig`` or dict), or a whole preset of
         :func:`evoformer_blocks.config.get_config` (then its section named by the class attribute
         ``config_section`` is used: ``evoformer_stack`` or ``extra_msa_stack``).
-        Keyword ``overrides`` (e.g. ``backend="eager"``, ``blocks_per_ckpt=1``) win over ``cfg``."""
+        Keyword ``overrides`` (e.g. ``backend="eager"``, ``blocks_per_ckpt=1``) win over ``cfg``.
+
+        An OpenFold config section (``config.model.evoformer_stack``,
+        ``config.model.extra_msa.extra_msa_stack``) is accepted as it is: the keys that steer only
+        OpenFold's own memory tricks (``openfold_ignored_keys``) are dropped, and the list is logged
+        (logger ``evoformer_blocks``); ``ckpt`` of the extra-MSA stack becomes ``blocks_per_ckpt``."""
         from .config import build_from_config  # imported here: building a module needs no presets
 
         return build_from_config(cls, cfg, cls.config_section, overrides)
@@ -386,24 +475,35 @@ class EvoformerStack(_Stack):
     """
 
     config_section = "evoformer_stack"
+    # OpenFold's evoformer_stack keys this stack does not take (from_config drops them, logged):
+    # its own memory and speed tricks, and an epsilon its Evoformer blocks pass to nothing
+    openfold_ignored_keys = {
+        "clear_cache_between_blocks": "OpenFold's memory trick (emptying the CUDA cache between blocks)",
+        "tune_chunk_size": "OpenFold's chunk-size tuner",
+        "eps": "not used by OpenFold's Evoformer blocks either",
+    }
 
     def __init__(
         self,
         c_m: int,
         c_z: int,
-        c_s: int,
         c_hidden_msa_att: int,
         c_hidden_opm: int,
         c_hidden_mul: int,
         c_hidden_pair_att: int,
+        c_s: int,
         no_heads_msa: int,
         no_heads_pair: int,
         no_blocks: int,
         transition_n: int = 4,
         msa_dropout: float = 0.15,
         pair_dropout: float = 0.25,
+        no_column_attention: bool = False,
+        opm_first: bool = False,
+        fuse_projection_weights: bool = False,
         blocks_per_ckpt: Optional[int] = None,
         inf: float = 1e9,
+        *,
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
         cuda_graphs: Union[bool, int] = False,
@@ -416,7 +516,8 @@ class EvoformerStack(_Stack):
             c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
-            pair_dropout=pair_dropout, inf=inf, eps_opm=eps_opm, backend=backend,
+            pair_dropout=pair_dropout, no_column_attention=no_column_attention, opm_first=opm_first,
+            fuse_projection_weights=fuse_projection_weights, inf=inf, eps_opm=eps_opm, backend=backend,
         )
         self.linear = Linear(c_m, c_s, backend=backend)
 
@@ -435,6 +536,11 @@ class ExtraMSAStack(_Stack):
     """
 
     config_section = "extra_msa_stack"
+    openfold_ignored_keys = {
+        "clear_cache_between_blocks": "OpenFold's memory trick (emptying the CUDA cache between blocks)",
+        "tune_chunk_size": "OpenFold's chunk-size tuner",
+        "chunk_msa_attn": "OpenFold's chunking of the MSA attention in training (a memory trick)",
+    }
 
     def __init__(
         self,
@@ -450,9 +556,12 @@ class ExtraMSAStack(_Stack):
         transition_n: int = 4,
         msa_dropout: float = 0.15,
         pair_dropout: float = 0.25,
-        blocks_per_ckpt: Optional[int] = None,
+        opm_first: bool = False,
+        fuse_projection_weights: bool = False,
         inf: float = 1e9,
         eps: float = 1e-10,
+        *,
+        blocks_per_ckpt: Optional[int] = None,
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
         cuda_graphs: Union[bool, int] = False,
@@ -463,8 +572,18 @@ class ExtraMSAStack(_Stack):
             c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
-            pair_dropout=pair_dropout, inf=inf, eps_opm=eps_opm, backend=backend, eps=eps,
+            pair_dropout=pair_dropout, opm_first=opm_first, fuse_projection_weights=fuse_projection_weights,
+            inf=inf, eps_opm=eps_opm, backend=backend, eps=eps,
         )
+
+    @classmethod
+    def _openfold_arguments(cls, arguments: dict) -> dict:
+        # OpenFold's `ckpt` (checkpoint every block while training) is blocks_per_ckpt 1 here; a
+        # blocks_per_ckpt given too wins
+        if "ckpt" in arguments:
+            ckpt = check_bool(f"{cls.__name__}.from_config", "ckpt", arguments.pop("ckpt"))
+            arguments.setdefault("blocks_per_ckpt", 1 if ckpt else None)
+        return arguments
 
     def _outputs(self, m: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return z

@@ -8,9 +8,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor
+from ._checks import (
+    as_mask, check_backend, check_bool, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor,
+)
 from .ops import _fused
-from .ops.gating import bias_gradient, fused_bias_gradient
+from .ops.gating import bias_gradient, fused_bias_gradient, linear
 from .primitives import LayerNorm, Linear, stacked_projection
 
 
@@ -109,22 +111,31 @@ class OuterProductMean(nn.Module):
         o[i, j]  = Linear_out(flatten(sum_s a[s, i] ⊗ b[s, j]))     # [*, N_res, N_res, c_z]
         out[i, j] = o[i, j] / (eps + #sequences with both i and j unmasked)
 
-    As in AF2 and OpenFold the division comes after ``linear_out`` (its bias is divided too). The
+    As in AF2 and OpenFold (OpenFold3 too) the division comes after ``linear_out`` (its bias is
+    divided too). AlphaFold 3's form (AF3 supplement Algorithm 9): ``projection_bias=False`` (a and b
+    by LinearNoBias) and ``mean_first=True``, ``out = linear_out(sum_s a ⊗ b / (eps + count))``: the
+    mean, then the projection, whose bias is not divided. The
     flattened outer product puts ``a``'s channel first (index ``c * c_hidden + e``).
     ``linear_out`` is zero-initialized ("final"). ``chunk_size`` computes at most that many
     residues ``i`` at a time, bounding the ``[*, N_res, N_res, c_hidden²]`` intermediate.
     Parameter names follow OpenFold: ``layer_norm``, ``linear_1``, ``linear_2``, ``linear_out``.
     """
 
-    def __init__(self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, backend: Optional[str] = None):
+    def __init__(
+        self, c_m: int, c_z: int, c_hidden: int, eps: float = 1e-3, backend: Optional[str] = None, *,
+        projection_bias: bool = True, mean_first: bool = False,
+    ):
         super().__init__()
-        check_positive_int(type(self).__name__, c_m=c_m, c_z=c_z, c_hidden=c_hidden)
+        name = type(self).__name__
+        check_positive_int(name, c_m=c_m, c_z=c_z, c_hidden=c_hidden)
         self.c_m, self.c_z, self.c_hidden = c_m, c_z, c_hidden
-        self.eps = check_positive_number(type(self).__name__, "eps", eps)
-        check_backend(type(self).__name__, backend)
+        self.eps = check_positive_number(name, "eps", eps)
+        check_backend(name, backend)
+        self.mean_first = check_bool(name, "mean_first", mean_first)
+        check_bool(name, "projection_bias", projection_bias)
         self.layer_norm = LayerNorm(c_m, backend=backend)
-        self.linear_1 = Linear(c_m, c_hidden, backend=backend)
-        self.linear_2 = Linear(c_m, c_hidden, backend=backend)
+        self.linear_1 = Linear(c_m, c_hidden, bias=projection_bias, backend=backend)
+        self.linear_2 = Linear(c_m, c_hidden, bias=projection_bias, backend=backend)
         self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final", backend=backend)
 
     def _outer(
@@ -134,6 +145,12 @@ class OuterProductMean(nn.Module):
         N_j, c_hidden] (denom [*, N_i, N_j, 1]: eps + the counts), or ``residual + update`` with
         residual [*, N_i, N_j, c_z]: in the fused projection's epilogue where it runs and the
         tensors' dtypes and layouts fit, else by one elementwise pass after it."""
+        if self.mean_first:  # the projection without its bias, divided; then the bias, undivided
+            return self._divided(a, b, denom, residual, None) + self.linear_out.bias  # [*, N_i, N_j, c_z]
+        return self._divided(a, b, denom, residual, self.linear_out.bias)
+
+    def _divided(self, a, b, denom, residual, bias):
+        """``(outer · linear_out.weight^T + bias) / denom`` (``+ residual`` where given)."""
         c, n_i, n_j = a.shape[-1], a.shape[-2], b.shape[-2]
         a2 = a.flatten(-2).transpose(-1, -2)  # [*, N_i * c_hidden, N_seq]
         b2 = b.flatten(-2)  # [*, N_seq, N_j * c_hidden]
@@ -143,7 +160,7 @@ class OuterProductMean(nn.Module):
         if self._fused_projection(outer):
             lead = outer.shape[:-4]
             outer = outer.reshape(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
-            weight, bias = self.linear_out.weight, self.linear_out.bias
+            weight = self.linear_out.weight
             if _epilogue_fits(outer, denom, residual):
                 d = denom.reshape(-1, n_i, n_j)  # [B, N_i, N_j]
                 r = None if residual is None else residual.reshape(-1, n_i, n_j, self.c_z)  # [B, N_i, N_j, c_z]
@@ -152,7 +169,10 @@ class OuterProductMean(nn.Module):
         else:
             outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
             outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
-            out = self.linear_out(outer)  # [*, N_i, N_j, c_z]
+            if bias is None:  # (mean_first: the bias is added after the division)
+                out = linear(outer, self.linear_out.weight, None, backend=self.linear_out.backend)  # [*, N_i, N_j, c_z]
+            else:
+                out = self.linear_out(outer)  # [*, N_i, N_j, c_z]
         if residual is not None:
             return torch.addcdiv(residual, out, denom)  # [*, N_i, N_j, c_z]
         return out / denom  # [*, N_i, N_j, c_z]

@@ -142,6 +142,15 @@ def _zeros(n: int, like: torch.Tensor) -> torch.Tensor:
     return zeros
 
 
+def bias_or_zeros(weight: torch.Tensor, *biases: Optional[torch.Tensor]) -> torch.Tensor:
+    """The biases of projections whose weights are stacked in ``weight`` ``[out, in]``, concatenated
+    (one bias: itself); zeros ``[out]`` of weight's dtype where there are none (layers without bias,
+    for an op that takes one), made once per size, dtype and device."""
+    if all(b is None for b in biases):
+        return _zeros(weight.shape[0], weight)
+    return biases[0] if len(biases) == 1 else torch.cat(biases)
+
+
 def _head_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [B, L, L, c] -> [B, 1, H, L, L]`` with ``[b, 0, h, i, j] = x[b, i, j] . weight[h]``
     (weight ``[H, c]``): computed head-major as ``weight @ x^T``, so no permute or copy follows; the

@@ -1,4 +1,5 @@
-"""MSA and pair transitions (AF2 supplement Algorithms 9 and 15)."""
+"""MSA and pair transitions (AF2 supplement Algorithms 9 and 15) and AF3's SwiGLU transition
+(AF3 supplement Algorithm 11)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn as nn
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_tensor
 from ._chunking import chunked
 from .ops import linear
-from .primitives import LayerNorm, Linear
+from .primitives import LayerNorm, Linear, stacked_projection
 
 
 class Transition(nn.Module):
@@ -29,6 +30,9 @@ class Transition(nn.Module):
         check_positive_int(type(self).__name__, c=c, n=n)
         self.c, self.n = c, n
         self.layer_norm = LayerNorm(c, backend=backend)
+        self._add_layers(c, n, backend)
+
+    def _add_layers(self, c: int, n: int, backend: Optional[str]) -> None:
         self.linear_1 = Linear(c, n * c, init="relu", backend=backend)
         self.linear_2 = Linear(n * c, c, init="final", backend=backend)
 
@@ -89,3 +93,28 @@ class PairTransition(Transition):
 
     def __init__(self, c_z: int, n: int = 4, backend: Optional[str] = None):
         super().__init__(c_z, n, backend)
+
+
+class SwiGLUTransition(Transition):
+    """AlphaFold 3's transition (AF3 supplement Algorithm 11): LayerNorm, then ``a`` and ``b`` =
+    LinearNoBias(c, n·c) each, then LinearNoBias(n·c, c) of ``swish(a) ⊙ b``::
+
+        x = LayerNorm(x);  update = linear_out(silu(linear_a(x)) * linear_b(x))
+
+    ``linear_a`` and ``linear_b`` run as one GEMM (one read of x, one weight-gradient GEMM in the
+    backward). Masking, chunking and the internal entry points are :class:`Transition`'s
+    (``forward(x [*, N_a, N_b, c], mask [*, N_a, N_b])``: the update, zero where ``mask`` is 0, as
+    OpenFold3 masks it). ``linear_out`` is zero-initialized ("final"). Parameters: ``layer_norm``,
+    ``linear_a``, ``linear_b``, ``linear_out`` (OpenFold3: ``swiglu.linear_a``, ``swiglu.linear_b``).
+    """
+
+    def _add_layers(self, c: int, n: int, backend: Optional[str]) -> None:
+        self.linear_a = Linear(c, n * c, bias=False, init="relu", backend=backend)
+        self.linear_b = Linear(c, n * c, bias=False, init="relu", backend=backend)
+        self.linear_out = Linear(n * c, c, bias=False, init="final", backend=backend)
+
+    def _unmasked_update(self, x: torch.Tensor) -> torch.Tensor:
+        # x = layer_norm(x) [*, N_b, c]
+        ab = stacked_projection(x, (self.linear_a, self.linear_b))  # [*, N_b, 2 n c]
+        a, b = ab.chunk(2, dim=-1)  # [*, N_b, n c] each (views)
+        return self.linear_out(torch.nn.functional.silu(a) * b)  # [*, N_b, c]

@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ._checks import check_backend, check_mask, check_positive_int, check_tensor
+from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
 from .ops import triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual
-from .primitives import LayerNorm, Linear
+from .primitives import LayerNorm, Linear, bias_or_zeros
 
 
 class TriangleMultiplicativeUpdate(nn.Module):
@@ -29,6 +29,9 @@ class TriangleMultiplicativeUpdate(nn.Module):
     ``layer_norm_out``. ``chunk_size`` is accepted for a uniform interface; this update is not
     chunked (its intermediates are ``[*, N_res, N_res, c_hidden]``, the size of ``z``).
 
+    ``bias=False`` gives AlphaFold 3's form (supplement Algorithms 12 and 13): every projection
+    without a bias (the layer norms keep theirs).
+
     The update runs through :func:`evoformer_blocks.ops.triangle_multiplication` (``backend``: None
     follows the global setting; ``cutlass`` is the fused CUDA path), with ``layer_norm_in.eps`` as
     both layer norms' epsilon.
@@ -36,19 +39,30 @@ class TriangleMultiplicativeUpdate(nn.Module):
 
     outgoing: bool = True
 
-    def __init__(self, c_z: int, c_hidden: int, backend: Optional[str] = None):
+    def __init__(self, c_z: int, c_hidden: int, backend: Optional[str] = None, *, bias: bool = True):
         super().__init__()
         check_positive_int(type(self).__name__, c_z=c_z, c_hidden=c_hidden)
         check_backend(type(self).__name__, backend)
         self.c_z, self.c_hidden, self.backend = c_z, c_hidden, backend
+        self.bias = check_bool(type(self).__name__, "bias", bias)
         self.layer_norm_in = LayerNorm(c_z, backend=backend)
-        self.linear_a_p = Linear(c_z, c_hidden, backend=backend)
-        self.linear_a_g = Linear(c_z, c_hidden, init="gating", backend=backend)
-        self.linear_b_p = Linear(c_z, c_hidden, backend=backend)
-        self.linear_b_g = Linear(c_z, c_hidden, init="gating", backend=backend)
-        self.linear_g = Linear(c_z, c_z, init="gating", backend=backend)
-        self.linear_z = Linear(c_hidden, c_z, init="final", backend=backend)
+        self._add_input_projections(c_z, c_hidden, backend)
+        self.linear_g = Linear(c_z, c_z, bias=bias, init="gating", backend=backend)
+        self.linear_z = Linear(c_hidden, c_z, bias=bias, init="final", backend=backend)
         self.layer_norm_out = LayerNorm(c_hidden, backend=backend)
+
+    def _add_input_projections(self, c_z: int, c_hidden: int, backend: Optional[str]) -> None:
+        self.linear_a_p = Linear(c_z, c_hidden, bias=self.bias, backend=backend)
+        self.linear_a_g = Linear(c_z, c_hidden, bias=self.bias, init="gating", backend=backend)
+        self.linear_b_p = Linear(c_z, c_hidden, bias=self.bias, backend=backend)
+        self.linear_b_g = Linear(c_z, c_hidden, bias=self.bias, init="gating", backend=backend)
+
+    def _input_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op's ``proj_weight [4 * c_hidden, c_z]`` and ``proj_bias [4 * c_hidden]``: the
+        projections of a, its gate, b and its gate, stacked in that order (zeros without biases)."""
+        projections = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
+        weight = torch.cat([lin.weight for lin in projections])
+        return weight, bias_or_zeros(weight, *(lin.bias for lin in projections))
 
     def forward(
         self, z: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
@@ -65,19 +79,19 @@ class TriangleMultiplicativeUpdate(nn.Module):
 
     def _op_arguments(self) -> dict:
         """The op's keyword arguments from this module's parameters."""
-        projections = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
+        proj_weight, proj_bias = self._input_projections()  # [4 * c_hidden, c_z], [4 * c_hidden]
         return dict(
             direction="outgoing" if self.outgoing else "incoming",
             norm_in_weight=self.layer_norm_in.weight,
             norm_in_bias=self.layer_norm_in.bias,
-            proj_weight=torch.cat([lin.weight for lin in projections]),  # [4 * c_hidden, c_z]
-            proj_bias=torch.cat([lin.bias for lin in projections]),  # [4 * c_hidden]
+            proj_weight=proj_weight,
+            proj_bias=proj_bias,
             gate_weight=self.linear_g.weight,
-            gate_bias=self.linear_g.bias,
+            gate_bias=bias_or_zeros(self.linear_g.weight, self.linear_g.bias),
             norm_out_weight=self.layer_norm_out.weight,
             norm_out_bias=self.layer_norm_out.bias,
             out_weight=self.linear_z.weight,
-            out_bias=self.linear_z.bias,
+            out_bias=bias_or_zeros(self.linear_z.weight, self.linear_z.bias),
             eps=self.layer_norm_in.eps,
             backend=self.backend,
         )
@@ -105,3 +119,35 @@ class TriangleMultiplicationIncoming(TriangleMultiplicativeUpdate):
     """Algorithm 12: edges ``(k, i)`` and ``(k, j)`` update ``(i, j)``."""
 
     outgoing = False
+
+
+class _FusedProjections:
+    """The input projections as AF2-Multimer holds them (OpenFold's ``fuse_projection_weights``):
+    ``linear_ab_p`` (c_z -> 2 c_hidden: a's projection then b's) and ``linear_ab_g`` (their gates,
+    "gating" init), in place of the four ``linear_a_p/a_g/b_p/b_g``. The same function: for weights
+    ``linear_ab_p = [W_a_p; W_b_p]`` and ``linear_ab_g = [W_a_g; W_b_g]`` (biases alike) the update is
+    that of :class:`TriangleMultiplicativeUpdate` with the four."""
+
+    def _add_input_projections(self, c_z: int, c_hidden: int, backend: Optional[str]) -> None:
+        self.linear_ab_p = Linear(c_z, 2 * c_hidden, bias=self.bias, backend=backend)
+        self.linear_ab_g = Linear(c_z, 2 * c_hidden, bias=self.bias, init="gating", backend=backend)
+
+    def _input_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # [a_p; b_p] and [a_g; b_g] interleaved into the op's [a_p; a_g; b_p; b_g]: one stack
+        c, c_z = self.c_hidden, self.c_z
+        p, g = self.linear_ab_p, self.linear_ab_g
+        weight = torch.stack((p.weight.view(2, c, c_z), g.weight.view(2, c, c_z)), dim=1).view(4 * c, c_z)
+        if p.bias is None:
+            return weight, bias_or_zeros(weight, None)
+        bias = torch.stack((p.bias.view(2, c), g.bias.view(2, c)), dim=1)  # [2, 2, c]
+        return weight, bias.view(4 * c)
+
+
+class FusedTriangleMultiplicationOutgoing(_FusedProjections, TriangleMultiplicationOutgoing):
+    """Algorithm 11 with AF2-Multimer's fused input projections (``linear_ab_p``, ``linear_ab_g``;
+    OpenFold's class of the same name)."""
+
+
+class FusedTriangleMultiplicationIncoming(_FusedProjections, TriangleMultiplicationIncoming):
+    """Algorithm 12 with AF2-Multimer's fused input projections (``linear_ab_p``, ``linear_ab_g``;
+    OpenFold's class of the same name)."""

@@ -8,6 +8,8 @@ next to the random baseline (the contact density of those pairs).
     python examples/train.py                              # CPU: a few minutes, eager backend
     python examples/train.py trainer.steps=2000 model.evoformer_stack.no_blocks=4
     python examples/train.py model=af2 backend=cutlass    # GPU: cutlass kernels, bf16 autocast
+    python examples/train.py model=af3_small              # AF3's trunk: MSA module and Pairformer (CPU)
+    python examples/train.py model=af3 backend=cutlass    # AF3's sizes (GPU)
     torchrun --nproc_per_node=2 examples/train.py         # DistributedDataParallel (gloo on CPU)
     python examples/train.py resume=outputs/<date>/<time>  # continue from that run's newest checkpoint
 
@@ -59,6 +61,9 @@ from trunk import (  # noqa: E402
 )
 
 log = logging.getLogger("train")
+# The presets' sections the trunk takes (AF2: evoformer_stack, extra_msa_stack; AF3: msa_module,
+# pairformer_stack)
+TRUNK_SECTIONS = ("evoformer_stack", "extra_msa_stack", "msa_module", "pairformer_stack")
 
 
 def register_configs() -> None:
@@ -68,7 +73,7 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     for name in PRESETS:
         preset = get_config(name)
-        node = {"evoformer_stack": preset.evoformer_stack.to_dict(), "extra_msa_stack": preset.extra_msa_stack.to_dict()}
+        node = {key: preset[key].to_dict() for key in TRUNK_SECTIONS if key in preset}
         store.store(group="model", name=f"{name}_preset", node=node)
 
 
@@ -440,9 +445,11 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     # fails in seconds. The same initial weights on every process (DDP also broadcasts rank 0's).
     torch.manual_seed(cfg.seed)
     edges = distance_bins(cfg.model.first_break, cfg.model.last_break, cfg.model.no_bins).to(ctx.device)
+    sections = {key: OmegaConf.to_container(cfg.model[key], resolve=True) for key in TRUNK_SECTIONS if key in cfg.model}
+    if not cfg.model.use_extra_msa:
+        sections.pop("extra_msa_stack", None)
     model = ContactTrunk(
-        evoformer_stack=OmegaConf.to_container(cfg.model.evoformer_stack, resolve=True),
-        extra_msa_stack=OmegaConf.to_container(cfg.model.extra_msa_stack, resolve=True) if cfg.model.use_extra_msa else None,
+        **sections,
         no_bins=cfg.model.no_bins,
         relpos_k=cfg.model.relpos_k,
         backend=cfg.backend.name,

@@ -1,5 +1,6 @@
 """A small AlphaFold-style trunk: MSA and pair embeddings → (extra-MSA stack) → Evoformer stack →
-distogram head, plus the distogram loss and contact-precision metrics."""
+distogram head, or AlphaFold 3's: → MSA module → Pairformer → distogram head; plus the distogram
+loss and contact-precision metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from evoformer_blocks import EvoformerStack, ExtraMSAStack
+from evoformer_blocks import EvoformerStack, ExtraMSAStack, MSAModule, PairformerStack
 from evoformer_blocks.primitives import Linear
 
 NUM_TOKENS = 21  # 20 residue types and the padding token
@@ -31,35 +32,57 @@ class ContactTrunk(nn.Module):
     head is a Linear on ``z`` symmetrized over ``(i, j)``.
 
     ``evoformer_stack`` / ``extra_msa_stack`` are the stacks' keyword arguments (a preset section of
-    :func:`evoformer_blocks.config.get_config`); ``backend`` reaches every attention;
-    ``cuda_graphs`` is both stacks' switch (they replay CUDA graphs; inputs of one shape per step).
+    :func:`evoformer_blocks.config.get_config`); ``backend`` reaches every attention. With
+    ``pairformer_stack`` and ``msa_module`` instead (an AF3 preset's sections) the trunk is AlphaFold
+    3's: the embedded MSA updates the pair representation in an :class:`MSAModule`, then a
+    :class:`PairformerStack` updates it with the single representation (``Linear(query)``).
+    ``cuda_graphs`` is every stack's switch (they replay CUDA graphs; inputs of one shape per step).
     """
 
     def __init__(
         self,
-        evoformer_stack: dict,
         no_bins: int,
         relpos_k: int,
+        evoformer_stack: Optional[dict] = None,
         extra_msa_stack: Optional[dict] = None,
+        msa_module: Optional[dict] = None,
+        pairformer_stack: Optional[dict] = None,
         backend: Optional[str] = None,
         cuda_graphs: bool = False,
     ):
         super().__init__()
-        c_m, c_z = evoformer_stack["c_m"], evoformer_stack["c_z"]
+        if (evoformer_stack is None) == (pairformer_stack is None):
+            raise ValueError("ContactTrunk: give `evoformer_stack` (AF2) or `pairformer_stack` (AF3), not both")
+        trunk = evoformer_stack if evoformer_stack is not None else pairformer_stack
+        c_z = trunk["c_z"]
+        c_m = evoformer_stack["c_m"] if evoformer_stack is not None else msa_module["c_m"]
         self.relpos_k = relpos_k
         self.msa_embed = Linear(NUM_TOKENS, c_m)
         self.query_to_m = Linear(NUM_TOKENS, c_m)
         self.query_to_z_i = Linear(NUM_TOKENS, c_z)
         self.query_to_z_j = Linear(NUM_TOKENS, c_z)
         self.relpos = Linear(2 * relpos_k + 1, c_z)
-        self.extra_msa = None
+        self.extra_msa = self.evoformer = self.msa_module = self.pairformer = None
         if extra_msa_stack is not None:
             self.extra_msa_embed = Linear(NUM_TOKENS, extra_msa_stack["c_m"])
             self.extra_msa = ExtraMSAStack.from_config(extra_msa_stack, backend=backend, cuda_graphs=cuda_graphs)
-        self.evoformer = EvoformerStack.from_config(evoformer_stack, backend=backend, cuda_graphs=cuda_graphs)
-        # The stack's single representation feeds AF2's structure module; this trunk has none, so
-        # that projection gets no gradient (frozen, which DistributedDataParallel requires).
-        self.evoformer.linear.requires_grad_(False)
+        if evoformer_stack is not None:
+            self.evoformer = EvoformerStack.from_config(evoformer_stack, backend=backend, cuda_graphs=cuda_graphs)
+            # The stack's single representation feeds AF2's structure module; this trunk has none, so
+            # that projection gets no gradient (frozen, which DistributedDataParallel requires).
+            self.evoformer.linear.requires_grad_(False)
+        else:
+            self.query_to_s = Linear(NUM_TOKENS, pairformer_stack["c_s"])
+            self.msa_module = MSAModule.from_config(msa_module, backend=backend, cuda_graphs=cuda_graphs)
+            self.pairformer = PairformerStack.from_config(pairformer_stack, backend=backend, cuda_graphs=cuda_graphs)
+            # The single representation feeds AF3's diffusion module; this trunk reads only z, so
+            # the last Pairformer block's single updates get no gradient, nor does the MSA module's
+            # last update of m (not computed): frozen, as DistributedDataParallel requires.
+            last, last_msa = self.pairformer.blocks[-1], self.msa_module.blocks[-1]
+            for unused in (last.attn_pair_bias, last.single_transition, last_msa.pair_weighted_averaging,
+                           last_msa.msa_transition):
+                if unused is not None:
+                    unused.requires_grad_(False)
         self.distogram = Linear(c_z, no_bins, init="final")
 
     def forward(
@@ -88,7 +111,12 @@ class ContactTrunk(nn.Module):
         if self.extra_msa is not None and extra_msa is not None:
             e = self.extra_msa_embed(F.one_hot(extra_msa, NUM_TOKENS).float())  # [B, N_extra, L, c_e]
             z = self.extra_msa(e, z, extra_msa_mask, pair_mask, chunk_size=chunk_size)  # [B, L, L, c_z]
-        _, z, _ = self.evoformer(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
+        if self.evoformer is not None:
+            _, z, _ = self.evoformer(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
+        else:
+            z = self.msa_module(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
+            s = self.query_to_s(query)  # [B, L, c_s]
+            _, z = self.pairformer(s, z, msa_mask[:, 0], pair_mask, chunk_size=chunk_size)
         logits = self.distogram(z)  # [B, L, L, no_bins]
         return logits + logits.transpose(-2, -3)  # [B, L, L, no_bins], symmetric in (i, j)
 

@@ -183,42 +183,66 @@ def _algorithm_6(block, m, z, msa_mask, pair_mask):
     a multiplication by the block's keep-masks (AF2 supplement Algorithm 6), the order of the
     block's docstring."""
     keep = [1 if k is None else k for k in block.dropout_masks(m, z)]
+    if block.opm_first:  # AF2-Multimer
+        z = z + block.outer_product_mean(m, msa_mask)
     m = m + block.msa_att_row(m, z, msa_mask) * keep[0]
-    m = m + block.msa_att_col(m, msa_mask)
+    if block.msa_att_col is not None:
+        m = m + block.msa_att_col(m, msa_mask)
     m = m + block.msa_transition(m, msa_mask)
-    z = z + block.outer_product_mean(m, msa_mask)
-    z = z + block.tri_mul_out(z, pair_mask) * keep[1]
-    z = z + block.tri_mul_in(z, pair_mask) * keep[2]
-    z = z + block.tri_att_start(z, pair_mask) * keep[3]
-    z = z + block.tri_att_end(z, pair_mask) * keep[4]
-    z = z + block.pair_transition(z, pair_mask)
-    return m, z
+    if not block.opm_first:
+        z = z + block.outer_product_mean(m, msa_mask)
+    return m, pair_updates_as_written(block, z, pair_mask, keep[1:])
 
 
-@pytest.mark.parametrize("cls", [EvoformerBlock, ExtraMSABlock])
-@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_block_is_algorithm_6(cls, train):
-    """The block's fused glue (residual adds with the next layer norm, masks and dropout masks
-    scaling the update inside that add, shared mask biases) computes the algorithm as written, its
-    gradients too; in training mode with the same dropout masks (the block's dropout_masks, drawn
-    from the same RNG state)."""
-    block = randomize_(cls(**TINY, backend="eager")).to(F64).train(train)
-    m, z, msa_mask, pair_mask = inputs()
+def pair_updates_as_written(block, z, pair_mask, keep):
+    """The pair updates of a block (AF2 Algorithm 6 lines 7-11, AF3 Algorithm 17 lines 2-6) with
+    their public forwards, plain residual adds and the four pair dropout keep-masks ``keep``."""
+    z = z + block.tri_mul_out(z, pair_mask) * keep[0]
+    z = z + block.tri_mul_in(z, pair_mask) * keep[1]
+    z = z + block.tri_att_start(z, pair_mask) * keep[2]
+    z = z + block.tri_att_end(z, pair_mask) * keep[3]
+    return z + block.pair_transition(z, pair_mask)
+
+
+def assert_block_is_written(block, written, inputs, train: bool):
+    """``block(*inputs)`` and ``written(*inputs)`` (the algorithm with the block's sub-modules) give
+    the same outputs and gradients (inputs and parameters; the first two inputs differentiable), in
+    training mode with the same dropout masks (drawn from the same RNG state); in training mode the
+    masks must act (eval mode gives another result)."""
     outs, grads = [], []
-    for fn in (block, lambda *args: _algorithm_6(block, *args)):
-        leaves = [m.clone().requires_grad_(True), z.clone().requires_grad_(True)]
+    for fn in (block, written):
+        leaves = [inputs[0].clone().requires_grad_(True), inputs[1].clone().requires_grad_(True)]
         torch.manual_seed(7)
-        out = fn(*leaves, msa_mask, pair_mask)
-        loss = sum((o * torch.linspace(-1, 1, o.shape[-1], dtype=F64)).square().sum() for o in out)
+        out = fn(*leaves, *inputs[2:])
+        loss = sum((o * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype)).square().sum() for o in out)
         grads.append(torch.autograd.grad(loss, leaves + list(block.parameters())))
         outs.append(out)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
-    if train:  # the masks did act: eval mode gives another result
+    if train:
         with torch.no_grad():
-            assert not torch.allclose(block.eval()(m, z, msa_mask, pair_mask)[1], outs[0][1])
+            assert not torch.allclose(block.eval()(*inputs)[1], outs[0][1])
+
+
+MULTIMER_OPTIONS = [{}, {"opm_first": True}, {"fuse_projection_weights": True}, {"no_column_attention": True},
+                    {"opm_first": True, "no_column_attention": True}]
+
+
+@pytest.mark.parametrize("cls", [EvoformerBlock, ExtraMSABlock])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("options", MULTIMER_OPTIONS, ids=lambda o: "+".join(o) or "af2")
+def test_block_is_algorithm_6(cls, train, options):
+    """The block's fused glue (residual adds with the next layer norm, masks and dropout masks
+    scaling the update inside that add, shared mask biases) computes the algorithm as written, its
+    gradients too; in training mode with the same dropout masks (the block's dropout_masks, drawn
+    from the same RNG state); with AF2-Multimer's options too (the outer product mean first, no
+    column attention: the Evoformer block's)."""
+    if cls is ExtraMSABlock and "no_column_attention" in options:
+        pytest.skip("OpenFold's no_column_attention is the Evoformer block's option")
+    block = randomize_(cls(**TINY, **options, backend="eager")).to(F64).train(train)
+    assert_block_is_written(block, lambda *args: _algorithm_6(block, *args), inputs(), train)
 
 
 @pytest.mark.parametrize("make", [evoformer_stack, extra_msa_stack], ids=["evoformer", "extra_msa"])
@@ -353,7 +377,7 @@ def test_from_config():
     with pytest.raises(ValueError, match="lacks the required keys.*no_blocks"):
         EvoformerStack.from_config({k: v for k, v in cfg.evoformer_stack.items() if k != "no_blocks"})
     with pytest.raises(ValueError, match="unknown `name`"):
-        get_config("af3")
+        get_config("af4")
 
 
 @pytest.mark.parametrize(

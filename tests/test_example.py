@@ -159,6 +159,22 @@ def test_train_smoke(tmp_path):
     assert occurrences(image, text_image("top-L/5 predicted pair with |i - j| >= 4: not a contact")) == 1
 
 
+# The AF3 trunk (MSA module, Pairformer) of the af3_small preset, as tiny as TINY's
+TINY_AF3 = [o for o in TINY if not o.startswith("model.")] + [
+    "model=af3_small", "model.pairformer_stack.no_blocks=1", "model.msa_module.no_blocks=2",
+]
+
+
+def test_train_smoke_af3_trunk(tmp_path):
+    cfg = config(*TINY_AF3)
+    assert cfg.model.pairformer_stack.c_s == 32 and "evoformer_stack" not in cfg.model
+    metrics = train_example.train(cfg, str(tmp_path))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    state = torch.load(tmp_path / "checkpoints" / "step_000004.pt", weights_only=False)["model"]
+    assert any(k.startswith("pairformer.blocks.0.attn_pair_bias.") for k in state)
+    assert any(k.startswith("msa_module.blocks.1.tri_att_end.") for k in state)
+
+
 def test_resume_continues_exactly(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train_example.train(config(*TINY), str(full))

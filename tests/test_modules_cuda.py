@@ -104,43 +104,63 @@ def test_module_compiles_fullgraph_on_cutlass():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-@pytest.mark.parametrize("block_cls", [eb.EvoformerBlock, eb.ExtraMSABlock])
-def test_blocks_cutlass_match_eager(block_cls):
+AF2_BLOCK_SIZES = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
+                       no_heads_msa=4, no_heads_pair=2)
+# name -> (the block's class with its sizes, the first input ("msa": m [6, 21, 32], "single": s [21, 32]),
+# the parameter whose gradient is zero in exact arithmetic: the layer norm bias of a pair bias that
+# only shifts every logit of a softmax by a constant)
+BLOCK_CASES = {
+    "EvoformerBlock": (partial(eb.EvoformerBlock, **AF2_BLOCK_SIZES), "msa", "msa_att_row.layer_norm_z.bias"),
+    "ExtraMSABlock": (partial(eb.ExtraMSABlock, **AF2_BLOCK_SIZES), "msa", "msa_att_row.layer_norm_z.bias"),
+    "EvoformerBlock-multimer": (
+        partial(eb.EvoformerBlock, **AF2_BLOCK_SIZES, opm_first=True, fuse_projection_weights=True), "msa",
+        "msa_att_row.layer_norm_z.bias",
+    ),
+    "PairformerBlock": (
+        partial(eb.PairformerBlock, c_s=32, c_z=16, c_hidden_pair_bias=8, no_heads_pair_bias=4, c_hidden_mul=16,
+                c_hidden_pair_att=8, no_heads_pair=2),
+        "single", "attn_pair_bias.layer_norm_z.bias",
+    ),
+    "MSAModuleBlock": (partial(eb.MSAModuleBlock, **AF2_BLOCK_SIZES), "msa", "pair_weighted_averaging.layer_norm_z.bias"),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_blocks_cutlass_match_eager(case):
     # a whole block (fused residual add + layer norm, attention, triangle multiplication, gates and
     # projections) in bfloat16 on cutlass and on eager against float32 eager: outputs and the
-    # gradients of m, z and every parameter within 2x eager bfloat16's error, errors averaged over
-    # twelve draws of inputs and weights. Fewer are not enough: some gradients are sums that cancel
+    # gradients of m (or s), z and every parameter within 2x eager bfloat16's error, errors averaged
+    # over twelve draws of inputs and weights. Fewer are not enough: some gradients are sums that cancel
     # (the pair-bias projections' weights: their cotangent sums to zero over the keys), so eager
     # bfloat16 is already 2-3 % off there and one draw's ratio swings with the rounding of
     # everything upstream (the ending node's linear_z.weight in ExtraMSABlock: 0.4-1.4 of the bar
     # per draw; averaged over four draws 0.9-1.1, over these twelve 0.70).
-    sizes = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
-                 no_heads_msa=4, no_heads_pair=2)
+    make, first, zero_name = BLOCK_CASES[case]
     errors = {}  # name -> [(fused error, eager error)] over the draws
     for seed in range(4, 16):
-        template = randomize(block_cls(**sizes)).eval()
+        template = randomize(make()).eval()
         gen = torch.Generator().manual_seed(seed)
-        m, z = torch.randn(6, 21, 32, generator=gen), torch.randn(21, 21, 16, generator=gen)
-        msa_mask = (torch.rand(6, 21, generator=gen) > 0.1).float()
+        x = torch.randn(6, 21, 32, generator=gen) if first == "msa" else torch.randn(21, 32, generator=gen)
+        z = torch.randn(21, 21, 16, generator=gen)
+        x_mask = (torch.rand(x.shape[:-1], generator=gen) > 0.1).float()
         pair_mask = (torch.rand(21, 21, generator=gen) > 0.1).float()
 
         def grads(backend, dtype):
-            block = block_cls(**sizes, backend=backend).eval()
+            block = make(backend=backend).eval()
             block.load_state_dict(template.state_dict())
             block = block.to("cuda", dtype)
-            inputs = [t.to("cuda", dtype).requires_grad_(True) for t in (m, z)]
-            out_m, out_z = block(*inputs, msa_mask.to("cuda", dtype), pair_mask.to("cuda", dtype))
-            loss = out_m.float().square().mean() + out_z.float().square().mean()
-            return [out_m.float(), out_z.float(),
+            inputs = [t.to("cuda", dtype).requires_grad_(True) for t in (x, z)]
+            out_x, out_z = block(*inputs, x_mask.to("cuda", dtype), pair_mask.to("cuda", dtype))
+            loss = out_x.float().square().mean() + out_z.float().square().mean()
+            return [out_x.float(), out_z.float(),
                     *(g.float() for g in torch.autograd.grad(loss, [*inputs, *block.parameters()]))]
 
         ref, eager, fused = grads("eager", torch.float32), grads("eager", torch.bfloat16), grads("cutlass", torch.bfloat16)
-        names = ["out_m", "out_z", "dm", "dz", *(name for name, _ in template.named_parameters())]
-        # The row attention's pair-bias layer norm feeds only the pair bias, whose gradient sums to
-        # zero over the keys (a softmax's), so its bias's gradient is zero in exact arithmetic: no
-        # relative error exists. It must stay at rounding level, measured against its weight's gradient.
-        zero = names.index("msa_att_row.layer_norm_z.bias")
-        scale = ref[names.index("msa_att_row.layer_norm_z.weight")].norm()
+        names = ["out_x", "out_z", "dx", "dz", *(name for name, _ in template.named_parameters())]
+        # That layer norm bias's gradient has no relative error: it must stay at rounding level,
+        # measured against its weight's gradient.
+        zero = names.index(zero_name)
+        scale = ref[names.index(zero_name.replace(".bias", ".weight"))].norm()
         assert ref[zero].norm() <= 1e-5 * scale
         assert torch.isfinite(fused[zero]).all() and fused[zero].norm() <= 2e-2 * scale, fused[zero].norm() / scale
         for i, (name, f, e, r) in enumerate(zip(names, fused, eager, ref)):
@@ -150,23 +170,21 @@ def test_blocks_cutlass_match_eager(block_cls):
     for name, pairs in errors.items():
         e_fused = sum(f for f, _ in pairs) / len(pairs)
         e_eager = sum(e for _, e in pairs) / len(pairs)
-        assert e_fused <= RATIO * e_eager + 2e-3, f"{block_cls.__name__} {name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
+        assert e_fused <= RATIO * e_eager + 2e-3, f"{case} {name}: fused {e_fused:.3e} vs eager {e_eager:.3e}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_cls", [eb.EvoformerBlock, eb.ExtraMSABlock])
-def test_blocks_compile_fullgraph_on_cutlass(block_cls):
+@pytest.mark.parametrize("case", ["EvoformerBlock", "ExtraMSABlock", "PairformerBlock", "MSAModuleBlock"])
+def test_blocks_compile_fullgraph_on_cutlass(case):
     # every fused op of a block (attention, layer norm, triangle multiplication, gate, linear) in
     # one graph, forward and backward, matching the uncompiled block
     torch._dynamo.reset()
-    block = randomize(block_cls(
-        c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
-        no_heads_msa=4, no_heads_pair=2, backend="cutlass",
-    )).cuda().bfloat16().eval()
+    make, first, _ = BLOCK_CASES[case]
+    block = randomize(make(backend="cutlass")).cuda().bfloat16().eval()
     gen = torch.Generator().manual_seed(2)
-    m = torch.randn(6, 21, 32, generator=gen).cuda().bfloat16().requires_grad_(True)
+    m = torch.randn(*((6,) if first == "msa" else ()), 21, 32, generator=gen).cuda().bfloat16().requires_grad_(True)
     z = torch.randn(21, 21, 16, generator=gen).cuda().bfloat16().requires_grad_(True)
-    msa_mask = (torch.rand(6, 21, generator=gen) > 0.1).cuda().bfloat16()
+    msa_mask = (torch.rand(m.shape[:-1], generator=gen) > 0.1).cuda().bfloat16()
     pair_mask = (torch.rand(21, 21, generator=gen) > 0.1).cuda().bfloat16()
 
     def loss_and_grads(fn):
