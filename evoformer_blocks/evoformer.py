@@ -61,11 +61,11 @@ def _shared(mask_bias: torch.Tensor, owner: nn.Module, other: nn.Module) -> Opti
     return mask_bias if other.inf == owner.inf else None
 
 
-def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, block: "_MSABlock"):
+def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, block: nn.Module):
     """Validates the inputs of ``block`` (a stack's: its first block) once per block or stack call:
-    shapes, and the dtype and device of the block's weights; returns the masks as 0/1 tensors of
-    m's / z's dtype."""
-    c_m, c_z, weights = block.c_m, block.c_z, block.msa_att_row.linear_q.weight
+    shapes (``block.c_m``, ``block.c_z``), and the dtype and device of the block's weights; returns
+    the masks as 0/1 tensors of m's / z's dtype."""
+    c_m, c_z, weights = block.c_m, block.c_z, next(block.parameters())
     check_tensor(owner, "m", m, (None, None, c_m), f"[*, N_seq, N_res, c_m={c_m}]", weights=weights)
     *batch, _, n_res, _ = m.shape
     check_tensor(

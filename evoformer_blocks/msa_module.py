@@ -214,7 +214,7 @@ class MSAModuleBlock(_PairUpdates):
         chunk_size: Optional[int] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the updated ``(m, z)``."""
-        msa_mask, pair_mask = _check_inputs(type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self.c_m, self.c_z)
+        msa_mask, pair_mask = _check_inputs(type(self).__name__, m, z, msa_mask, pair_mask, chunk_size, self)
         return self._update(m, z, msa_mask, pair_mask, chunk_size)
 
     def dropout_masks(self, m: torch.Tensor, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:

@@ -25,11 +25,14 @@ from .transitions import SwiGLUTransition
 __all__ = ["AttentionPairBias", "PairformerBlock", "PairformerStack"]
 
 
-def _check_single_and_pair(owner: str, s, z, c_s: int, c_z: int) -> None:
-    check_tensor(owner, "s", s, (None, c_s), f"[*, N_token, c_s={c_s}]")
+def _check_single_and_pair(owner: str, s, z, module: torch.nn.Module) -> None:
+    """Shapes (``module.c_s``, ``module.c_z``), and the dtype and device of ``module``'s weights."""
+    c_s, c_z, weights = module.c_s, module.c_z, next(module.parameters())
+    check_tensor(owner, "s", s, (None, c_s), f"[*, N_token, c_s={c_s}]", weights=weights)
     *batch, n, _ = s.shape
     check_tensor(
-        owner, "z", z, (*batch, n, n, c_z), f"[*, N_token={n}, N_token, c_z={c_z}] with s's batch dims", exact=True
+        owner, "z", z, (*batch, n, n, c_z), f"[*, N_token={n}, N_token, c_z={c_z}] with s's batch dims", exact=True,
+        weights=weights,
     )
 
 
@@ -77,7 +80,7 @@ class AttentionPairBias(_GatedAttention):
             ``[*, N_token, c_s]``, the update of s.
         """
         name = type(self).__name__
-        _check_single_and_pair(name, s, z, self.c_s, self.c_z)
+        _check_single_and_pair(name, s, z, self)
         check_optional_positive_int(name, "chunk_size", chunk_size)
         if mask is not None:
             check_mask(name, "mask", mask, s, "[*, N_token]")
@@ -163,7 +166,7 @@ class PairformerBlock(_PairUpdates):
         chunk_size: Optional[int] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the updated ``(s [*, N_token, c_s], z [*, N_token, N_token, c_z])``."""
-        single_mask, pair_mask = _check_inputs(type(self).__name__, s, z, single_mask, pair_mask, chunk_size, self.c_s, self.c_z)
+        single_mask, pair_mask = _check_inputs(type(self).__name__, s, z, single_mask, pair_mask, chunk_size, self)
         return self._update(s, z, single_mask, pair_mask, chunk_size)
 
     def dropout_masks(self, s: torch.Tensor, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
@@ -183,10 +186,10 @@ class PairformerBlock(_PairUpdates):
         return s, z
 
 
-def _check_inputs(owner: str, s, z, single_mask, pair_mask, chunk_size, c_s: int, c_z: int):
-    """Validates a Pairformer block's or stack's inputs; returns the masks as 0/1 tensors of s's /
-    z's dtype."""
-    _check_single_and_pair(owner, s, z, c_s, c_z)
+def _check_inputs(owner: str, s, z, single_mask, pair_mask, chunk_size, block: torch.nn.Module):
+    """Validates a Pairformer block's (a stack's: its first block's) inputs; returns the masks as 0/1
+    tensors of s's / z's dtype."""
+    _check_single_and_pair(owner, s, z, block)
     check_optional_positive_int(owner, "chunk_size", chunk_size)
     single_mask = as_mask(owner, "single_mask", single_mask, s, "[*, N_token]")
     pair_mask = as_mask(owner, "pair_mask", pair_mask, z, "[*, N_token, N_token]")
@@ -246,9 +249,8 @@ class PairformerStack(_Stack):
         *,
         chunk_size: Optional[int] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        block = self.blocks[0]
         single_mask, pair_mask = _check_inputs(
-            type(self).__name__, s, z, single_mask, pair_mask, chunk_size, block.c_s, block.c_z
+            type(self).__name__, s, z, single_mask, pair_mask, chunk_size, self.blocks[0]
         )
         return self._run_checked(s, z, single_mask, pair_mask, chunk_size)
 

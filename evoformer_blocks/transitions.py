@@ -55,7 +55,7 @@ class Transition(nn.Module):
         self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
     ) -> torch.Tensor:
         name = type(self).__name__
-        check_tensor(name, "x", x, (None, None, self.c), f"[*, N_a, N_b, {self.c}]", weights=self.linear_1.weight)
+        check_tensor(name, "x", x, (None, None, self.c), f"[*, N_a, N_b, {self.c}]", weights=self.layer_norm.weight)
         check_optional_positive_int(name, "chunk_size", chunk_size)
         mask = as_mask(name, "mask", mask, x, "[*, N_a, N_b]")  # [*, N_a, N_b]
         return self._run(self._update, x, mask, chunk_size)
