@@ -117,8 +117,8 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> None:
          "must be an int >= 1 with model.use_extra_msa" if model.use_extra_msa else "must be an int >= 0")
     need(t.eval_chunk_size is None or (_is_int(t.eval_chunk_size) and t.eval_chunk_size >= 1),
          "trainer.eval_chunk_size", t.eval_chunk_size, "must be null or an int >= 1")
-    need(t.num_threads in ("auto", None) or (_is_int(t.num_threads) and t.num_threads >= 1),
-         "trainer.num_threads", t.num_threads, "must be auto, null or an int >= 1")
+    need(t.num_threads is None or (_is_int(t.num_threads) and t.num_threads >= 1),
+         "trainer.num_threads", t.num_threads, "must be null or an int >= 1")
     need(_is_number(t.lr) and t.lr > 0, "trainer.lr", t.lr, "must be a positive number")
     need(_is_number(t.grad_clip) and t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "must be a positive number")
     need(_is_number(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", t.weight_decay, "must be a number >= 0")
@@ -166,17 +166,10 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> None:
         raise ConfigError("; ".join(problems))
 
 
-AUTO_MAX_THREADS = 4  # trainer.num_threads=auto: half the cores per process, at most this many
-
-
-def cpu_threads(num_threads, cores: int, processes: int) -> int:
-    """The threads of each of ``processes`` CPU processes on ``cores`` cores (trainer.num_threads):
-    "auto": half the cores per process (at least 1), at most :data:`AUTO_MAX_THREADS`; an int: that
-    many, at most the cores per process (more threads than cores only compete); None: all the cores
-    per process."""
+def cpu_threads(num_threads: Optional[int], cores: int, processes: int) -> int:
+    """The threads of each of ``processes`` CPU processes on ``cores`` cores: ``num_threads``, at most
+    the cores per process (more threads than cores only compete); None: all the cores per process."""
     per_process = max(1, cores // processes)
-    if num_threads == "auto":
-        return min(AUTO_MAX_THREADS, max(1, per_process // 2))
     return per_process if num_threads is None else min(num_threads, per_process)
 
 

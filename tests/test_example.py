@@ -205,8 +205,8 @@ BAD_CONFIGS = {
     "batch 0": (["trainer.batch_size=0"], r"trainer.batch_size=0"),
     "negative lr": (["trainer.lr=-0.1"], r"trainer.lr=-0.1 must be a positive number"),
     "precision": (["trainer.precision=fp8"], r"trainer.precision='fp8' must be auto, bf16 or fp32"),
-    "threads 0": (["trainer.num_threads=0"], r"trainer.num_threads=0 must be auto, null or an int >= 1"),
-    "threads word": (["trainer.num_threads=all"], r"trainer.num_threads='all' must be auto, null or an int >= 1"),
+    "threads 0": (["trainer.num_threads=0"], r"trainer.num_threads=0 must be null or an int >= 1"),
+    "threads word": (["trainer.num_threads=all"], r"trainer.num_threads='all' must be null or an int >= 1"),
     "two problems": (["trainer.steps=0", "data.n_train=0"], r"trainer.steps=0 .*; data.n_train=0"),
     "lengths": (["data.min_len=40", "data.max_len=30"], r"data.max_len=30 must be >= data.min_len=40"),
     "MSA deeper than sampled": (["data.msa_depth=100"], r"data.msa_depth=100 .* at most the 96 sampled"),
@@ -272,14 +272,10 @@ def test_done_line_names_only_the_files_written(tmp_path, caplog):
 
 
 def test_cpu_threads():
-    assert config().trainer.num_threads == "auto"  # not every core by default
-    assert train_example.cpu_threads("auto", cores=2, processes=1) == 1  # half the cores
-    assert train_example.cpu_threads("auto", cores=8, processes=1) == 4
-    assert train_example.cpu_threads("auto", cores=128, processes=1) == 4  # at most 4
-    assert train_example.cpu_threads("auto", cores=16, processes=4) == 2
-    assert train_example.cpu_threads("auto", cores=2, processes=2) == 1
+    assert config().trainer.num_threads == 4  # a bound by default, not every core
     assert train_example.cpu_threads(4, cores=128, processes=1) == 4
     assert train_example.cpu_threads(4, cores=2, processes=1) == 2  # never more threads than cores
+    assert train_example.cpu_threads(4, cores=8, processes=4) == 2
     assert train_example.cpu_threads(None, cores=128, processes=2) == 64  # null: all the cores
     assert train_example.cpu_threads(None, cores=1, processes=2) == 1
 
