@@ -120,8 +120,10 @@ def check_config(cfg: DictConfig, cuda_available: bool) -> None:
     need(_is_int(d.extra_msa_depth) and d.extra_msa_depth >= (1 if model.use_extra_msa else 0),
          "data.extra_msa_depth", d.extra_msa_depth,
          "must be an int >= 1 with model.use_extra_msa" if model.use_extra_msa else "must be an int >= 0")
-    for key in ("eval_chunk_size", "num_threads"):
-        need(t[key] is None or (_is_int(t[key]) and t[key] >= 1), f"trainer.{key}", t[key], "must be null or an int >= 1")
+    need(t.eval_chunk_size is None or (_is_int(t.eval_chunk_size) and t.eval_chunk_size >= 1),
+         "trainer.eval_chunk_size", t.eval_chunk_size, "must be null or an int >= 1")
+    need(t.num_threads is None or (_is_int(t.num_threads) and t.num_threads >= 1),
+         "trainer.num_threads", t.num_threads, "must be null or an int >= 1")
     need(_is_number(t.lr) and t.lr > 0, "trainer.lr", t.lr, "must be a positive number")
     need(_is_number(t.grad_clip) and t.grad_clip > 0, "trainer.grad_clip", t.grad_clip, "must be a positive number")
     need(_is_number(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", t.weight_decay, "must be a number >= 0")

@@ -222,6 +222,7 @@ BAD_CONFIGS = {
     "negative lr": (["trainer.lr=-0.1"], r"trainer.lr=-0.1 must be a positive number"),
     "precision": (["trainer.precision=fp8"], r"trainer.precision='fp8' must be auto, bf16 or fp32"),
     "threads 0": (["trainer.num_threads=0"], r"trainer.num_threads=0 must be null or an int >= 1"),
+    "threads word": (["trainer.num_threads=all"], r"trainer.num_threads='all' must be null or an int >= 1"),
     "two problems": (["trainer.steps=0", "data.n_train=0"], r"trainer.steps=0 .*; data.n_train=0"),
     "lengths": (["data.min_len=40", "data.max_len=30"], r"data.max_len=30 must be >= data.min_len=40"),
     "MSA deeper than sampled": (["data.msa_depth=100"], r"data.msa_depth=100 .* at most the 96 sampled"),
