@@ -38,6 +38,59 @@
 namespace evoformer {
 namespace sm90 {
 
+// The backward's two score accumulators on one warpgroup, S and dP [64, kCols] (fp32, in the
+// m16n8 accumulator layout: s() and dp() as [kCols / 8][4]), and the products that fill them over d,
+// S += A0 . B0^T and dP += A1 . B1^T, with A0, A1 [64, D] and B0, B1 [kCols, D] tiles in shared memory
+// (RowTileLayouts::RowMajor): in the dK/dV kernel the CTA's K and V against a query block's Q and
+// dO, in the dQ kernel the CTA's Q and dO against a key block's K and V.
+template <typename Element, int kCols, int kHeadDim>
+struct ScorePair {
+  using Mma = SsMma<Element, kCols, kHeadDim>;
+  using LayoutA = typename RowTileLayouts<Element, 64, kHeadDim>::RowMajor;
+  using LayoutB = typename RowTileLayouts<Element, kCols, kHeadDim>::RowMajor;
+  static constexpr int kTiles = kCols / 8;  // n8 column tiles of a warp's 16 rows
+  using Acc = decltype(cute::partition_fragment_C(Mma{}, cute::Shape<cute::_64, cute::Int<kCols>>{}));
+  static_assert(cute::size(Acc{}) == kTiles * 4, "wgmma fragments must match the m16n8 accumulator layout");
+
+  Mma mma;
+  decltype(Mma{}.get_thread_slice(0)) thr;
+  Acc s_acc, dp_acc;
+
+  __device__ __forceinline__ explicit ScorePair(int tid) : thr(mma.get_thread_slice(tid)) {}
+
+  // The operands of a [64, D] (A) or [kCols, D] (B) tile at `smem`.
+  __device__ __forceinline__ auto a(Element* smem) const {
+    return thr.partition_fragment_A(cute::make_tensor(cute::make_smem_ptr(smem), LayoutA{}));
+  }
+  __device__ __forceinline__ auto b(Element* smem) const {
+    return thr.partition_fragment_B(cute::make_tensor(cute::make_smem_ptr(smem), LayoutB{}));
+  }
+
+  __device__ __forceinline__ float (&s())[kTiles][4] {
+    return *reinterpret_cast<float(*)[kTiles][4]>(cute::raw_pointer_cast(s_acc.data()));
+  }
+  __device__ __forceinline__ float (&dp())[kTiles][4] {
+    return *reinterpret_cast<float(*)[kTiles][4]>(cute::raw_pointer_cast(dp_acc.data()));
+  }
+
+  // Issues and commits S += a0 . b0^T and dP += a1 . b1^T (operands from a() and b()).
+  template <typename A0, typename B0, typename A1, typename B1>
+  __device__ __forceinline__ void issue(const A0& a0, const B0& b0, const A1& a1, const B1& b1) {
+    fence();
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < cute::size<2>(a0); ++kk) cute::gemm(mma, a0(cute::_, cute::_, kk), b0(cute::_, cute::_, kk), s_acc);
+#pragma unroll
+    for (int kk = 0; kk < cute::size<2>(a1); ++kk) cute::gemm(mma, a1(cute::_, cute::_, kk), b1(cute::_, cute::_, kk), dp_acc);
+    cute::warpgroup_commit_batch();
+  }
+  // S and dP as the tensor cores leave them (after a wait), or before they are written again.
+  __device__ __forceinline__ void fence() {
+    cute::warpgroup_fence_operand(s_acc);
+    cute::warpgroup_fence_operand(dp_acc);
+  }
+};
+
 template <typename Element_, int kHeadDim_, int kPair_>
 struct DkdvConfig {
   using Element = Element_;
@@ -56,7 +109,7 @@ struct DkdvConfig {
   using LayoutQt = typename RowTileLayouts<Element, kBlockM, kHeadDim>::Transposed;  // Q, dO as (d, query)
 
   // S^T [64 keys, kBlockM] = K [64, D] . Q^T, and dP^T the same with V and dO.
-  using MmaS = SsMma<Element, kBlockM, kHeadDim>;
+  using Scores = ScorePair<Element, kBlockM, kHeadDim>;
   // dV [64, D] += P^T [64, kBlockM] . dO [kBlockM, D], and dK the same with dS^T and Q.
   using MmaG = RsMmaMN<Element, kHeadDim, kBlockM>;
 
@@ -158,14 +211,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   store_pending(0);
   cp_async_commit();
 
-  typename Cfg::MmaS mma_s;
+  typename Cfg::Scores scores(tid);  // S^T, then P^T; dP^T - delta, then dS^T
   typename Cfg::MmaG mma_g;
-  auto thr_s = mma_s.get_thread_slice(tid);
   auto thr_g = mma_g.get_thread_slice(tid);
-  Tensor tSrK = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(k_smem), typename Cfg::LayoutK{}));
-  Tensor tSrV = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(v_smem), typename Cfg::LayoutK{}));
-  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockM>>{});   // S^T, then P^T
-  Tensor tSrdP = partition_fragment_C(mma_s, Shape<_64, Int<kBlockM>>{});  // dP^T - delta, then dS^T
+  const auto tSrK = scores.a(k_smem), tSrV = scores.a(v_smem);
   Tensor tGrdV = partition_fragment_C(mma_g, Shape<_64, Int<kHeadDim>>{});
   Tensor tGrdK = partition_fragment_C(mma_g, Shape<_64, Int<kHeadDim>>{});
   // P^T and dS^T as A operands (registers), two 16-bit values per register
@@ -173,10 +222,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
                               Stride<Int<kBlockM>, _1>{});
   Tensor tGrP = thr_g.partition_fragment_A(a_layout);
   Tensor tGrdS = thr_g.partition_fragment_A(a_layout);
-  static_assert(size(tSrS) == kQTiles * 4 && size(tGrdV) == kDTiles * 4 && size(tGrP) == kBlockM / 2,
+  static_assert(size(tGrdV) == kDTiles * 4 && size(tGrP) == kBlockM / 2,
                 "wgmma fragments must match the m16n8 accumulator layout used by the helpers");
-  float(&st_)[kQTiles][4] = *reinterpret_cast<float(*)[kQTiles][4]>(raw_pointer_cast(tSrS.data()));
-  float(&dpt)[kQTiles][4] = *reinterpret_cast<float(*)[kQTiles][4]>(raw_pointer_cast(tSrdP.data()));
+  float(&st_)[kQTiles][4] = scores.s();
+  float(&dpt)[kQTiles][4] = scores.dp();
   float(&dv)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tGrdV.data()));
   float(&dk)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tGrdK.data()));
   uint32_t(&pa)[kBlockM / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockM / 16][4]>(raw_pointer_cast(tGrP.data()));
@@ -230,24 +279,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
         dpt[qt][e] = -(e % 2 ? dl.y : dl.x);
       }
     }
-    Tensor tSrQ = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(q_smem(st)), typename Cfg::LayoutQ{}));
-    Tensor tSrdO = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(do_smem(st)), typename Cfg::LayoutQ{}));
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
-    warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrK); ++kk) gemm(mma_s, tSrK(_, _, kk), tSrQ(_, _, kk), tSrS);
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrV); ++kk) gemm(mma_s, tSrV(_, _, kk), tSrdO(_, _, kk), tSrdP);
-    warpgroup_commit_batch();
+    scores.issue(tSrK, scores.b(q_smem(st)), tSrV, scores.b(do_smem(st)));
     if (Cfg::kOverlap && ib > 0) {
       issue_grads(ib - 1);
       warpgroup_wait<1>();  // S^T and dP^T done; block ib - 1's dV and dK products may still run
     } else {
       warpgroup_wait<0>();
     }
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
+    scores.fence();
 
     // P^T = exp2((S^T - m) * scale_log2 - l) with (m, l) of the query (column); dS^T = P^T * (dP^T - delta),
     // whose row sums are the mask-bias gradient.
@@ -312,7 +351,7 @@ struct DqConfig {
   using LayoutKt = typename RowTileLayouts<Element, kBlockN, kHeadDim>::Transposed;  // K as (d, key)
 
   // S [64, kBlockN] = Q [64, D] . K^T, and dP the same with dO and V.
-  using MmaS = SsMma<Element, kBlockN, kHeadDim>;
+  using Scores = ScorePair<Element, kBlockN, kHeadDim>;
   // dQ [64, D] += dS [64, kBlockN] . K [kBlockN, D]
   using MmaDq = RsMmaMN<Element, kHeadDim, kBlockN>;
 
@@ -391,22 +430,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   load_row_stats(stats_row, delta_row, p, bnh, m0 + warp_row0 + lane / 4);
   Cfg::Tma::finish_prologue();  // Q and dO in place for the tensor cores
 
-  typename Cfg::MmaS mma_s;
+  typename Cfg::Scores scores(tid);  // S; dP - delta, then dS
   typename Cfg::MmaDq mma_dq;
-  auto thr_s = mma_s.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(q_smem), typename Cfg::LayoutQ{}));
-  Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(do_smem), typename Cfg::LayoutQ{}));
-  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});   // S, fp32
-  Tensor tSrdP = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});  // dP - delta, then dS
+  const auto tSrQ = scores.a(q_smem), tSrdO = scores.a(do_smem);
   Tensor tQrdQ = partition_fragment_C(mma_dq, Shape<_64, Int<kHeadDim>>{});
   // dS as the A operand of dS.K (registers): the same (row, key) values as S, two 16-bit per register
   Tensor tQrdS = thr_dq.partition_fragment_A(
       make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), Shape<_64, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{}));
-  static_assert(size(tSrS) == kNTiles * 4 && size(tQrdQ) == kDTiles * 4 && size(tQrdS) == kBlockN / 2,
+  static_assert(size(tQrdQ) == kDTiles * 4 && size(tQrdS) == kBlockN / 2,
                 "wgmma fragments must match the m16n8 accumulator layout used by the softmax helpers");
-  float(&s)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrS.data()));
-  float(&dp)[kNTiles][4] = *reinterpret_cast<float(*)[kNTiles][4]>(raw_pointer_cast(tSrdP.data()));
+  float(&s)[kNTiles][4] = scores.s();
+  float(&dp)[kNTiles][4] = scores.dp();
   float(&dq)[kDTiles][4] = *reinterpret_cast<float(*)[kDTiles][4]>(raw_pointer_cast(tQrdQ.data()));
   uint32_t(&dsa)[kBlockN / 16][4] = *reinterpret_cast<uint32_t(*)[kBlockN / 16][4]>(raw_pointer_cast(tQrdS.data()));
 
@@ -416,7 +451,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
 
   // dQ += dS_{jb}.K_{jb} with dS in registers (dsa), issued without waiting.
-  auto issue_dq = [&](int jb) {
+  auto issue_dq = [&](int jb) __attribute__((always_inline)) {
     Tensor tQrK = thr_dq.partition_fragment_B(
         make_tensor(make_smem_ptr(k_smem(jb % Cfg::kKStages)), typename Cfg::LayoutKt{}));
     warpgroup_fence_operand(tQrdQ);
@@ -427,48 +462,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     warpgroup_commit_batch();
   };
 
-  for (int jb = 0; jb < n_blocks; ++jb) {
-    const int vs = jb % Cfg::kVStages;
-    const int n0 = jb * kBlockN;
-    // block jb landed; jb + 1 issued once S_{jb-1}, dP_{jb-1} and dS_{jb-2}.K, whose stages it takes,
-    // are done
-    Cfg::Tma::begin_step(block_full, jb, n_blocks, issue_block);
-
-    // S = (mask + pair) / scale + Q . K^T;  dP - delta = -delta + dO . V^T
-    const PairT* sPair = pair_smem(vs);
-    const float* sMask = has_mask ? mask_smem(vs) : nullptr;
-    init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
-                                                                       p.inv_scale, lane);
-    start_at_minus_delta<kNTiles>(dp, delta_row);
-    Tensor tSrK = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(k_smem(jb % Cfg::kKStages)), typename Cfg::LayoutK{}));
-    Tensor tSrV = thr_s.partition_fragment_B(make_tensor(make_smem_ptr(v_smem(vs)), typename Cfg::LayoutK{}));
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
-    warpgroup_arrive();
+  key_block_loop<typename Cfg::Tma>(
+      block_full, n_blocks, issue_block,
+      [&](int jb) __attribute__((always_inline)) {  // S = (mask + pair) / scale + Q . K^T;  dP - delta = -delta + dO . V^T
+        const int vs = jb % Cfg::kVStages;
+        const int n0 = jb * kBlockN;
+        const PairT* sPair = pair_smem(vs);
+        const float* sMask = has_mask ? mask_smem(vs) : nullptr;
+        init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                           p.inv_scale, lane);
+        start_at_minus_delta<kNTiles>(dp, delta_row);
+        scores.issue(tSrQ, scores.b(k_smem(jb % Cfg::kKStages)), tSrdO, scores.b(v_smem(vs)));
+      },
+      issue_dq,
+      [&]() __attribute__((always_inline)) {  // dS_jb while dS_{jb-1}.K_{jb-1} runs
+        scores.fence();
+        scores_to_ds<kNTiles>(dp, s, stats_row, p.scale_log2);
+      },
+      [&]() __attribute__((always_inline)) { warpgroup_fence_operand(tQrdQ); },
+      [&]() __attribute__((always_inline)) {  // dS_jb into registers (dsa)
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrdO); ++kk) gemm(mma_s, tSrdO(_, _, kk), tSrV(_, _, kk), tSrdP);
-    warpgroup_commit_batch();
-    if (jb > 0) {
-      issue_dq(jb - 1);
-      warpgroup_wait<1>();  // S and dP done; dS_{jb-1}.K_{jb-1} may still run
-    } else {
-      warpgroup_wait<0>();
-    }
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
-
-    scores_to_ds<kNTiles>(dp, s, stats_row, p.scale_log2);
-
-    warpgroup_wait<0>();  // dS_{jb-1}.K_{jb-1} done: dsa may change
-    warpgroup_fence_operand(tQrdQ);
-#pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) c_to_a_frag<Element>(dsa[kc], dp, kc);
-  }
-  issue_dq(n_blocks - 1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tQrdQ);
+        for (int kc = 0; kc < kBlockN / 16; ++kc) c_to_a_frag<Element>(dsa[kc], dp, kc);
+      });
 
   Element* dq_out = static_cast<Element*>(p.dq) + p.dq_strides.at(b, n, 0, h);  // [Lq, D], rows dq_strides.l apart
   store_scaled_rows<Element, kDTiles>(dq, dq_out, p.dq_strides.l, m0 + warp_row0 + lane / 4, p.Lq, p.D, p.scale, lane);

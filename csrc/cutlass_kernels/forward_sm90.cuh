@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
   float row_max_s[2] = {-kInf, -kInf};
 
   // O += P_{jb}.V_{jb} with P in registers (pa), issued without waiting.
-  auto issue_pv = [&](int jb) {
+  auto issue_pv = [&](int jb) __attribute__((always_inline)) {
     Tensor sVt = make_tensor(make_smem_ptr(v_smem(jb % Cfg::kVStages)), typename Cfg::LayoutVt{});
     Tensor tOrV = thr_o.partition_fragment_B(sVt);
     warpgroup_fence_operand(tOrO);
@@ -192,52 +192,43 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     warpgroup_commit_batch();
   };
 
-  for (int jb = 0; jb < n_blocks; ++jb) {
-    const int ks = jb % Cfg::kKStages;
-    const int n0 = jb * kBlockN;
-    // block jb landed; jb + 1 issued once every warpgroup has finished S_{jb-1} and P_{jb-2}.V, whose
-    // stages it takes
-    Cfg::Tma::begin_step(block_full, jb, n_blocks, issue_block);
-
-    // S = (mask + pair) / scale + Q . K^T
-    const PairT* sPair = pair_smem(ks);
-    const float* sMask = has_mask ? mask_smem(ks) : nullptr;
-    init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
-                                                                       p.inv_scale, lane);
-    Tensor sK = make_tensor(make_smem_ptr(k_smem(ks)), typename Cfg::LayoutK{});
-    Tensor tSrK = thr_s.partition_fragment_B(sK);
-    warpgroup_fence_operand(tSrS);
-    warpgroup_arrive();
+  float alpha[2];  // the rescale of O and the row sums by the step's new row maxima
+  key_block_loop<typename Cfg::Tma>(
+      block_full, n_blocks, issue_block,
+      [&](int jb) __attribute__((always_inline)) {  // S = (mask + pair) / scale + Q . K^T
+        const int ks = jb % Cfg::kKStages;
+        const int n0 = jb * kBlockN;
+        const PairT* sPair = pair_smem(ks);
+        const float* sMask = has_mask ? mask_smem(ks) : nullptr;
+        init_block_scores<Cfg::kPair != kNoPair, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, p.Lk - n0,
+                                                                           p.inv_scale, lane);
+        Tensor sK = make_tensor(make_smem_ptr(k_smem(ks)), typename Cfg::LayoutK{});
+        Tensor tSrK = thr_s.partition_fragment_B(sK);
+        warpgroup_fence_operand(tSrS);
+        warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
-    warpgroup_commit_batch();
-    if (jb > 0) {
-      issue_pv(jb - 1);
-      warpgroup_wait<1>();  // S done; P_{jb-1}.V_{jb-1} may still run
-    } else {
-      warpgroup_wait<0>();
-    }
-    warpgroup_fence_operand(tSrS);
-
-    float alpha[2];
-    softmax_step<kNTiles, kResidualPerScore<Element>>(s, row_max_s, alpha, p.scale_log2);
-
-    warpgroup_wait<0>();  // P_{jb-1}.V_{jb-1} done: O, the row sums and pa may change
-    warpgroup_fence_operand(tOrO);
-    warpgroup_fence_operand(tSumrSum);
+        for (int kk = 0; kk < size<2>(tSrQ); ++kk) gemm(mma_s, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
+        warpgroup_commit_batch();
+      },
+      issue_pv,
+      [&]() __attribute__((always_inline)) {  // the softmax of S while P_{jb-1}.V_{jb-1} runs
+        warpgroup_fence_operand(tSrS);
+        softmax_step<kNTiles, kResidualPerScore<Element>>(s, row_max_s, alpha, p.scale_log2);
+      },
+      [&]() __attribute__((always_inline)) {  // O and the row sums
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tSumrSum);
+      },
+      [&]() __attribute__((always_inline)) {  // O and the row sums rescaled; P_jb into registers (pa)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      row_sum[2 * r] *= alpha[r], row_sum[2 * r + 1] *= alpha[r];
+        for (int r = 0; r < 2; ++r) {
+          row_sum[2 * r] *= alpha[r], row_sum[2 * r + 1] *= alpha[r];
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) o[dt][2 * r] *= alpha[r], o[dt][2 * r + 1] *= alpha[r];
-    }
+          for (int dt = 0; dt < kDTiles; ++dt) o[dt][2 * r] *= alpha[r], o[dt][2 * r + 1] *= alpha[r];
+        }
 #pragma unroll
-    for (int kc = 0; kc < kBlockN / 16; ++kc) c_to_a_frag<Element>(pa[kc], s, kc);
-  }
-  issue_pv(n_blocks - 1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tOrO);
-  warpgroup_fence_operand(tSumrSum);
+        for (int kc = 0; kc < kBlockN / 16; ++kc) c_to_a_frag<Element>(pa[kc], s, kc);
+      });
 
   const float row_total[2] = {row_sum[0], row_sum[2]};
   float2* stats = reinterpret_cast<float2*>(p.stats) + ((b * p.N + n) * p.H + h) * p.Lq;  // [Lq]

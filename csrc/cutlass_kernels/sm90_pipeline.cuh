@@ -15,10 +15,7 @@
 //   kernel:  Tma::start(full, issue_block, p, rings, ring_bytes);  // thread 0: barriers, block 0's copies
 //            ... the kernel's own cp.async copies (Q, ...), cp_async_commit() ...
 //            Tma::finish_prologue();              // those copies landed and are visible; barriers ready
-//            for (jb = 0; jb < n_blocks; ++jb) {
-//              Tma::begin_step(full, jb, n_blocks, issue_block);  // block jb landed; jb + 1 issued
-//              ... block jb's math ...
-//            }
+//            key_block_loop<Tma>(full, n_blocks, issue_block, ...);  // below: begin_step, then block jb's math
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -152,6 +149,43 @@ struct KeyBlockTma : StageBarriers<2> {  // two key blocks in flight, one transa
     }
   }
 };
+
+// The key-block loop of the kernels on KeyBlockTma (the forward and the dQ kernel): per key block jb,
+// wait for its tiles (and start block jb + 1's), issue its score products, then the deferred
+// product of block jb - 1 (O += P.V, dQ += dS.K: it reads the register operand step jb - 1 left),
+// wait for the scores only and form the next operand from them (softmax, dS) while the tensor cores
+// still run the deferred product; then wait for that too and repack the operand into registers for
+// the next step. The last block's deferred product runs after the loop. The kernel's parts are
+// lambdas marked __attribute__((always_inline)), so that each is inlined where the loop calls it
+// before the kernel is optimized:
+//   scores(jb)    start block jb's score accumulators (the biases) and issue and commit its products
+//   deferred(jb)  issue and commit the product that reads block jb's register operand
+//   form()        the scores have landed: fence them and compute on them
+//   settle()      the deferred product has landed: fence its accumulators
+//   repack()      turn the formed scores into the next deferred product's register operand
+template <typename Tma, typename IssueBlock, typename Scores, typename Deferred, typename Form, typename Settle,
+          typename Repack>
+__device__ __forceinline__ void key_block_loop(uint64_t* full, int n_blocks, IssueBlock&& issue_block, Scores&& scores,
+                                               Deferred&& deferred, Form&& form, Settle&& settle, Repack&& repack) {
+  for (int jb = 0; jb < n_blocks; ++jb) {
+    // block jb landed; jb + 1 issued once every warp has finished the products whose stages it takes
+    Tma::begin_step(full, jb, n_blocks, issue_block);
+    scores(jb);
+    if (jb > 0) {
+      deferred(jb - 1);
+      cute::warpgroup_wait<1>();  // the scores done; block jb - 1's deferred product may still run
+    } else {
+      cute::warpgroup_wait<0>();
+    }
+    form();
+    cute::warpgroup_wait<0>();  // block jb - 1's deferred product done: its operand registers may change
+    settle();
+    repack();
+  }
+  deferred(n_blocks - 1);
+  cute::warpgroup_wait<0>();
+  settle();
+}
 
 // The row pipeline of the pair-bias gradient, whose CTA keeps one [kBlockM queries, kBlockN keys]
 // tile of (b, h) and steps through rows n: row n brings Q and dO [kBlockM, D] (queries from m0), K
