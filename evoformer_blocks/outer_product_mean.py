@@ -12,6 +12,7 @@ from ._checks import (
     as_mask, check_backend, check_bool, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor,
 )
 from .ops import _fused
+from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE
 from .ops.gating import bias_gradient, fused_bias_gradient, linear
 from .primitives import LayerNorm, Linear, stacked_projection
 
@@ -42,7 +43,7 @@ def _(outer, weight, bias, denom, residual):
 @_fused.fake("opm_project_input_grad")
 def _(dout, weight):
     """The gradient of ``outer`` from ``dout [B, I, J, Z]`` (contiguous): ``[B, I, c, J, c]``."""
-    c = 32  # the kernels' c_hidden (weight [Z, c²])
+    c = math.isqrt(weight.shape[1])  # weight [Z, c²]
     return dout.new_empty(dout.shape[0], dout.shape[1], c, dout.shape[2], c)
 
 
@@ -179,12 +180,15 @@ class OuterProductMean(nn.Module):
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
-        CUDA, float16 or bfloat16, c_hidden 32, c_z 128, the linear's fused backend in effect."""
+        CUDA, float16 or bfloat16, c_hidden and c_z those of kernel_table.json's ``outer_product_mean``
+        (c_hidden its ``hidden``; c_z one ``tile``: the forward takes whole tiles, the weight gradient
+        at most one), the linear's fused backend in effect."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
-        if not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
-                and self.c_hidden == 32 and self.c_z == 128 and outer.is_contiguous()):
+        if OPM_HIDDEN is None or not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
+                                      and self.c_hidden == OPM_HIDDEN and self.c_z == OPM_TILE
+                                      and outer.is_contiguous()):
             return False
-        if math.prod(outer.shape[:-3]) > 65535:  # the kernels' grid: one z index per (batch, i)
+        if math.prod(outer.shape[:-3]) > OPM_MAX_BATCHES:  # the kernels' grid: one z index per (batch, i)
             return False
         rows = outer.view(-1, self.c_hidden * self.c_hidden)  # shapes and dtype for the backend's choice
         return fused_bias_gradient(rows, weight, bias, self.linear_out.backend)

@@ -1,8 +1,8 @@
 """The fused CUDA backend against an fp32 reference, with the same-dtype eager backend as the bar.
 
 The tests marked with @gpu need a CUDA GPU of compute capability >= 8.0 and are skipped without one;
-the others check, on any machine, what the Python side derives from csrc/cutlass_kernels/
-kernel_table.json and the fake implementations' shapes. Outputs are poisoned with NaN before every
+the others check, on any machine, what the Python side derives from csrc/kernel_table.json and
+the fake implementations' shapes. Outputs are poisoned with NaN before every
 kernel launch (EVOFORMER_BLOCKS_POISON=1), so an element a kernel fails to write shows up as NaN.
 """
 
@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
 
 from evoformer_blocks import ops  # noqa: E402
-from evoformer_blocks.ops import cutlass  # noqa: E402
+from evoformer_blocks.ops import _build, cutlass  # noqa: E402
 from gpu import HOPPER, kernel_family, requires_sm80  # noqa: E402,F401 (kernel_family: a fixture)
 
 
@@ -68,7 +68,7 @@ def test_kernel_family_rejects_unknown_setting(monkeypatch):
 
 
 def test_capabilities_come_from_the_kernel_table():
-    table = json.loads((Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels/kernel_table.json").read_text())
+    table = json.loads((Path(cutlass.__file__).resolve().parents[2] / "csrc/kernel_table.json").read_text())
     caps = ops.get_backend("cutlass").capabilities
     assert caps.dtypes == tuple(getattr(torch, d["torch"]) for d in table["dtypes"] + [table["tf32"]["dtype"]])
     assert (cutlass.TF32_DTYPE, cutlass.TF32_MAX_HEAD_DIM) == (torch.float32, table["tf32"]["max_head_dim"])
@@ -116,8 +116,35 @@ def test_float32_family_is_sm80(monkeypatch):
     assert cutlass.kernel_family("cuda:0", torch.float32) == "sm80"
 
 
+def test_block_op_rules_come_from_the_kernel_table():
+    from evoformer_blocks.ops import triangle
+
+    table = json.loads((Path(cutlass.__file__).resolve().parents[2] / "csrc/kernel_table.json").read_text())
+    opm = table["outer_product_mean"]
+    assert (cutlass.OPM_HIDDEN, cutlass.OPM_TILE, cutlass.OPM_MAX_BATCHES) == (opm["hidden"], opm["tile"], opm["max_batches"])
+    rows = table["row_kernels"]
+    assert cutlass.MAX_ROW_BYTES == rows["max_lanes"] * rows["max_chunks_per_lane"] * rows["chunk_bytes"]
+    assert triangle._CHANNEL_MULTIPLE == rows["chunk_bytes"] // 2  # 16-bit values per chunk
+    assert triangle._MAX_CHANNELS == cutlass.MAX_ROW_BYTES // 2
+
+
+def test_kernel_sources_are_one_translation_unit_per_family_file():
+    # The JIT build compiles every .cpp and .cu under csrc/: one bindings file per family, the
+    # families' launchers and one file per attention instantiation, named uniquely (ninja names
+    # each object after its source's file name).
+    root = Path(cutlass.__file__).resolve().parents[2] / "csrc"
+    sources = _build.sources()
+    assert [s.relative_to(root).parts[0] for s in sources if s.suffix == ".cpp"] == [
+        "attention", "gating", "layer_norm", "outer_product_mean", "triangle_multiplication"]
+    assert all(s.name.endswith("_bindings.cpp") for s in sources if s.suffix == ".cpp")
+    instantiations = [s for s in sources if s.parent.name == "instantiations"]
+    assert len(instantiations) == len(list((root / "attention/instantiations").glob("*.cu"))) > 0
+    assert not any(s.relative_to(root).parts[0] == "common" for s in sources)  # headers only
+    assert len({s.stem for s in sources}) == len(sources)
+
+
 def test_generated_kernel_sources_are_current():
-    script = Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels/generate.py"
+    script = Path(cutlass.__file__).resolve().parents[2] / "csrc/generate.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -126,16 +153,16 @@ def test_binding_errors_are_joined_without_streams():
     # The bindings' checks go through EVO_CHECK (bindings_common.h), which joins the message itself:
     # TORCH_CHECK with several pieces (c10::str), c10::Join and string streams construct a stream
     # inside the extension, and with some torch wheels that ends the process instead of raising.
-    sources = Path(cutlass.__file__).resolve().parents[2] / "csrc/cutlass_kernels"
+    sources = Path(cutlass.__file__).resolve().parents[2] / "csrc"
     found = []
-    for path in sorted(sources.iterdir()):
+    for path in sorted(sources.rglob("*")):
         if path.suffix not in (".cpp", ".h", ".cu", ".cuh"):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("//", 1)[0]
             if code.lstrip().startswith("#define EVO_CHECK("):
                 continue
-            found += [f"{path.name}:{number}: {word}" for word in ("TORCH_CHECK", "c10::str", "c10::Join",
+            found += [f"{path.relative_to(sources)}:{number}: {word}" for word in ("TORCH_CHECK", "c10::str", "c10::Join",
                                                                    "stringstream", "<sstream>") if word in code]
     assert not found, found
 

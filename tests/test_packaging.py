@@ -19,7 +19,7 @@ from evoformer_blocks.ops import _build
 ROOT = Path(__file__).resolve().parents[1]
 # What the build reads: pyproject.toml names the readme, the package and csrc/.
 PROJECT_FILES = ("pyproject.toml", "README.md", "evoformer_blocks", "csrc")
-KERNELS = Path("csrc") / "cutlass_kernels"
+KERNELS = Path("csrc")
 
 
 def run(*command, cwd: Path, env: dict = None) -> str:
@@ -98,12 +98,13 @@ def test_installed_wheel_carries_and_finds_the_kernel_sources(wheel, tmp_path):
     package = Path(report["package"].split(" at ", 1)[1])
     assert package == site.resolve() / "evoformer_blocks", report["package"]
     sources = Path(report["sources"].rsplit(" (", 1)[0])
-    assert sources == package / "_csrc" / "cutlass_kernels", report["sources"]
+    assert sources == package / "_csrc", report["sources"]
     assert "installed package data" in report["sources"]
     assert f"{len(_build.sources())} files to compile" in report["sources"]  # as many as the checkout's
 
     # The installed kernel sources are the checkout's, file for file (a new *.json included).
-    assert (sources / "bindings.cpp").is_file() and len(list((sources / "instantiations").glob("*.cu"))) > 0
+    assert (sources / "attention" / "attention_bindings.cpp").is_file()
+    assert len(list((sources / "attention" / "instantiations").glob("*.cu"))) > 0
     assert relative_files(sources, is_kernel_source) == relative_files(ROOT / KERNELS, is_kernel_source)
     for name in relative_files(ROOT / KERNELS, is_kernel_source):
         assert (sources / name).read_bytes() == (ROOT / KERNELS / name).read_bytes(), name

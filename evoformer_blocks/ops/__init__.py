@@ -8,7 +8,7 @@ with the input passed on, its two gradients added in one pass), and the two elem
 ``linear`` (whose backward sums the bias gradient with a kernel).
 
 Backends, one setting for every op: ``"eager"`` (plain PyTorch, any device and float dtype),
-``"cutlass"`` (the fused CUDA kernels of csrc/cutlass_kernels, compute capability >= 8.0) and
+``"cutlass"`` (the fused CUDA kernels of csrc/, compute capability >= 8.0) and
 ``"auto"`` (cutlass where it can run, else eager). See :func:`evoformer_attention`.
 """
 

@@ -1,9 +1,12 @@
-"""JIT build of the CUDA kernels in csrc/cutlass_kernels with torch.utils.cpp_extension and ninja.
+"""JIT build of the CUDA kernels in csrc/ with torch.utils.cpp_extension and ninja.
 
-- Sources: an installed package (``pip install .`` or a wheel) carries them as package data,
-  ``evoformer_blocks/_csrc/cutlass_kernels`` (pyproject.toml maps the repository's ``csrc/`` there);
-  a checkout or an editable install has no such directory and reads the checkout's
-  ``csrc/cutlass_kernels``, so edits there rebuild.
+- Sources: every ``.cpp`` (one bindings file per kernel family) and ``.cu`` under the source
+  directory, by family folder: ``attention/`` (with ``attention/instantiations/``, one file per
+  kernel instantiation), ``layer_norm/``, ``triangle_multiplication/``, ``outer_product_mean/``,
+  ``gating/``; ``common/`` holds headers only. An installed package (``pip install .`` or a wheel)
+  carries them as package data, ``evoformer_blocks/_csrc`` (pyproject.toml maps the repository's
+  ``csrc/`` there); a checkout or an editable install has no such directory and reads the
+  checkout's ``csrc/``, so edits there rebuild. Headers include each other by their path from there.
 - CUTLASS headers: ``$CUTLASS_PATH`` (its ``include/``) or the ``nvidia-cutlass`` wheel's
   ``cutlass_library/source/include``, found without importing the package.
 - Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else the visible GPU's compute capability.
@@ -29,8 +32,8 @@ from typing import Iterator, Optional
 import torch
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]  # evoformer_blocks/
-INSTALLED_SOURCE_DIR = _PACKAGE_DIR / "_csrc" / "cutlass_kernels"  # package data of an installed package
-CHECKOUT_SOURCE_DIR = _PACKAGE_DIR.parent / "csrc" / "cutlass_kernels"  # a checkout, an editable install
+INSTALLED_SOURCE_DIR = _PACKAGE_DIR / "_csrc"  # package data of an installed package
+CHECKOUT_SOURCE_DIR = _PACKAGE_DIR.parent / "csrc"  # a checkout, an editable install
 SOURCE_DIR = INSTALLED_SOURCE_DIR if INSTALLED_SOURCE_DIR.is_dir() else CHECKOUT_SOURCE_DIR
 # What a build reads, and what the package data carries (pyproject.toml lists the same patterns).
 SOURCE_SUFFIXES = (".cpp", ".cu", ".cuh", ".h", ".json")
@@ -85,15 +88,20 @@ def cutlass_version(include_dir: Path) -> str:
 
 
 def sources() -> list[Path]:
-    """The bindings (attention and block ops), common.cu, block_ops.cu and one .cu per instantiation."""
-    if not SOURCE_DIR.is_dir():
+    """Every translation unit under SOURCE_DIR: each family's bindings (``*.cpp``), its launchers and
+    the attention's instantiations (``*.cu``), in path order. Their names are unique (ninja names an
+    object after its source's file name)."""
+    if not SOURCE_DIR.is_dir() or not (SOURCE_DIR / "kernel_table.json").is_file():
         raise FileNotFoundError(
             f"kernel sources not found at {INSTALLED_SOURCE_DIR} (installed package) "
             f"nor at {CHECKOUT_SOURCE_DIR} (checkout); reinstall the package"
         )
-    fixed = ["bindings.cpp", "block_bindings.cpp", "common.cu", "block_ops.cu", "triangle_input.cu",
-             "triangle_input_sm90.cu", "triangle_output.cu", "opm_gemm.cu"]
-    return [SOURCE_DIR / name for name in fixed] + sorted((SOURCE_DIR / "instantiations").glob("*.cu"))
+    found = sorted(p for p in SOURCE_DIR.rglob("*") if p.suffix in (".cpp", ".cu") and p.is_file())
+    names = [p.stem for p in found]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise RuntimeError(f"kernel sources under {SOURCE_DIR} share file names {clashes}: their objects would clash")
+    return found
 
 
 def arch_list() -> str:

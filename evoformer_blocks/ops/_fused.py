@@ -2,7 +2,7 @@
 implementations and access to the ops.
 
 The ops (``torch.ops.evoformer_blocks_cuda``) are declared here, at import, and the extension
-(csrc/cutlass_kernels, built on first use) registers their CUDA kernels. The backends call the ops
+(csrc/, built on first use) registers their CUDA kernels. The backends call the ops
 directly inside their autograd.Functions, eagerly and under torch.compile alike: a compiled graph
 calls them as it calls an ATen op. Tracing one needs its fake implementation (output shapes, dtypes
 and strides from the inputs' metadata), written beside the code that calls it (:func:`fake`); being
@@ -17,8 +17,8 @@ import torch
 
 from . import _build
 
-# Shapes and meanings: the header comments of csrc/cutlass_kernels/bindings.cpp (attention) and
-# block_bindings.cpp (block ops).
+# Shapes and meanings: the header comments of each family's bindings, csrc/*/*_bindings.cpp
+# (attention/attention_bindings.cpp, layer_norm/, triangle_multiplication/, outer_product_mean/, gating/).
 SCHEMAS = (
     # attention
     "available_kernel_families(int device) -> str[]",

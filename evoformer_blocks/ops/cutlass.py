@@ -1,4 +1,4 @@
-"""The "cutlass" backend: the fused CUDA kernels of csrc/cutlass_kernels behind autograd.
+"""The "cutlass" backend: the fused CUDA kernels of csrc/ behind autograd.
 
 :class:`_CutlassAttentionFunction` calls the extension's ``forward`` (the output, the softmax
 statistics of each query row, max score and log2 row sum, and the biases as the kernels read them)
@@ -26,7 +26,7 @@ The biases, from the op to the kernels (prepared once per forward, reused by the
   ``[B|1, H|1, Lq, Lk_pad]``; ``[0]`` when it made none. The extension decides; :func:`pair_needs_copy`
   applies its rule to the metadata, for the fake implementation.
 
-Limits and instantiation lists come from ``csrc/cutlass_kernels/kernel_table.json``, the table the
+Limits and instantiation lists come from ``csrc/kernel_table.json``, the table the
 kernels' generated sources come from.
 """
 
@@ -68,6 +68,11 @@ MAX_ROW_BYTES: Optional[int] = (
 TF32_DTYPE: Optional[torch.dtype] = getattr(torch, TABLE["tf32"]["dtype"]["torch"]) if TABLE else None
 TF32_MAX_HEAD_DIM: Optional[int] = TABLE["tf32"]["max_head_dim"] if TABLE else None
 TF32_FAMILY = "sm80"  # the one family with TF32 kernels (kernel_table.json: tf32.families)
+# The outer product mean's fused projection (kernel_table.json: outer_product_mean): its c_hidden,
+# output tile (c_z) and most batch indices B * I (None: no kernel sources)
+OPM_HIDDEN: Optional[int] = TABLE["outer_product_mean"]["hidden"] if TABLE else None
+OPM_TILE: Optional[int] = TABLE["outer_product_mean"]["tile"] if TABLE else None
+OPM_MAX_BATCHES: Optional[int] = TABLE["outer_product_mean"]["max_batches"] if TABLE else None
 
 
 _kernels = _fused.kernels

@@ -2,7 +2,7 @@
 ``add_layer_norm(x, residual, weight, bias, eps)``, the residual add in front of it in one pass.
 
 Backends: ``"eager"`` (``torch.nn.functional.layer_norm``) and ``"cutlass"`` (the fused CUDA kernels
-of csrc/cutlass_kernels/layer_norm.cuh: one pass over the rows forward, one backward, float32
+of csrc/layer_norm/layer_norm.cuh: one pass over the rows forward, one backward, float32
 statistics, weight and bias gradients summed from per-CTA partials in a fixed order), chosen by the
 same backend setting as :func:`evoformer_blocks.ops.evoformer_attention`.
 """

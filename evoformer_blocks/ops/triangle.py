@@ -1,7 +1,7 @@
 """The triangle multiplicative update op (AF2 supplement Algorithms 11 and 12) and its backends.
 
-Backends: ``"eager"`` (plain PyTorch, the reference) and ``"cutlass"`` (csrc/cutlass_kernels:
-block_bindings.cpp composes layer-norm and gating kernels with cuBLAS GEMMs and batched triangle
+Backends: ``"eager"`` (plain PyTorch, the reference) and ``"cutlass"`` (csrc/triangle_multiplication:
+triangle_bindings.cpp composes layer-norm and gating kernels with cuBLAS GEMMs and batched triangle
 products in a channel-major layout, so no transpose is ever materialised), chosen by the same
 backend setting as :func:`evoformer_blocks.ops.evoformer_attention`.
 
@@ -23,13 +23,14 @@ import torch.nn.functional as F
 
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
-from .cutlass import MAX_ROW_BYTES, kernel_family
+from .cutlass import MAX_ROW_BYTES, ROW_CHUNK_BYTES, kernel_family
 from ._inputs import FLOAT_DTYPES, LOW_PRECISION, ValidatedInputs, describe
 
 Tensor = torch.Tensor
 OP = "triangle_multiplication"
 DIRECTIONS = ("outgoing", "incoming")
 _MAX_CHANNELS = (MAX_ROW_BYTES or 0) // 2  # half-precision rows of the layer-norm kernels (0: no sources, no rule)
+_CHANNEL_MULTIPLE = (ROW_CHUNK_BYTES or 0) // 2  # whole 16-byte chunks of half-precision values (0: no rule)
 
 _WEIGHTS = (
     "norm_in_weight", "norm_in_bias", "proj_weight", "proj_bias", "gate_weight", "gate_bias",
@@ -393,8 +394,10 @@ class CutlassTriangleMultiplication(Backend):
 
     def extra_reasons(self, inputs: TriangleInputs) -> list[str]:
         reasons = []
-        if inputs.c_z % 8 or inputs.c_hidden % 8:
-            reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be multiples of 8")
+        if _CHANNEL_MULTIPLE and (inputs.c_z % _CHANNEL_MULTIPLE or inputs.c_hidden % _CHANNEL_MULTIPLE):
+            reasons.append(
+                f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be multiples of {_CHANNEL_MULTIPLE}"
+            )
         if _MAX_CHANNELS and max(inputs.c_z, inputs.c_hidden) > _MAX_CHANNELS:
             reasons.append(f"c_z={inputs.c_z} and c_hidden={inputs.c_hidden} must be at most {_MAX_CHANNELS}")
         return reasons + _fused.build_reasons()

@@ -1,0 +1,117 @@
+// Host helpers shared by the bindings of every kernel family (the attention's and the block ops'
+// *_bindings.cpp): error messages without iostreams, poisoned outputs, the device's SM count and
+// compute capability, and whether the Hopper kernels can run.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "common/kernel_limits.h"
+
+namespace evoformer {
+
+// Error messages of the bindings are joined without iostreams. With the torch 2.11 CUDA 13 wheel
+// and Ubuntu's g++ 13.3, constructing an std::ostringstream inside an extension ends the process
+// with SIGSEGV, and TORCH_CHECK joins a message of several pieces through one (c10::str, inlined
+// here; c10::Join too). A message that is one std::string takes no stream, so EVO_CHECK joins the
+// pieces itself.
+namespace message {
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void append(std::string& s, double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  s += text;
+}
+inline void append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+inline void append(std::string& s, const std::vector<std::string>& v) {  // "a, b, c"
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += v[i];
+  }
+}
+inline void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const at::Device& v) { s += v.str(); }
+
+template <typename... Pieces>
+std::string join(const Pieces&... pieces) {
+  std::string s;
+  (append(s, pieces), ...);
+  return s;
+}
+}  // namespace message
+
+// TORCH_CHECK with the message joined by message::join (evaluated only when `cond` fails).
+#define EVO_CHECK(cond, ...) TORCH_CHECK(cond, ::evoformer::message::join(__VA_ARGS__))
+
+// EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
+// element a kernel fails to write (read once per process).
+inline bool poison_outputs() {
+  static const bool poison = [] {
+    const char* env = std::getenv("EVOFORMER_BLOCKS_POISON");
+    return env != nullptr && env[0] != '\0' && env[0] != '0';
+  }();
+  return poison;
+}
+
+inline void maybe_poison(at::Tensor& t) {
+  if (poison_outputs() && t.defined() && t.numel() > 0) t.fill_(std::nan(""));
+}
+
+// Streaming multiprocessors of the current device.
+inline int current_sm_count() {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// Compute capability of `device` as major * 10 + minor, asked once per device.
+inline int compute_capability(int64_t device) {
+  constexpr int kCachedDevices = 64;
+  static int capability[kCachedDevices] = {};  // 0 until asked
+  EVO_CHECK(device >= 0 && device < kCachedDevices, "evoformer_blocks: CUDA device index ", device,
+            " must be in [0, ", kCachedDevices, ")");
+  if (capability[device] == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, int(device)));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, int(device)));
+    capability[device] = major * 10 + minor;
+  }
+  return capability[device];
+}
+
+// Whether the Hopper (sm_90a) kernels can run on `device`: a build holding sm_90a code and a device
+// of compute capability 9.0 (the "sm90" kernel family; "sm80" runs on every device >= 8.0).
+inline bool hopper_kernels_available(int64_t device) {
+#ifdef EVOFORMER_SM90A
+  return compute_capability(device) == limits::kSm90ComputeCapability;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+}  // namespace evoformer

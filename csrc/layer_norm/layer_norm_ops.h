@@ -1,0 +1,36 @@
+// The layer-norm family's host entry points that other families' bindings call (the triangle
+// multiplication normalises its input, and takes that norm's backward, through them); defined in
+// layer_norm_bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common/block_params.h"
+
+namespace evoformer {
+namespace block {
+
+// y = layer_norm(rows of x) [M, C] and its statistics (mean, rstd [M]); weight and bias as the
+// kernels read them (kNoParam: none). x must have C % (16 bytes / element) == 0 (the op routes others
+// to eager). With `residual` (x's shape and dtype), of the rows of x + residual instead (x + residual
+// * residual_scale with a scale broadcasting to x), whose sum is written to `sum` (a new [M, C]
+// tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, ParamTensor weight, ParamTensor bias,
+                                                         double eps, const at::Tensor* residual = nullptr,
+                                                         at::Tensor* sum = nullptr,
+                                                         const std::optional<at::Tensor>& residual_scale = {});
+
+// norm_rows' backward: dx [M, C] (plus *dsum_in where given: another gradient of x) and, when
+// affine_grad, the float32 sums over rows of dy * x_hat and of dy as one [2, C] tensor in
+// affine_dtype (else [0]); with residual_scale (broadcasting to x_in), also dresidual = dx *
+// residual_scale ([M, C]; else undefined).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
+    const at::Tensor& dy_in, const at::Tensor& x_in, ParamTensor weight, const at::Tensor& mean,
+    const at::Tensor& rstd, bool affine_grad, at::ScalarType affine_dtype = at::kFloat,
+    const at::Tensor* dsum_in = nullptr, const std::optional<at::Tensor>& residual_scale = {});
+
+}  // namespace block
+}  // namespace evoformer

@@ -1,0 +1,28 @@
+// Launcher of the triangle multiplication's Hopper input kernel (triangle_input_sm90.cuh), half and
+// bfloat16, per c_z bucket (64, 128, 256) one kernel with bounds checks and one without (whole slots
+// and columns: C % 32 == 0, c_z == the bucket, N_res^2 % 8 == 0). The kernels hold code only in a
+// build for sm_90a; the host launches them for the "sm90" kernel family.
+#include "triangle_multiplication/triangle_input_sm90.cuh"
+
+namespace evoformer {
+namespace block {
+
+template <typename T>
+void launch_triangle_input_sm90(const TriangleInputParams& p, cudaStream_t stream) {
+  if (p.M == 0) return;
+  by_k_bucket(p.K, [&](auto steps) {
+    constexpr int kKSteps = decltype(steps)::value;
+    constexpr int kSmem = TriangleInputSm90Tile<T, kKSteps>::kSmemBytes;
+    constexpr const char* kName = "evoformer triangle input sm90";
+    if (p.C % kTriInSlot == 0 && p.K == 16 * kKSteps && p.vector_ok)
+      launch_on_position_tiles(triangle_input_sm90_kernel<T, kKSteps, true>, p, p.M, kSmem, stream, kName);
+    else
+      launch_on_position_tiles(triangle_input_sm90_kernel<T, kKSteps, false>, p, p.M, kSmem, stream, kName);
+  });
+}
+
+template void launch_triangle_input_sm90<cutlass::half_t>(const TriangleInputParams&, cudaStream_t);
+template void launch_triangle_input_sm90<cutlass::bfloat16_t>(const TriangleInputParams&, cudaStream_t);
+
+}  // namespace block
+}  // namespace evoformer
