@@ -41,13 +41,14 @@ Rules, all handled here and logged on the ``evoformer_blocks`` logger, never sil
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
 import weakref
 from collections import OrderedDict
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -123,6 +124,27 @@ class _Captured:
             for index, piece in zip(indices, pieces):
                 params[index] = piece
         return inputs, params
+
+
+@contextlib.contextmanager
+def _parameters_as_views(stack: torch.nn.Module, params: list) -> Iterator[list]:
+    """Inside the block, each parameter of ``stack`` that requires grad is replaced in its module by
+    a view of itself (the same memory, so the captured kernels read the parameter). The capture
+    differentiates with respect to the views: a parameter's own gradient accumulator may still be
+    alive from an earlier step (a caller's `loss` keeps that step's graph), bound to the stream it
+    was made on, and the backward capture would then synchronise with that stream and fail."""
+    views = {id(p): p.view_as(p) for p in params if p.requires_grad}
+    swapped = []
+    for module in stack.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in views:
+                swapped.append((module, name, p))
+                module._parameters[name] = views[id(p)]
+    try:
+        yield [views[id(p)] for p in params if p.requires_grad]
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
 
 
 class _Replay(torch.autograd.Function):
@@ -340,7 +362,8 @@ class StackGraphs:
             return torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False)
 
         entry.forward_graph = torch.cuda.CUDAGraph()
-        with torch.set_grad_enabled(training), autocast_context(), graph_context(entry.forward_graph):
+        with torch.set_grad_enabled(training), autocast_context(), graph_context(entry.forward_graph), \
+                _parameters_as_views(self.stack, params if training else []) as views:
             outs = self.stack._forward_checked(*entry.inputs, chunk_size)
         entry.single = isinstance(outs, torch.Tensor)
         entry.outputs = (outs,) if entry.single else tuple(outs)
@@ -350,7 +373,7 @@ class StackGraphs:
             return entry
 
         entry.params = [p for p in params if p.requires_grad]
-        wrt = [t for t in entry.inputs[:2] if t.requires_grad] + entry.params
+        wrt = [t for t in entry.inputs[:2] if t.requires_grad] + views
         differentiable = [o for o in entry.outputs if o.requires_grad]
         entry.grad_outputs = [torch.empty_like(o) for o in differentiable]  # each replay copies them in
         entry.backward_graph = torch.cuda.CUDAGraph()

@@ -255,3 +255,32 @@ def test_eager_backend_runs_the_plain_stack_and_says_why(caplog):
             assert_bitwise(training_step(graphed, step, torch.bfloat16), training_step(plain, step, torch.bfloat16))
     assert graphed._graphs.replays == 0
     assert "the eager backend is selected" in caplog.text
+
+
+@on_gpu
+def test_capture_while_the_previous_steps_graph_is_alive(caplog):
+    """A training loop that keeps the last step's loss (and with it that step's autograd graph and
+    the parameters' gradient accumulators, made on the default stream) until the next forward, as
+    most loops do: the capture still succeeds, under autocast with float32 weights and without
+    checkpointing too, and every step equals the plain stack's."""
+    plain, graphed = gpu_pair(EvoformerStack, dtype=torch.float32, blocks_per_ckpt=None)
+    results = {}
+    with caplog.at_level(logging.INFO, logger="evoformer_blocks"):
+        for name, stack in (("graphed", graphed), ("plain", plain)):
+            loss, steps = None, []
+            for step in range(4):
+                m, z, msa_mask, pair_mask = make_inputs(step, "cuda", torch.bfloat16, n_seq=4, n_res=16)
+                m, z = (t.detach().repeat(2, 1, 1, 1).requires_grad_(True) for t in (m, z))  # batch of 2
+                msa_mask, pair_mask = msa_mask.repeat(2, 1, 1), pair_mask.repeat(2, 1, 1)
+                stack.zero_grad(set_to_none=True)
+                torch.manual_seed(step)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = stack(m, z, msa_mask, pair_mask)
+                loss = loss_of(out)  # the previous step's loss lives until here
+                loss.backward()
+                steps.append([o.detach() for o in out] + [m.grad, z.grad] + [p.grad for p in stack.parameters()])
+            results[name] = steps
+    assert "capture failed" not in caplog.text
+    assert graphed._graphs.replays >= 2
+    for a, b in zip(results["graphed"], results["plain"]):
+        assert_bitwise(a, b)
