@@ -262,7 +262,9 @@ def test_capture_while_the_previous_steps_graph_is_alive(caplog):
     """A training loop that keeps the last step's loss (and with it that step's autograd graph and
     the parameters' gradient accumulators, made on the default stream) until the next forward, as
     most loops do: the capture still succeeds, under autocast with float32 weights and without
-    checkpointing too, and every step equals the plain stack's."""
+    checkpointing too, and every step equals the plain stack's. (Autocast without its weight cache,
+    as the capture runs it: with the cache, a weight used twice gets its two gradients added in
+    bfloat16 before the cast's backward instead of in float32, one bfloat16 rounding apart.)"""
     plain, graphed = gpu_pair(EvoformerStack, dtype=torch.float32, blocks_per_ckpt=None)
     results = {}
     with caplog.at_level(logging.INFO, logger="evoformer_blocks"):
@@ -274,7 +276,7 @@ def test_capture_while_the_previous_steps_graph_is_alive(caplog):
                 msa_mask, pair_mask = msa_mask.repeat(2, 1, 1), pair_mask.repeat(2, 1, 1)
                 stack.zero_grad(set_to_none=True)
                 torch.manual_seed(step)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
                     out = stack(m, z, msa_mask, pair_mask)
                 loss = loss_of(out)  # the previous step's loss lives until here
                 loss.backward()
