@@ -237,10 +237,9 @@ class StackGraphs:
         if torch.cuda.is_current_stream_capturing():
             return None  # another capture records the plain stack
         params = self._parameters()
-        training = torch.is_grad_enabled() and (
-            m.requires_grad or z.requires_grad or any(p.requires_grad for p in params)
-        )
-        key = self._signature(m, z, chunk_size, training, params)
+        requires = bytes(p.requires_grad for p in params)  # one pass over the parameters per call
+        training = torch.is_grad_enabled() and (m.requires_grad or z.requires_grad or any(requires))
+        key = self._signature(m, z, chunk_size, training, requires)
         entry = self._captured.get(key)
         if entry is not None and entry.param_ptrs != tuple(p.data_ptr() for p in params):
             self.clear("a parameter's storage changed since the capture")
@@ -282,12 +281,12 @@ class StackGraphs:
             self._params = list(self.stack.parameters())
         return self._params
 
-    def _signature(self, m, z, chunk_size, training: bool, params) -> tuple:
+    def _signature(self, m, z, chunk_size, training: bool, requires: bytes) -> tuple:
         return (
             tuple(m.shape), tuple(z.shape), m.dtype, z.dtype, m.device, chunk_size, training,
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.stack.training,
             self.stack.blocks_per_ckpt, m.requires_grad, z.requires_grad,
-            bytes(p.requires_grad for p in params) if training else b"",
+            requires if training else b"",
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             get_default_backend(), os.environ.get("EVOFORMER_BLOCKS_KERNELS"),
             torch.are_deterministic_algorithms_enabled(),
