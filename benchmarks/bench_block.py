@@ -35,7 +35,8 @@ iterations after warm-up (instead of the block cases unless --shapes is given to
 what bounds the block at small sizes without CUDA graphs. It also counts, per forward and per
 backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
 kernel launches; autograd nodes run): exact where the times swing between processes and machine
-instances, so that host-side changes can be compared by them.
+instances, so that host-side changes can be compared by them; and where those ATen calls go (per
+call of the block's code in the forward, per autograd node in the backward).
 
 With --train, the blocks run in training mode: dropout at the preset's rates (AF2: 0.15 after the MSA
 row attention, 0.25 after each pair update), a new mask every step, as a training step runs them
@@ -53,6 +54,7 @@ those of the outgoing triangle multiplication at each N_res, once per kernel fam
 from __future__ import annotations
 
 import sys
+from collections import Counter
 import time
 from copy import deepcopy
 from dataclasses import dataclass
@@ -402,8 +404,55 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
     median = per_round[len(per_round) // 2]
     loss = forward()
     counts = {"fwd": host_operations(forward), "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves))}
+    loss = forward()  # (the backward above freed the graph of the previous forward)
+    parts = {"fwd": operations_by_part(forward), "bwd": operations_by_part(lambda: torch.autograd.grad(loss, leaves))}
     return {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1], "rounds": per_round,
-            "operations": counts}
+            "operations": counts, "parts": parts}
+
+
+def operations_by_part(fn, top: int = 4) -> list[dict]:
+    """Where the ATen calls (nested ones included) of one call of ``fn`` go: in a forward, per call
+    the block's ``_update`` or ``_pair_updates`` makes (``file(line): function`` of the callee, from
+    the profiler's Python frames; the block runs its sub-modules through internal entry points, so
+    module hooks would not see them); in a backward, per autograd node type. Each part: its name, its ATen calls, kernel
+    launches and its ``top`` most frequent ATen operations, largest part first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+        synchronize()
+    node_prefix = "autograd::engine::evaluate_function: "
+    parts: dict[str, dict] = {}
+    for event in prof.events():
+        name = event.name
+        is_aten = name.startswith("aten::")
+        is_launch = name.startswith(("cudaLaunchKernel", "cuLaunchKernel"))
+        if not (is_aten or is_launch):
+            continue
+        # The outermost enclosing autograd node (backward), else the callee of the block's _update
+        # (forward; the profiler's Python frames are the events' ancestors).
+        part, callee, parent = None, None, event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(node_prefix):
+                part = parent.name[len(node_prefix):]
+            elif parent.name.endswith((": _update", ": _pair_updates")) and "evoformer_blocks" in parent.name:
+                part = part or callee
+            elif "evoformer_blocks" in parent.name and "(" in parent.name:
+                callee = parent.name[parent.name.rindex("evoformer_blocks"):]
+            parent = parent.cpu_parent
+        part = part or "(outside the block's calls)"
+        entry = parts.setdefault(part, {"part": part, "aten": 0, "launches": 0, "ops": Counter()})
+        if is_aten:
+            entry["aten"] += 1
+            entry["ops"][name[len("aten::"):]] += 1
+        else:
+            entry["launches"] += 1
+    out = sorted(parts.values(), key=lambda p: -p["aten"])
+    for entry in out:
+        entry["ops"] = dict(entry["ops"].most_common(top))
+    return out
 
 
 def host_operations(fn) -> dict:
@@ -445,6 +494,11 @@ def main() -> None:
         for part, ops in host["operations"].items():
             print(f"{part}: {ops['aten']} ATen calls, {ops['launches']} kernel launches, "
                   f"{ops['autograd_nodes']} autograd nodes", flush=True)
+        for direction, parts in host["parts"].items():
+            print(f"\n{direction}, ATen calls by part:", flush=True)
+            print(markdown_table(["part", "ATen calls", "launches", "most frequent"],
+                                 [[p["part"], p["aten"], p["launches"],
+                                   ", ".join(f"{op} {n}" for op, n in p["ops"].items())] for p in parts]), flush=True)
         results.append({"host": host})
     if args.triangle:
         print("\n## triangle multiplication, c_z = c_hidden = 128", flush=True)
