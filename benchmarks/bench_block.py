@@ -410,6 +410,25 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
             "operations": counts, "parts": parts}
 
 
+_CONTAINERS = (": _update", ": _pair_updates")
+
+
+def _callee_in(stack: list[str]):
+    """The frame ``stack`` (one event's Python frames) shows called by the innermost ``_update`` or
+    ``_pair_updates`` of the package, or None."""
+    frames = [f[f.rindex("evoformer_blocks"):] for f in stack if "evoformer_blocks" in f]
+    containers = [i for i, f in enumerate(frames) if f.endswith(_CONTAINERS)]
+    if not containers:
+        return None
+    # Frames run innermost first unless the first container comes after its caller's forward.
+    outer_first = any(f.endswith(": forward") for f in frames[: containers[0]])
+    if outer_first:
+        i = containers[-1] + 1
+    else:
+        i = containers[0] - 1
+    return frames[i] if 0 <= i < len(frames) else None
+
+
 def operations_by_part(fn, top: int = 4) -> list[dict]:
     """Where the ATen calls (nested ones included) of one call of ``fn`` go: in a forward, per call
     the block's ``_update`` or ``_pair_updates`` makes (``file(line): function`` of the callee, from
@@ -437,11 +456,13 @@ def operations_by_part(fn, top: int = 4) -> list[dict]:
         while parent is not None:
             if parent.name.startswith(node_prefix):
                 part = parent.name[len(node_prefix):]
-            elif parent.name.endswith((": _update", ": _pair_updates")) and "evoformer_blocks" in parent.name:
+            elif parent.name.endswith(_CONTAINERS) and "evoformer_blocks" in parent.name:
                 part = part or callee
             elif "evoformer_blocks" in parent.name and "(" in parent.name:
                 callee = parent.name[parent.name.rindex("evoformer_blocks"):]
             parent = parent.cpu_parent
+        if part is None and event.stack:  # profilers that keep Python frames as each event's stack
+            part = _callee_in(event.stack)
         part = part or "(outside the block's calls)"
         entry = parts.setdefault(part, {"part": part, "aten": 0, "launches": 0, "ops": Counter()})
         if is_aten:

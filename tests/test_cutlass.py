@@ -143,6 +143,21 @@ def test_kernel_sources_are_one_translation_unit_per_family_file():
     assert len({s.stem for s in sources}) == len(sources)
 
 
+def test_build_starts_the_longest_compiles_first():
+    # ninja starts a fresh build's jobs in the order given: the Hopper units (25-30 s each on 16
+    # cores) must not be left for the last wave.
+    sources = _build.sources()
+    order = _build.compile_order(sources)
+    assert sorted(order) == sorted(sources)
+    names = [s.stem for s in order]
+    hopper = [i for i, n in enumerate(names) if "_sm90" in n]
+    assert names[0] == "triangle_input_sm90" and hopper == list(range(len(hopper)))
+    assert names.index("backward_sm90_bf16_d128_pair") < names.index("forward_sm90_bf16_d128_pair")
+    assert names.index("backward_sm90_bf16_d128_pair") < names.index("backward_sm90_bf16_d32_pair")
+    bindings = [i for i, n in enumerate(names) if n.endswith("_bindings")]
+    assert bindings == list(range(len(hopper), len(hopper) + len(bindings)))
+
+
 def test_generated_kernel_sources_are_current():
     script = Path(cutlass.__file__).resolve().parents[2] / "csrc/generate.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
