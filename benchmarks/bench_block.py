@@ -22,6 +22,8 @@ Model FLOPs (multiply-add = 2) come from `block_flops` below: every projection 2
 attention cores 4 * rows * H * L^2 * C (q.k and p.v), the outer product 2 * S * R^2 * c^2, the
 triangle products 2 * R^3 * c; forward+backward counts 3x the forward for projections and products
 (the input and the weight gradient) and 3.5x for the attention cores (recomputation).
+`pairformer_block_flops` counts an AF3 Pairformer block the same way (bench_trunk.py's Pairformer
+trunk).
 
 With --triangle N[,N...], TriangleMultiplicationOutgoing and TriangleMultiplicationIncoming alone
 (c_z = c_hidden = 128, z [N, N, 128], mask with 5 % zeros) at each N_res given, against
@@ -127,9 +129,47 @@ def block_flops(args: dict, n_seq: int, n_res: int, extra: bool) -> tuple[float,
         core += 4 * r * hm * s * s * cm
     proj += 2 * 2 * msa_rows * c_m * n * c_m  # MSA transition
     proj += 2 * 2 * msa_rows * c_m * c_opm + 2 * s * pair_rows * c_opm**2 + 2 * pair_rows * c_opm**2 * c_z  # OPM
-    proj += 2 * (2 * pair_rows * c_z * (4 * c_mul + c_z) + 2 * r**3 * c_mul + 2 * pair_rows * c_mul * c_z)  # tri mul
+    triangle_proj, triangle_core = triangle_flops(args, r)
+    proj, core = proj + triangle_proj, core + triangle_core
+    return proj + core, 3 * proj + 3.5 * core
+
+
+def triangle_flops(args: dict, n_res: int) -> tuple[float, float]:
+    """(projections and products, attention cores) forward FLOPs of both triangle multiplications
+    and both triangle attentions of a block with ``args``' pair widths (biases are not counted, so
+    the AF2 and the bias-free AF3 forms count the same)."""
+    r, c_z, c_mul = n_res, args["c_z"], args["c_hidden_mul"]
+    hp, cp = args["no_heads_pair"], args["c_hidden_pair_att"]
+    pair_rows = r * r
+    proj = 2 * (2 * pair_rows * c_z * (4 * c_mul + c_z) + 2 * r**3 * c_mul + 2 * pair_rows * c_mul * c_z)  # tri mul
     proj += 2 * (2 * pair_rows * c_z * hp * cp * 5 + 2 * pair_rows * c_z * hp)  # tri attention projections
-    core += 2 * 4 * r * hp * r * r * cp
+    core = 2 * 4 * r * hp * r * r * cp
+    return proj, core
+
+
+def pairformer_block_args() -> dict:
+    """The constructor arguments of one PairformerBlock of the af3 preset (its dropout rate
+    included: it acts only in training mode)."""
+    section = dict(get_config("af3").pairformer_stack)
+    for key in ("no_blocks", "blocks_per_ckpt"):
+        section.pop(key, None)
+    return section
+
+
+def pairformer_block_flops(args: dict, n_token: int) -> tuple[float, float]:
+    """(forward, forward+backward) model FLOPs of one AF3 Pairformer block at ``n_token`` tokens,
+    counted as :func:`block_flops` counts an Evoformer block: the triangle updates as there, each
+    SwiGLU transition 3 projections of c x (n c) per row (pair rows N^2, single rows N), the
+    attention with pair bias 5 projections of c_s x (H C) per token (q, k, v, gate, output), its
+    pair bias 2 N^2 c_z H and its core 4 H N^2 C (one row of N queries); backward 2x the forward
+    for projections and products, 2.5x for the attention cores."""
+    n, c_s, c_z, t = n_token, args["c_s"], args["c_z"], args["transition_n"]
+    hs, cs = args["no_heads_pair_bias"], args["c_hidden_pair_bias"]
+    proj, core = triangle_flops(args, n)
+    proj += 3 * 2 * n * n * c_z * t * c_z  # pair transition
+    proj += 5 * 2 * n * c_s * hs * cs + 2 * n * n * c_z * hs  # attention with pair bias: projections, pair bias
+    core += 4 * hs * n * n * cs
+    proj += 3 * 2 * n * c_s * t * c_s  # single transition
     return proj + core, 3 * proj + 3.5 * core
 
 

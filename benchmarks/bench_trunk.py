@@ -1,24 +1,37 @@
-"""One AF2 training step of the trunk as users train it: the extra-MSA stack then the Evoformer
-stack, against a peer trunk, all in one process.
+"""One training step of the trunk as users train it, against a peer trunk, all in one process: the
+AF2 trunk (the extra-MSA stack then the Evoformer stack; default) or, with ``--trunk pairformer``,
+AF3's Pairformer.
 
-Trunk: ExtraMSAStack (4 blocks, c_e 64, N_extra 1024 rows) feeding EvoformerStack (48 blocks) of the
-af2 preset, ``blocks_per_ckpt=1`` (each block checkpointed, as AF2 trains), bf16 weights and
+AF2 trunk: ExtraMSAStack (4 blocks, c_e 64, N_extra 1024 rows) feeding EvoformerStack (48 blocks)
+of the af2 preset, ``blocks_per_ckpt=1`` (each block checkpointed, as AF2 trains), bf16 weights and
 activations, batch 1, training mode with the preset's dropout (0.15 after the MSA row attention,
 0.25 after each pair update; ``--dropout off`` for eval-mode blocks), masks with 5 % zeros, random
 weights (AF2's zero-initialised output layers would make the updates, and many GEMM operands,
 zero). One step: both stacks' forwards, the loss (a fixed random projection of m, z and s), its
 backward into the inputs m, z, the extra MSA and every parameter (gradients set to None before the
-step, as ``optimizer.zero_grad()`` leaves them).
+step, as ``optimizer.zero_grad()`` leaves them). Cases (N_seq, N_res): (128, 256) and (512, 384).
 
-Cases (N_seq, N_res): (128, 256) and (512, 384).
+Pairformer trunk (``--trunk pairformer``): PairformerStack (48 blocks, c_s 384, c_z 128, attention
+with pair bias 16 heads x 24, triangle attention 4 x 32, triangle multiplication 128) of the af3
+preset, ``blocks_per_ckpt=1``, bf16, batch 1, training mode with the preset's dropout (0.25 after
+each pair update), a single mask and a pair mask with 5 % zeros (drawn independently), random
+weights. One step: the stack's forward, the loss (a fixed random projection of s and z), its
+backward into s, z and every parameter. Cases N_token 384 and 768. The peer is the Pairformer block
+in plain PyTorch on cuEquivariance 0.13's ``triangle_multiplicative_update`` (both triangle
+multiplications), ``triangle_attention`` (both triangle attentions) and ``attention_pair_bias`` (the
+single representation's attention with pair bias), each block checkpointed and ``torch.compile``d
+(``trunk_peer.PeerPairformerStack``); tests/test_bench_trunk.py checks on the CPU that it computes
+the library block's function. Columns and measurements as for the AF2 trunk; the model FLOPs come
+from bench_block.pairformer_block_flops.
 
 Implementations:
     plain        the stacks as ``from_config`` builds them
     graphs       the same stacks with ``cuda_graphs=True`` (the first step runs plain, the second
                  captures; the warm-up covers both)
     peer         the same trunk in plain PyTorch on cuEquivariance's fused triangle multiplication
-                 and triangle attention (also the MSA row attention) and SDPA for the column
-                 attention (benchmarks/trunk_peer.py), each block ``torch.compile``d, checkpointed
+                 and triangle attention (AF2: also the MSA row attention, and SDPA for the column
+                 attention; Pairformer: its attention_pair_bias) (benchmarks/trunk_peer.py), each
+                 block ``torch.compile``d, checkpointed
     peer-graphs  the peer with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) per block
     peer-eager   the peer without compile
 
@@ -28,15 +41,16 @@ step (torch.profiler: the sum of its kernels, copies and sets), wall over that, 
 of that step (ATen calls, nested ones included, and kernel or graph launches), peak memory (the
 allocator's peak of allocated and of reserved bytes over the timed steps, each implementation
 starting from an emptied cache: graph memory pools count in reserved), and model TFLOP/s (forward +
-backward FLOPs of the blocks from bench_block.block_flops, no recomputation counted, over the
-wall time).
+backward FLOPs of the blocks from bench_block.block_flops or pairformer_block_flops, no
+recomputation counted, over the wall time).
 
-    python benchmarks/bench_trunk.py [--shapes all|0,1] [--impls plain,graphs,peer,...] [--dropout on|off]
-                                     [--steps 5] [--no-profile] [--json out.json]
+    python benchmarks/bench_trunk.py [--trunk af2|pairformer] [--shapes all|0,1] [--impls plain,graphs,peer,...]
+                                     [--dropout on|off] [--steps 5] [--no-profile] [--no-extra] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 from collections import Counter
@@ -47,7 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_block import DTYPE, block_args, block_flops, pct_of_peak, randomized  # noqa: E402
+from bench_block import DTYPE, block_flops, pairformer_block_flops, pct_of_peak, randomized  # noqa: E402
 from harness import CommandLine, failure_reason, fmt, markdown_table, optional_import, run_info_line, speedup, write_json  # noqa: E402
 
 import evoformer_blocks as eb  # noqa: E402
@@ -65,76 +79,162 @@ class Case:
         return f"N_seq {self.n_seq}, N_res {self.n_res}, N_extra {N_EXTRA}"
 
 
-CASES = [Case(128, 256), Case(512, 384)]
+@dataclass(frozen=True)
+class TokenCase:
+    n_token: int
+
+    def label(self) -> str:
+        return f"N_token {self.n_token}"
+
+
 IMPLS = ["plain", "graphs", "peer", "peer-graphs", "peer-eager"]
 DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
 WARM_UP = {"plain": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
 
 
-def trunk_flops(case: Case, with_extra: bool) -> float:
-    """Model FLOPs of one forward+backward of the trunk's blocks."""
-    evo = block_flops(block_args(False), case.n_seq, case.n_res, False)[1]
-    extra = block_flops(block_args(True), N_EXTRA, case.n_res, True)[1]
-    cfg = get_config("af2")
-    return cfg.evoformer_stack.no_blocks * evo + with_extra * cfg.extra_msa_stack.no_blocks * extra
-
-
-def build_trunk(impl: str, train: bool):
-    """(extra-MSA stack, Evoformer stack) of the implementation, on the GPU in bf16; see make_step
-    for the trunk without the extra-MSA stack."""
-    cfg = get_config("af2")
-    if impl in ("plain", "graphs"):
-        extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
-        evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
-    else:
-        if optional_import("cuequivariance_torch") is None:
-            raise RuntimeError("cuequivariance_torch is not importable")
-        import trunk_peer
-
-        mode = {"peer": "default", "peer-graphs": "reduce-overhead", "peer-eager": None}[impl]
+def peer_compile_mode(impl: str):
+    """The ``torch.compile`` mode of a peer implementation (None: eager), once cuEquivariance imports."""
+    if optional_import("cuequivariance_torch") is None:
+        raise RuntimeError("cuequivariance_torch is not importable")
+    mode = {"peer": "default", "peer-graphs": "reduce-overhead", "peer-eager": None}[impl]
+    if mode is not None:
         for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):  # 48 blocks share one compiled graph; never fall back silently
                 setattr(torch._dynamo.config, name, 4096)
-        extra = trunk_peer.PeerStack(compile_mode=mode, extra=True, **cfg.extra_msa_stack.to_dict())
-        evo = trunk_peer.PeerStack(compile_mode=mode, **cfg.evoformer_stack.to_dict())
-    return tuple(randomized(s).to("cuda", DTYPE).train(train) for s in (extra, evo))
+    return mode
 
 
-def inputs(case: Case):
-    cfg = get_config("af2")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda").to(DTYPE)
-
-    def mask(*shape):
-        return (torch.rand(*shape, generator=gen, device="cuda") > 0.05).to(DTYPE)
-
-    s, r = case.n_seq, case.n_res
-    tensors = dict(
-        m=rand(1, s, r, cfg.c_m), z=rand(1, r, r, cfg.c_z), m_extra=rand(1, N_EXTRA, r, cfg.c_e),
-        msa_mask=mask(1, s, r), extra_mask=mask(1, N_EXTRA, r), pair_mask=mask(1, r, r),
-        # the loss's fixed projections of m, z and s
-        cm=rand(1, s, r, cfg.c_m), cz=rand(1, r, r, cfg.c_z), cs=rand(1, r, cfg.c_s),
-    )
-    for name in ("m", "z", "m_extra"):
+def random_tensors(spec: list[tuple[str, tuple[int, ...], bool]], leaves, device, dtype) -> dict:
+    """``{name: tensor}`` for ``spec``'s (name, shape, is_mask) in that order from one generator
+    seeded 0: normal values, or 0/1 masks with 5 % zeros; the ``leaves`` require grad."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, shape, is_mask in spec:
+        if is_mask:
+            tensors[name] = (torch.rand(*shape, generator=gen, device=device) > 0.05).to(dtype)
+        else:
+            tensors[name] = torch.randn(*shape, generator=gen, device=device).to(dtype)
+    for name in leaves:
         tensors[name].requires_grad_(True)
     return tensors
 
 
-def make_step(extra, evo, t):
-    """One training step; ``extra`` None: the Evoformer stack alone (z from the inputs)."""
-    stacks = [evo] if extra is None else [extra, evo]
-    leaves = [t["m"], t["z"]] + ([] if extra is None else [t["m_extra"]])
+class AF2Trunk:
+    """The AF2 trunk: ExtraMSAStack (unless ``extra`` is False) then EvoformerStack of ``preset``.
+    A trunk gives its cases, model FLOPs, stacks per implementation, inputs, the leaves among them
+    and the step's loss; the timing, profiling and report are shared."""
+
+    name = "af2"
+    cases = [Case(128, 256), Case(512, 384)]
+
+    def __init__(self, extra: bool = True, preset: str = "af2"):
+        self.extra, self.cfg = extra, get_config(preset)
+        self.title = "extra-MSA and Evoformer stacks" if extra else "Evoformer stack alone"
+        self.leaves = ("m", "z", "m_extra") if extra else ("m", "z")
+
+    def flops(self, case: Case) -> float:
+        """Model FLOPs of one forward+backward of the trunk's blocks."""
+        cfg = self.cfg
+        evo = block_flops(dict(cfg.evoformer_stack), case.n_seq, case.n_res, False)[1]
+        extra = block_flops(dict(cfg.extra_msa_stack), N_EXTRA, case.n_res, True)[1]
+        return cfg.evoformer_stack.no_blocks * evo + self.extra * cfg.extra_msa_stack.no_blocks * extra
+
+    def stacks(self, impl: str) -> list[torch.nn.Module]:
+        """[extra-MSA stack (with ``extra``), Evoformer stack] of the implementation, as built."""
+        cfg = self.cfg
+        if impl in ("plain", "graphs"):
+            extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
+            evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
+        else:
+            mode = peer_compile_mode(impl)
+            import trunk_peer
+
+            extra = trunk_peer.PeerStack(compile_mode=mode, extra=True, **cfg.extra_msa_stack.to_dict())
+            evo = trunk_peer.PeerStack(compile_mode=mode, **cfg.evoformer_stack.to_dict())
+        return [extra, evo] if self.extra else [evo]
+
+    def inputs(self, case: Case, device="cuda", dtype=DTYPE) -> dict:
+        cfg, s, r = self.cfg, case.n_seq, case.n_res
+        spec = [
+            ("m", (1, s, r, cfg.c_m), False), ("z", (1, r, r, cfg.c_z), False),
+            ("m_extra", (1, N_EXTRA, r, cfg.c_e), False),
+            ("msa_mask", (1, s, r), True), ("extra_mask", (1, N_EXTRA, r), True), ("pair_mask", (1, r, r), True),
+            # the loss's fixed projections of m, z and s
+            ("cm", (1, s, r, cfg.c_m), False), ("cz", (1, r, r, cfg.c_z), False), ("cs", (1, r, cfg.c_s), False),
+        ]
+        return random_tensors(spec, ("m", "z", "m_extra"), device, dtype)
+
+    def loss(self, stacks, t) -> torch.Tensor:
+        *extra, evo = stacks
+        z = extra[0](t["m_extra"], t["z"], t["extra_mask"], t["pair_mask"]) if extra else t["z"]
+        m, z, s = evo(t["m"], z, t["msa_mask"], t["pair_mask"])
+        return (m * t["cm"]).float().sum() + (z * t["cz"]).float().sum() + (s * t["cs"]).float().sum()
+
+    def report(self) -> dict:
+        return {"trunk": self.name, "extra_msa_stack": self.extra}
+
+
+class PairformerTrunk:
+    """AF3's Pairformer: PairformerStack of ``preset`` (as :class:`AF2Trunk` for the rest)."""
+
+    name = "pairformer"
+    cases = [TokenCase(384), TokenCase(768)]
+    title = "Pairformer stack"
+    leaves = ("s", "z")
+
+    def __init__(self, preset: str = "af3"):
+        self.cfg = get_config(preset)
+
+    def flops(self, case: TokenCase) -> float:
+        section = self.cfg.pairformer_stack
+        return section.no_blocks * pairformer_block_flops(dict(section), case.n_token)[1]
+
+    def stacks(self, impl: str) -> list[torch.nn.Module]:
+        if impl in ("plain", "graphs"):
+            return [eb.PairformerStack.from_config(self.cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")]
+        mode = peer_compile_mode(impl)
+        import trunk_peer
+
+        return [trunk_peer.PeerPairformerStack(compile_mode=mode, **self.cfg.pairformer_stack.to_dict())]
+
+    def inputs(self, case: TokenCase, device="cuda", dtype=DTYPE) -> dict:
+        n, c_s, c_z = case.n_token, self.cfg.pairformer_stack.c_s, self.cfg.pairformer_stack.c_z
+        spec = [
+            ("s", (1, n, c_s), False), ("z", (1, n, n, c_z), False),
+            ("single_mask", (1, n), True), ("pair_mask", (1, n, n), True),
+            # the loss's fixed projections of s and z
+            ("cs", (1, n, c_s), False), ("cz", (1, n, n, c_z), False),
+        ]
+        return random_tensors(spec, self.leaves, device, dtype)
+
+    def loss(self, stacks, t) -> torch.Tensor:
+        (stack,) = stacks
+        s, z = stack(t["s"], t["z"], t["single_mask"], t["pair_mask"])
+        return (s * t["cs"]).float().sum() + (z * t["cz"]).float().sum()
+
+    def report(self) -> dict:
+        return {"trunk": self.name}
+
+
+TRUNKS = {"af2": AF2Trunk, "pairformer": PairformerTrunk}
+
+
+def build_stacks(trunk, impl: str, train: bool, device="cuda", dtype=DTYPE) -> list[torch.nn.Module]:
+    """The trunk's stacks of the implementation with random weights, on ``device`` in ``dtype``,
+    in training (``train``) or eval mode."""
+    return [randomized(stack).to(device, dtype).train(train) for stack in trunk.stacks(impl)]
+
+
+def make_step(trunk, stacks, t):
+    """One training step: the gradients of the trunk's input leaves and every parameter set to None,
+    the loss's forward and backward."""
+    leaves = [t[name] for name in trunk.leaves]
     params = [p for stack in stacks for p in stack.parameters()]
 
     def step():
         for x in leaves + params:
             x.grad = None
-        z = t["z"] if extra is None else extra(t["m_extra"], t["z"], t["extra_mask"], t["pair_mask"])
-        m, z, s = evo(t["m"], z, t["msa_mask"], t["pair_mask"])
-        loss = (m * t["cm"]).float().sum() + (z * t["cz"]).float().sum() + (s * t["cs"]).float().sum()
-        loss.backward()
+        trunk.loss(stacks, t).backward()
 
     return step
 
@@ -184,14 +284,11 @@ def profile_step(step) -> dict:
             "aten_top": aten.most_common(30)}
 
 
-def measure(impl: str, case: Case, args) -> dict:
+def measure(trunk, impl: str, case, args) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
-    extra, evo = build_trunk(impl, train=args.dropout == "on")
-    if args.no_extra:
-        extra = None
-    t = inputs(case)
-    step = make_step(extra, evo, t)
+    stacks = build_stacks(trunk, impl, train=args.dropout == "on")
+    step = make_step(trunk, stacks, trunk.inputs(case))
     for _ in range(WARM_UP[impl]):
         step()
     torch.cuda.synchronize()
@@ -203,33 +300,43 @@ def measure(impl: str, case: Case, args) -> dict:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
     }
     if impl == "graphs":
-        row["replays"] = sum(stack._graphs.replays for stack in (extra, evo) if stack is not None)
+        row["replays"] = sum(stack._graphs.replays for stack in stacks)
     if not args.no_profile:
         row.update(profile_step(step))
     return row
 
 
 def main() -> None:
-    cli = CommandLine(__doc__, shapes=[c.label() for c in CASES], impls=IMPLS, default_impls=DEFAULT_IMPLS)
+    # The trunk decides the cases (--shapes indexes them): read --trunk first.
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--trunk", choices=list(TRUNKS), default="af2")
+    trunk_name = first.parse_known_args()[0].trunk
+    cli = CommandLine(__doc__, shapes=[c.label() for c in TRUNKS[trunk_name].cases], impls=IMPLS,
+                      default_impls=DEFAULT_IMPLS)
+    cli.add_argument("--trunk", choices=list(TRUNKS), default="af2",
+                     help="af2: extra-MSA and Evoformer stacks (default); pairformer: AF3's Pairformer stack "
+                          "(--shapes then indexes its cases)")
     cli.add_argument("--dropout", choices=("on", "off"), default="on", help="training-mode dropout (default on)")
     cli.add_argument("--steps", type=int, default=5, help="timed steps per implementation (median)")
     cli.add_argument("--no-profile", action="store_true", help="skip the profiled step (CUDA time, host operations)")
-    cli.add_argument("--no-extra", action="store_true", help="the Evoformer stack alone (no extra-MSA stack)")
+    cli.add_argument("--no-extra", action="store_true", help="the Evoformer stack alone (no extra-MSA stack; af2 trunk)")
     args = cli.parse()
     if args.forward_only:
         cli.error("--forward-only: a training step is a forward and a backward")
+    if args.no_extra and args.trunk != "af2":
+        cli.error("--no-extra: only the af2 trunk has an extra-MSA stack")
+    trunk = AF2Trunk(extra=not args.no_extra) if args.trunk == "af2" else PairformerTrunk()
     print(run_info_line(), flush=True)
     results = []
     for index in args.shapes:
-        case = CASES[index]
-        flops = trunk_flops(case, not args.no_extra)
-        what = "Evoformer stack alone" if args.no_extra else "extra-MSA and Evoformer stacks"
-        print(f"\n## trunk step ({what}), {case.label()}, dropout {args.dropout} ({flops / 1e12:.1f} TFLOP model "
+        case = trunk.cases[index]
+        flops = trunk.flops(case)
+        print(f"\n## trunk step ({trunk.title}), {case.label()}, dropout {args.dropout} ({flops / 1e12:.1f} TFLOP model "
               "forward+backward)", flush=True)
         rows = {}
         for impl in args.impls:
             try:
-                rows[impl] = measure(impl, case, args)
+                rows[impl] = measure(trunk, impl, case, args)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 rows[impl] = {"error": failure_reason(exc)}
             print(f"  {impl}: " + str({k: v for k, v in rows[impl].items() if k != "aten_top"}), flush=True)
@@ -254,8 +361,7 @@ def main() -> None:
                 print(f"  {impl}: GPU idle between operations (ms): {idle}; busy span {r['span_ms']:.1f} ms", flush=True)
         print(markdown_table(["impl", "wall ms", "CUDA ms", "wall / CUDA", "ATen calls", "launches",
                               "peak GiB alloc / reserved", "model TFLOP/s", "plain wall / this wall"], table), flush=True)
-        results.append({"case": case.label(), "dropout": args.dropout, "extra_msa_stack": not args.no_extra,
-                        "flops": flops, "impls": rows})
+        results.append({"case": case.label(), "dropout": args.dropout, **trunk.report(), "flops": flops, "impls": rows})
         torch.cuda.empty_cache()
     if args.json:
         write_json(args.json, results)

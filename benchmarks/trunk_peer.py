@@ -1,5 +1,6 @@
-"""The peer trunk of bench_trunk.py: AF2's Evoformer and extra-MSA blocks written in plain PyTorch
-the way OpenFold writes them, with cuEquivariance's fused ops where it has them.
+"""The peer trunks of bench_trunk.py: AF2's Evoformer and extra-MSA blocks written in plain PyTorch
+the way OpenFold writes them, and AF3's Pairformer block the way an AF3 repository (OpenFold3,
+Boltz) writes it, with cuEquivariance's fused ops where it has them.
 
 * MSA row attention with pair bias and both triangle attentions: ``cuequivariance_torch.
   triangle_attention`` (q, k, v ``[B, N, H, L, D]``, the pair bias ``[B, 1, H, L, L]`` in float32,
@@ -11,9 +12,19 @@ the way OpenFold writes them, with cuEquivariance's fused ops where it has them.
 * layer norms, projections, transitions, the outer product mean, dropout and residual adds: plain
   PyTorch modules and operations.
 
-A :class:`PeerStack` checkpoints each block (``torch.utils.checkpoint``, non-reentrant, the RNG state
-restored for the recomputation's dropout) and can ``torch.compile`` each block. Its weights are its
-own (random); the benchmark times it, nothing compares its values with the library's.
+The Pairformer block (AF3 supplement Algorithm 17, :class:`PeerPairformerBlock`) uses the same
+triangle modules in AF3's bias-free form (``bias=False``), SwiGLU transitions, and, for the single
+representation's attention with pair bias (Algorithm 24 without conditioning),
+``cuequivariance_torch.attention_pair_bias`` (s ``[B, N, c_s]``, z ``[B, N, N, c_z]``, the token mask
+``[B, N]`` with 1 = valid; its layer norms, the q/k/v/gate/output and pair-bias projections, the
+masked softmax and the gate in the op). Its transitions' updates are masked, as the library's
+Pairformer (and OpenFold3's) masks them.
+
+A :class:`PeerStack` (:class:`PeerPairformerStack`) checkpoints each block
+(``torch.utils.checkpoint``, non-reentrant, the RNG state restored for the recomputation's dropout)
+and can ``torch.compile`` each block. Its weights are its own (random); the benchmark times it.
+tests/test_bench_trunk.py runs the Pairformer peer on the CPU with reference functions in place of
+cuEquivariance's and checks that, on the library block's weights, it computes the same function.
 """
 
 from __future__ import annotations
@@ -38,15 +49,15 @@ class GatedAttention(nn.Module):
     """The projections around an attention core: q, k, v (no bias) and the gate from the normalised
     input, then ``linear_o(sigmoid(g) * o)``."""
 
-    def __init__(self, c_in: int, c_hidden: int, no_heads: int):
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, bias: bool = True):
         super().__init__()
         self.no_heads, self.c_hidden = no_heads, c_hidden
         hidden = no_heads * c_hidden
         self.linear_q = nn.Linear(c_in, hidden, bias=False)
         self.linear_k = nn.Linear(c_in, hidden, bias=False)
         self.linear_v = nn.Linear(c_in, hidden, bias=False)
-        self.linear_g = nn.Linear(c_in, hidden)
-        self.linear_o = nn.Linear(hidden, c_in)
+        self.linear_g = nn.Linear(c_in, hidden, bias=bias)  # AF3: no biases (bias=False)
+        self.linear_o = nn.Linear(hidden, c_in, bias=bias)
 
     def heads(self, x: torch.Tensor) -> list[torch.Tensor]:
         """q, k, v of x ``[*, L, c_in]`` as ``[*, H, L, D]``."""
@@ -61,15 +72,17 @@ class GatedAttention(nn.Module):
 
 class TriangleAttention(nn.Module):
     """The pair attention around (starting node) or, with ``ending``, across edges; with ``c_z``
-    given for an MSA row attention, the pair bias comes from z instead of from the input."""
+    given for an MSA row attention, the pair bias comes from z instead of from the input;
+    ``bias=False``: AF3's form (no bias in the gate and the output projection)."""
 
-    def __init__(self, c_in: int, c_hidden: int, no_heads: int, c_z: Optional[int] = None, ending: bool = False):
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, c_z: Optional[int] = None, ending: bool = False,
+                 bias: bool = True):
         super().__init__()
         self.ending = ending
         self.layer_norm = nn.LayerNorm(c_in)
         self.layer_norm_z = nn.LayerNorm(c_z) if c_z is not None else None
         self.linear_z = nn.Linear(c_z or c_in, no_heads, bias=False)
-        self.attention = GatedAttention(c_in, c_hidden, no_heads)
+        self.attention = GatedAttention(c_in, c_hidden, no_heads, bias=bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x [B, N, L, c_in], mask [B, N, L]; z [B, L, L, c_z] for the MSA row attention
@@ -154,18 +167,34 @@ class OuterProductMean(nn.Module):
         return self.linear_out(outer) / (norm + self.eps)
 
 
-class TriangleMultiplication(nn.Module):
-    """AF2 Algorithms 11/12 by cuEquivariance's fused triangle_multiplicative_update."""
+class SwiGLUTransition(nn.Module):
+    """AF3 Algorithm 11: ``linear_out(silu(linear_a(x)) * linear_b(x))`` of the normalised input, no
+    biases; the update masked."""
 
-    def __init__(self, c_z: int, c_hidden: int, outgoing: bool):
+    def __init__(self, c: int, n: int):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(c)
+        self.linear_a, self.linear_b = nn.Linear(c, n * c, bias=False), nn.Linear(c, n * c, bias=False)
+        self.linear_out = nn.Linear(n * c, c, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(x)
+        return self.linear_out(F.silu(self.linear_a(x)) * self.linear_b(x)) * mask[..., None]
+
+
+class TriangleMultiplication(nn.Module):
+    """AF2 Algorithms 11/12 (AF3 Algorithms 12/13 with ``bias=False``) by cuEquivariance's fused
+    triangle_multiplicative_update. ``p_in``/``g_in`` hold the a and b halves as rows ``[a; b]``."""
+
+    def __init__(self, c_z: int, c_hidden: int, outgoing: bool, bias: bool = True):
         super().__init__()
         self.direction = "outgoing" if outgoing else "incoming"
         self.norm_in = nn.LayerNorm(c_z)
         self.norm_out = nn.LayerNorm(c_hidden)
-        self.p_in = nn.Linear(c_z, 2 * c_hidden)
-        self.g_in = nn.Linear(c_z, 2 * c_hidden)
-        self.p_out = nn.Linear(c_hidden, c_z)
-        self.g_out = nn.Linear(c_z, c_z)
+        self.p_in = nn.Linear(c_z, 2 * c_hidden, bias=bias)
+        self.g_in = nn.Linear(c_z, 2 * c_hidden, bias=bias)
+        self.p_out = nn.Linear(c_hidden, c_z, bias=bias)
+        self.g_out = nn.Linear(c_z, c_z, bias=bias)
 
     def forward(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return _cueq().triangle_multiplicative_update(
@@ -177,6 +206,38 @@ class TriangleMultiplication(nn.Module):
             p_out_weight=self.p_out.weight, p_out_bias=self.p_out.bias,
             g_out_weight=self.g_out.weight, g_out_bias=self.g_out.bias,
         )
+
+
+class AttentionPairBias(nn.Module):
+    """AF3 Algorithm 24 in the trunk (no conditioning) by cuEquivariance's fused
+    attention_pair_bias: layer norms of s and z, q (with bias), k, v, the gate and the output
+    projection (no biases) from the normalised s, one pair bias per head from the normalised z, a
+    masked key gets ``-inf``."""
+
+    def __init__(self, c_s: int, c_z: int, c_hidden: int, no_heads: int, inf: float = 1e9):
+        super().__init__()
+        self.no_heads, self.inf = no_heads, inf
+        hidden = no_heads * c_hidden
+        self.layer_norm_s, self.layer_norm_z = nn.LayerNorm(c_s), nn.LayerNorm(c_z)
+        self.linear_z = nn.Linear(c_z, no_heads, bias=False)
+        self.linear_q = nn.Linear(c_s, hidden)
+        self.linear_k = nn.Linear(c_s, hidden, bias=False)
+        self.linear_v = nn.Linear(c_s, hidden, bias=False)
+        self.linear_g = nn.Linear(c_s, hidden, bias=False)
+        self.linear_o = nn.Linear(hidden, c_s, bias=False)
+
+    def forward(self, s: torch.Tensor, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # s [B, N, c_s], z [B, N, N, c_z], mask [B, N] (1 = valid); the op returns (update, None)
+        update, _ = _cueq().attention_pair_bias(
+            s, z, mask, self.no_heads,
+            w_ln_a=self.layer_norm_s.weight, b_ln_a=self.layer_norm_s.bias,
+            w_proj_q=self.linear_q.weight, b_proj_q=self.linear_q.bias,
+            w_proj_k=self.linear_k.weight, w_proj_v=self.linear_v.weight,
+            w_proj_g=self.linear_g.weight, w_proj_o=self.linear_o.weight,
+            w_proj_z=self.linear_z.weight, w_ln_z=self.layer_norm_z.weight, b_ln_z=self.layer_norm_z.bias,
+            inf=self.inf, eps=self.layer_norm_s.eps,
+        )
+        return update
 
 
 def shared_dropout(x: torch.Tensor, p: float, dim: int, training: bool) -> torch.Tensor:
@@ -222,24 +283,74 @@ class PeerBlock(nn.Module):
         return m, z
 
 
-class PeerStack(nn.Module):
-    """``no_blocks`` peer blocks, each checkpointed; with ``c_s``, the single representation from
-    the first MSA row as EvoformerStack gives it. ``compile_mode``: None (eager) or a
-    ``torch.compile`` mode (``"default"``, ``"reduce-overhead"``) applied to each block."""
+class PeerPairformerBlock(nn.Module):
+    """One Pairformer block (AF3 supplement Algorithm 17) of the af3 preset's widths."""
 
-    def __init__(self, no_blocks: int, c_s: Optional[int] = None, compile_mode: Optional[str] = None,
-                 extra: bool = False, **block_args):
+    def __init__(self, c_s, c_z, c_hidden_pair_bias, no_heads_pair_bias, c_hidden_mul, c_hidden_pair_att,
+                 no_heads_pair, transition_n, pair_dropout, inf=1e9, **_ignored):
         super().__init__()
-        self.blocks = nn.ModuleList([PeerBlock(extra=extra, **block_args) for _ in range(no_blocks)])
-        self.linear = nn.Linear(block_args["c_m"], c_s) if c_s else None
+        self.pair_dropout = pair_dropout
+        self.tri_mul_out = TriangleMultiplication(c_z, c_hidden_mul, outgoing=True, bias=False)
+        self.tri_mul_in = TriangleMultiplication(c_z, c_hidden_mul, outgoing=False, bias=False)
+        self.tri_att_start = TriangleAttention(c_z, c_hidden_pair_att, no_heads_pair, bias=False)
+        self.tri_att_end = TriangleAttention(c_z, c_hidden_pair_att, no_heads_pair, ending=True, bias=False)
+        self.pair_transition = SwiGLUTransition(c_z, transition_n)
+        self.attn_pair_bias = AttentionPairBias(c_s, c_z, c_hidden_pair_bias, no_heads_pair_bias, inf=inf)
+        self.single_transition = SwiGLUTransition(c_s, transition_n)
+
+    def forward(self, s, z, single_mask, pair_mask):
+        t, p = self.training, self.pair_dropout
+        z = z + shared_dropout(self.tri_mul_out(z, pair_mask), p, -3, t)
+        z = z + shared_dropout(self.tri_mul_in(z, pair_mask), p, -3, t)
+        z = z + shared_dropout(self.tri_att_start(z, pair_mask), p, -3, t)
+        z = z + shared_dropout(self.tri_att_end(z, pair_mask), p, -2, t)
+        z = z + self.pair_transition(z, pair_mask)
+        s = s + self.attn_pair_bias(s, z, single_mask)
+        s = s + self.single_transition(s, single_mask)
+        return s, z
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Blocks taking and returning two representations, each block checkpointed and, with a
+    ``compile_mode``, ``torch.compile``d (None: eager; ``"default"``, ``"reduce-overhead"``)."""
+
+    def _set_blocks(self, blocks: list[nn.Module], compile_mode: Optional[str]) -> None:
+        self.blocks = nn.ModuleList(blocks)
         if compile_mode is None:
             self._calls = list(self.blocks)
         else:
             self._calls = [torch.compile(b, mode=compile_mode, dynamic=False) for b in self.blocks]
 
-    def forward(self, m, z, msa_mask, pair_mask):
+    def _run_blocks(self, x, z, x_mask, pair_mask):
         for call in self._calls:
-            m, z = checkpoint(call, m, z, msa_mask, pair_mask, use_reentrant=False)
+            x, z = checkpoint(call, x, z, x_mask, pair_mask, use_reentrant=False)
+        return x, z
+
+
+class PeerStack(_CheckpointedBlocks):
+    """``no_blocks`` peer Evoformer (``extra``: extra-MSA) blocks, each checkpointed; with ``c_s``,
+    the single representation from the first MSA row as EvoformerStack gives it."""
+
+    def __init__(self, no_blocks: int, c_s: Optional[int] = None, compile_mode: Optional[str] = None,
+                 extra: bool = False, **block_args):
+        super().__init__()
+        self._set_blocks([PeerBlock(extra=extra, **block_args) for _ in range(no_blocks)], compile_mode)
+        self.linear = nn.Linear(block_args["c_m"], c_s) if c_s else None
+
+    def forward(self, m, z, msa_mask, pair_mask):
+        m, z = self._run_blocks(m, z, msa_mask, pair_mask)
         if self.linear is None:
             return z
         return m, z, self.linear(m[..., 0, :, :])
+
+
+class PeerPairformerStack(_CheckpointedBlocks):
+    """``no_blocks`` peer Pairformer blocks, each checkpointed: ``forward(s, z, single_mask,
+    pair_mask)`` returns ``(s, z)``."""
+
+    def __init__(self, no_blocks: int, compile_mode: Optional[str] = None, **block_args):
+        super().__init__()
+        self._set_blocks([PeerPairformerBlock(**block_args) for _ in range(no_blocks)], compile_mode)
+
+    def forward(self, s, z, single_mask, pair_mask):
+        return self._run_blocks(s, z, single_mask, pair_mask)

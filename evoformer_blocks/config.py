@@ -173,14 +173,18 @@ def _as_dict(owner: str, cfg: Any) -> dict:
 
 def build_from_config(cls, cfg: Any, section: str, overrides: dict):
     """``cls(**arguments)`` from a config: a mapping (``ConfigDict``, ``DictConfig``, dict) of the
-    constructor's arguments, or a whole preset that holds them under ``section``; ``overrides``
-    win over the config. Keys named in ``cls.openfold_ignored_keys`` (where the class has it) are
-    dropped, the list logged; ``cls._openfold_arguments`` (where it has it) translates the rest of
-    an OpenFold section. Unknown or missing arguments raise ``ValueError`` naming them."""
+    constructor's arguments, or a whole preset that holds them under ``section`` (or under
+    ``cls.openfold_config_section``, where the class names one: OpenFold's name of the section);
+    ``overrides`` win over the config. Keys named in ``cls.openfold_ignored_keys`` (where the class
+    has it) are dropped, the list logged; ``cls._openfold_arguments`` (where it has it) translates
+    the rest of an OpenFold section. Unknown or missing arguments raise ``ValueError`` naming them."""
     owner = cls.__name__
     arguments = _as_dict(owner, cfg)
+    openfold_section = getattr(cls, "openfold_config_section", None)
     if section in arguments:
         arguments = _as_dict(owner, arguments[section])
+    elif openfold_section is not None and openfold_section in arguments:
+        arguments = _as_dict(owner, arguments[openfold_section])
     arguments.update(overrides)
     ignored = getattr(cls, "openfold_ignored_keys", {})
     dropped = sorted(key for key in arguments if key in ignored)

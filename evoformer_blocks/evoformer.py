@@ -323,12 +323,40 @@ class ExtraMSABlock(_MSABlock):
         return MSAColumnGlobalAttention(c_m, c_hidden, no_heads, inf=inf, eps=eps, backend=backend)
 
 
+# OpenFold3's keys of its stack sections (``architecture.pairformer``, ``architecture.msa.msa_module``)
+# that steer only its memory tricks, its checkpointing variant or its initialisation, each with why:
+# PairformerStack.from_config and MSAModule.from_config drop them and log the list
+OPENFOLD3_IGNORED_KEYS = {
+    "clear_cache_between_blocks": "OpenFold3's memory trick (emptying the accelerator's cache between blocks)",
+    "tune_chunk_size": "OpenFold3's chunk-size tuner",
+    "use_reentrant": "OpenFold3's choice of checkpoint implementation (checkpointing here is non-reentrant: the "
+                     "same gradients)",
+    "linear_init_params": "OpenFold3's per-layer initialisation settings (the stack initialises its own; loaded "
+                          "weights replace them; their bias flags, as OpenFold3 ships them, are AF3's, as here)",
+}
+
+
+def _openfold_setting(owner: str, arguments: dict, key: str, supported, meaning: str) -> None:
+    """Removes OpenFold's ``key`` from a config section's ``arguments`` where its value is
+    ``supported`` (what the stack computes anyway); any other value changes the function, and
+    raises ValueError saying what it would mean (``meaning``)."""
+    if key in arguments:
+        value = arguments.pop(key)
+        if value != supported:
+            raise ValueError(
+                f"{owner}.from_config: `{key}` {value!r} is not supported ({meaning}); only {key}={supported!r}"
+            )
+
+
 class _Stack(nn.Module):
     """Runs ``blocks`` in order, with activation checkpointing every ``blocks_per_ckpt`` blocks and,
     with ``cuda_graphs``, as replays of CUDA graphs captured per input signature
     (:mod:`evoformer_blocks.cuda_graphs`)."""
 
     config_section: str = ""
+    # The name of the OpenFold section that holds the arguments in a bigger config, where it differs
+    # from config_section (from_config looks for both)
+    openfold_config_section: Optional[str] = None
     # Keys of an OpenFold config section that the stack does not take, each with why:
     # from_config drops them and logs the list
     openfold_ignored_keys: dict[str, str] = {}
@@ -444,13 +472,21 @@ class _Stack(nn.Module):
         """Builds the stack from a config: the constructor's arguments as a mapping
         (``ml_collections.ConfigDict``, ``omegaconf.DictConfig`` or dict), or a whole preset of
         :func:`evoformer_blocks.config.get_config` (then its section named by the class attribute
-        ``config_section`` is used: ``evoformer_stack`` or ``extra_msa_stack``).
-        Keyword ``overrides`` (e.g. ``backend="eager"``, ``blocks_per_ckpt=1``) win over ``cfg``.
+        ``config_section`` is used: ``evoformer_stack``, ``extra_msa_stack``, ``pairformer_stack`` or
+        ``msa_module``). Keyword ``overrides`` (e.g. ``backend="eager"``, ``blocks_per_ckpt=1``) win
+        over ``cfg``.
 
         An OpenFold config section (``config.model.evoformer_stack``,
         ``config.model.extra_msa.extra_msa_stack``) is accepted as it is: the keys that steer only
         OpenFold's own memory tricks (``openfold_ignored_keys``) are dropped, and the list is logged
-        (logger ``evoformer_blocks``); ``ckpt`` of the extra-MSA stack becomes ``blocks_per_ckpt``."""
+        (logger ``evoformer_blocks``); ``ckpt`` of the extra-MSA stack becomes ``blocks_per_ckpt``.
+        So is an OpenFold3 (0.5.0) section for the AF3 stacks (``architecture.pairformer``, also
+        found in ``architecture``; ``architecture.msa.msa_module``, also found in
+        ``architecture.msa``): its memory, checkpointing and initialisation keys are dropped and
+        logged; ``transition_type`` must be ``"swiglu"`` and the MSA module's ``opm_first`` True (the
+        AF3 forms these stacks compute), other values raise ValueError. The stacks then compute the
+        supplement's form; ``**compat_af3.openfold3_options(cls)`` as overrides gives OpenFold3's
+        (for its weights)."""
         from .config import build_from_config  # imported here: building a module needs no presets
 
         return build_from_config(cls, cfg, cls.config_section, overrides)

@@ -16,7 +16,9 @@ from torch import nn
 from ._checks import check_bool, check_mask, check_optional_positive_int, check_positive_int, check_rate, check_tensor
 from .attention import _check_config, _flatten_batch
 from .dropout import DropoutRowwise
-from .evoformer import _check_inputs, _PairUpdates, _Stack, add_and_norm, keep_and_norm
+from .evoformer import (
+    OPENFOLD3_IGNORED_KEYS, _check_inputs, _openfold_setting, _PairUpdates, _Stack, add_and_norm, keep_and_norm,
+)
 from .ops import sigmoid_gate
 from .ops._inputs import compute_dtype
 from .outer_product_mean import OuterProductMean
@@ -253,10 +255,28 @@ class MSAModule(_Stack):
     averaging and MSA transition at all (OpenFold3's form, whose state dict lacks them).
 
     Args: as :class:`MSAModuleBlock`, plus ``no_blocks`` (AF3: 4), ``blocks_per_ckpt`` and
-    ``cuda_graphs`` as the Evoformer stack takes them.
+    ``cuda_graphs`` as the Evoformer stack takes them. ``from_config`` also takes OpenFold3's section
+    (``architecture.msa.msa_module``; see :meth:`from_config`).
     """
 
     config_section = "msa_module"
+    openfold_ignored_keys = {
+        **OPENFOLD3_IGNORED_KEYS,
+        "eps": "not used by OpenFold3's MSA-module blocks either (their outer product mean keeps its own "
+               "epsilon, 1e-3: eps_opm here)",
+    }
+
+    @classmethod
+    def _openfold_arguments(cls, arguments: dict) -> dict:
+        owner = cls.__name__
+        _openfold_setting(
+            owner, arguments, "transition_type", "swiglu", "OpenFold3's ReLU transitions; the MSA module's are SwiGLU"
+        )
+        _openfold_setting(
+            owner, arguments, "opm_first", True,
+            "the outer product mean after the MSA updates; the MSA module runs it first, AF3 Algorithm 8",
+        )
+        return arguments
 
     def __init__(
         self,

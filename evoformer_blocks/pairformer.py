@@ -18,7 +18,7 @@ import torch
 
 from ._checks import as_mask, check_mask, check_optional_positive_int, check_positive_int, check_rate, check_tensor
 from .attention import _GatedAttention
-from .evoformer import _PairUpdates, _Stack, add_and_norm, keep_and_norm
+from .evoformer import OPENFOLD3_IGNORED_KEYS, _openfold_setting, _PairUpdates, _Stack, add_and_norm, keep_and_norm
 from .primitives import LayerNorm
 from .transitions import SwiGLUTransition
 
@@ -207,9 +207,21 @@ class PairformerStack(_Stack):
     ``cuda_graphs`` (replays of CUDA graphs per input signature), as the Evoformer stack takes them.
     Parameter names follow OpenFold3's, except that the pair updates sit directly in the block
     (OpenFold3: ``blocks.{i}.pair_stack``); :mod:`evoformer_blocks.compat_af3` converts.
+    ``from_config`` also takes OpenFold3's section (``architecture.pairformer``; see
+    :meth:`from_config`).
     """
 
     config_section = "pairformer_stack"
+    openfold_config_section = "pairformer"
+    openfold_ignored_keys = OPENFOLD3_IGNORED_KEYS
+
+    @classmethod
+    def _openfold_arguments(cls, arguments: dict) -> dict:
+        _openfold_setting(
+            f"{cls.__name__}", arguments, "transition_type", "swiglu",
+            "OpenFold3's ReLU transitions; the Pairformer's are SwiGLU, AF3 Algorithm 11",
+        )
+        return arguments
 
     def __init__(
         self,

@@ -7,6 +7,7 @@ updates, the Pairformer and MSA-module blocks (forward and gradients, dropout), 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import pytest
@@ -27,6 +28,7 @@ from evoformer_blocks import (
     TriangleMultiplicationIncoming,
     TriangleMultiplicationOutgoing,
 )
+from evoformer_blocks.compat_af3 import openfold3_options
 from evoformer_blocks.config import get_config
 from test_evoformer import assert_block_is_written, pair_updates_as_written, randomize_
 
@@ -373,3 +375,68 @@ def test_af3_preset_and_from_config():
     module = MSAModule.from_config(small, no_blocks=1)
     assert len(stack.blocks) == small.pairformer_stack.no_blocks and len(module.blocks) == 1
     assert stack.blocks[0].attn_pair_bias.backend == "eager"
+
+
+# OpenFold3 0.5.0's config sections (openfold3/projects/of3_all_atom/config/model_config.py:
+# architecture.pairformer and architecture.msa.msa_module) with the values it ships (its field
+# references blocks_per_ckpt, inf and tune_chunk_size resolved; linear_init_params, a nested
+# ConfigDict of per-layer init settings, abridged)
+OPENFOLD3_PAIRFORMER_SECTION = dict(
+    c_s=384, c_z=128, c_hidden_pair_bias=24, no_heads_pair_bias=16, c_hidden_mul=128, c_hidden_pair_att=32,
+    no_heads_pair=4, no_blocks=48, transition_type="swiglu", transition_n=4, pair_dropout=0.25,
+    fuse_projection_weights=False, blocks_per_ckpt=None, inf=1e9,
+    linear_init_params={"att_pair_bias": {"linear_z": {"bias": False, "init": "default"}},
+                        "transition": {"linear_out": {"bias": False, "init": "final"}}},
+    use_reentrant=False, clear_cache_between_blocks=False, tune_chunk_size=True,
+)
+OPENFOLD3_MSA_MODULE_SECTION = dict(
+    c_m=64, c_z=128, c_hidden_msa_att=8, c_hidden_opm=32, c_hidden_mul=128, c_hidden_pair_att=32, no_heads_msa=8,
+    no_heads_pair=4, no_blocks=4, transition_type="swiglu", transition_n=4, msa_dropout=0.15, pair_dropout=0.25,
+    opm_first=True, fuse_projection_weights=False, blocks_per_ckpt=None, inf=1e9, eps=1e-8,
+    linear_init_params={"msa_pair_avg": {"linear_z": {"bias": False, "init": "normal"}}},
+    use_reentrant=False, clear_cache_between_blocks=False, tune_chunk_size=True,
+)
+
+
+def test_from_config_takes_openfold3_sections(caplog):
+    with caplog.at_level(logging.INFO, logger="evoformer_blocks"):
+        stack = PairformerStack.from_config(OPENFOLD3_PAIRFORMER_SECTION, no_blocks=1, backend="eager")
+    assert ("ignored the OpenFold keys ['clear_cache_between_blocks', 'linear_init_params', 'tune_chunk_size', "
+            "'use_reentrant']") in caplog.text
+    block = stack.blocks[0]
+    assert (len(stack.blocks), stack.blocks_per_ckpt, block.c_s, block.c_z) == (1, None, 384, 128)
+    assert (block.attn_pair_bias.no_heads, block.attn_pair_bias.c_hidden) == (16, 24)
+    assert (block.tri_att_start.no_heads, block.tri_att_start.c_hidden, block.tri_mul_out.c_hidden) == (4, 32, 128)
+    assert block.pair_transition.linear_a.weight.shape == (512, 128)  # SwiGLU, n = 4
+    assert block.single_transition.linear_a.weight.shape == (1536, 384)
+    assert block.pair_dropout_row.p == block.pair_dropout_col.p == 0.25 and block.attn_pair_bias.inf == 1e9
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="evoformer_blocks"):
+        module = MSAModule.from_config(OPENFOLD3_MSA_MODULE_SECTION, no_blocks=2)
+    assert ("ignored the OpenFold keys ['clear_cache_between_blocks', 'eps', 'linear_init_params', "
+            "'tune_chunk_size', 'use_reentrant']") in caplog.text
+    block = module.blocks[0]
+    assert (len(module.blocks), block.c_m, block.c_z) == (2, 64, 128)
+    averaging = block.pair_weighted_averaging
+    assert (averaging.no_heads, averaging.c_hidden, block.tri_mul_in.c_hidden) == (8, 8, 128)
+    assert block.msa_dropout_row.p == 0.15 and block.pair_dropout_row.p == 0.25
+    assert block.outer_product_mean.linear_1.weight.shape == (32, 64)
+
+    # the sections inside OpenFold3's bigger config (architecture, architecture.msa) are found
+    architecture = {"pairformer": OPENFOLD3_PAIRFORMER_SECTION, "msa": {"msa_module": OPENFOLD3_MSA_MODULE_SECTION}}
+    assert PairformerStack.from_config(architecture, no_blocks=1).blocks[0].c_s == 384
+    msa = dict(architecture["msa"], msa_module_embedder={"c_m_feats": 34, "c_m": 64})
+    assert MSAModule.from_config(msa, no_blocks=1).blocks[0].c_m == 64
+    # with openfold3_options: OpenFold3's function (its last block without the MSA update)
+    module = MSAModule.from_config(OPENFOLD3_MSA_MODULE_SECTION, no_blocks=2, **openfold3_options(MSAModule))
+    assert module.blocks[-1].pair_weighted_averaging is None and module.blocks[0].tri_att_end.bias_ik
+
+    # keys that would change the function and that the stacks do not compute
+    with pytest.raises(ValueError, match=r"`transition_type` 'relu' is not supported"):
+        PairformerStack.from_config(dict(OPENFOLD3_PAIRFORMER_SECTION, transition_type="relu"))
+    with pytest.raises(ValueError, match=r"`transition_type` 'relu' is not supported"):
+        MSAModule.from_config(dict(OPENFOLD3_MSA_MODULE_SECTION, transition_type="relu"))
+    with pytest.raises(ValueError, match=r"`opm_first` False is not supported \(the outer product mean after"):
+        MSAModule.from_config(dict(OPENFOLD3_MSA_MODULE_SECTION, opm_first=False))
+    with pytest.raises(ValueError, match=r"unknown keys \['use_flash'\]"):  # not an OpenFold3 section key
+        PairformerStack.from_config(dict(OPENFOLD3_PAIRFORMER_SECTION, use_flash=True))
