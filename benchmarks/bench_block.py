@@ -128,6 +128,7 @@ def block_flops(args: dict, n_seq: int, n_res: int, extra: bool) -> tuple[float,
         proj += 2 * msa_rows * c_m * hm * cm * 5
         core += 4 * r * hm * s * s * cm
     proj += 2 * 2 * msa_rows * c_m * n * c_m  # MSA transition
+    proj += 2 * 2 * pair_rows * c_z * n * c_z  # pair transition
     proj += 2 * 2 * msa_rows * c_m * c_opm + 2 * s * pair_rows * c_opm**2 + 2 * pair_rows * c_opm**2 * c_z  # OPM
     triangle_proj, triangle_core = triangle_flops(args, r)
     proj, core = proj + triangle_proj, core + triangle_core
