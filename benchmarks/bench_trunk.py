@@ -32,7 +32,13 @@ backward FLOPs of the blocks from bench_block.block_flops, no recomputation coun
 wall time).
 
     python benchmarks/bench_trunk.py [--shapes all|0,1] [--impls plain,graphs,peer,...] [--dropout on|off]
-                                     [--steps 5] [--no-profile] [--json out.json]
+                                     [--steps 5] [--no-profile] [--recompute SPEC] [--json out.json]
+
+--recompute (plain and graphs): what the checkpointed blocks of both stacks keep instead of
+recomputing (evoformer_blocks.recompute): a policy (full, attention, attention+triangle), then
+optionally ``,budget=GIB`` (each stack's recompute_budget_gib) and ``,last`` (the Evoformer stack's
+last block without checkpointing; the extra-MSA stack's stays checkpointed: the Evoformer stack
+runs after it), e.g. ``--recompute attention+triangle,budget=8,last``.
 """
 
 from __future__ import annotations
@@ -79,13 +85,28 @@ def trunk_flops(case: Case, with_extra: bool) -> float:
     return cfg.evoformer_stack.no_blocks * evo + with_extra * cfg.extra_msa_stack.no_blocks * extra
 
 
-def build_trunk(impl: str, train: bool):
+def recompute_options(spec: str) -> tuple[dict, dict]:
+    """--recompute as the stacks' keyword arguments: (extra-MSA stack's, Evoformer stack's)."""
+    policy, *items = spec.split(",")
+    common, evo = {"recompute": policy}, {}
+    for item in items:
+        if item == "last":
+            evo["checkpoint_last_group"] = False
+        elif item.startswith("budget="):
+            common["recompute_budget_gib"] = float(item[len("budget="):])
+        else:
+            raise ValueError(f"--recompute: unknown item {item!r} (budget=GIB, last)")
+    return common, {**common, **evo}
+
+
+def build_trunk(impl: str, train: bool, recompute: str = "full"):
     """(extra-MSA stack, Evoformer stack) of the implementation, on the GPU in bf16; see make_step
     for the trunk without the extra-MSA stack."""
     cfg = get_config("af2")
     if impl in ("plain", "graphs"):
-        extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
-        evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
+        extra_options, evo_options = recompute_options(recompute)
+        extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **extra_options)
+        evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **evo_options)
     else:
         if optional_import("cuequivariance_torch") is None:
             raise RuntimeError("cuequivariance_torch is not importable")
@@ -187,7 +208,7 @@ def profile_step(step) -> dict:
 def measure(impl: str, case: Case, args) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
-    extra, evo = build_trunk(impl, train=args.dropout == "on")
+    extra, evo = build_trunk(impl, train=args.dropout == "on", recompute=args.recompute)
     if args.no_extra:
         extra = None
     t = inputs(case)
@@ -215,6 +236,8 @@ def main() -> None:
     cli.add_argument("--steps", type=int, default=5, help="timed steps per implementation (median)")
     cli.add_argument("--no-profile", action="store_true", help="skip the profiled step (CUDA time, host operations)")
     cli.add_argument("--no-extra", action="store_true", help="the Evoformer stack alone (no extra-MSA stack)")
+    cli.add_argument("--recompute", default="full", metavar="SPEC",
+                     help="POLICY[,budget=GIB][,last]: what checkpointed blocks keep (see above; default full)")
     args = cli.parse()
     if args.forward_only:
         cli.error("--forward-only: a training step is a forward and a backward")
@@ -224,7 +247,8 @@ def main() -> None:
         case = CASES[index]
         flops = trunk_flops(case, not args.no_extra)
         what = "Evoformer stack alone" if args.no_extra else "extra-MSA and Evoformer stacks"
-        print(f"\n## trunk step ({what}), {case.label()}, dropout {args.dropout} ({flops / 1e12:.1f} TFLOP model "
+        print(f"\n## trunk step ({what}), {case.label()}, dropout {args.dropout}, recompute {args.recompute} "
+              f"({flops / 1e12:.1f} TFLOP model "
               "forward+backward)", flush=True)
         rows = {}
         for impl in args.impls:
@@ -254,7 +278,8 @@ def main() -> None:
                 print(f"  {impl}: GPU idle between operations (ms): {idle}; busy span {r['span_ms']:.1f} ms", flush=True)
         print(markdown_table(["impl", "wall ms", "CUDA ms", "wall / CUDA", "ATen calls", "launches",
                               "peak GiB alloc / reserved", "model TFLOP/s", "plain wall / this wall"], table), flush=True)
-        results.append({"case": case.label(), "dropout": args.dropout, "extra_msa_stack": not args.no_extra,
+        results.append({"case": case.label(), "dropout": args.dropout, "recompute": args.recompute,
+                        "extra_msa_stack": not args.no_extra,
                         "flops": flops, "impls": rows})
         torch.cuda.empty_cache()
     if args.json:
