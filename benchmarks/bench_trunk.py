@@ -45,7 +45,14 @@ backward FLOPs of the blocks from bench_block.block_flops or pairformer_block_fl
 recomputation counted, over the wall time).
 
     python benchmarks/bench_trunk.py [--trunk af2|pairformer] [--shapes all|0,1] [--impls plain,graphs,peer,...]
-                                     [--dropout on|off] [--steps 5] [--no-profile] [--no-extra] [--json out.json]
+                                     [--dropout on|off] [--steps 5] [--no-profile] [--no-extra]
+                                     [--recompute SPEC] [--json out.json]
+
+--recompute (plain and graphs): what the checkpointed blocks of the trunk's stacks keep instead of
+recomputing (evoformer_blocks.recompute): a policy (full, attention, attention+triangle), then
+optionally ``,budget=GIB`` (each stack's recompute_budget_gib) and ``,last`` (the last stack's last
+block without checkpointing; an extra-MSA stack's stays checkpointed: the Evoformer stack runs
+after it), e.g. ``--recompute attention+triangle,budget=8,last``.
 """
 
 from __future__ import annotations
@@ -119,6 +126,20 @@ def random_tensors(spec: list[tuple[str, tuple[int, ...], bool]], leaves, device
     return tensors
 
 
+def recompute_options(spec: str) -> tuple[dict, dict]:
+    """--recompute as the stacks' keyword arguments: (an earlier stack's, the last stack's)."""
+    policy, *items = spec.split(",")
+    common, last = {"recompute": policy}, {}
+    for item in items:
+        if item == "last":
+            last["checkpoint_last_group"] = False
+        elif item.startswith("budget="):
+            common["recompute_budget_gib"] = float(item[len("budget="):])
+        else:
+            raise ValueError(f"--recompute: unknown item {item!r} (budget=GIB, last)")
+    return common, {**common, **last}
+
+
 class AF2Trunk:
     """The AF2 trunk: ExtraMSAStack (unless ``extra`` is False) then EvoformerStack of ``preset``.
     A trunk gives its cases, model FLOPs, stacks per implementation, inputs, the leaves among them
@@ -127,8 +148,8 @@ class AF2Trunk:
     name = "af2"
     cases = [Case(128, 256), Case(512, 384)]
 
-    def __init__(self, extra: bool = True, preset: str = "af2"):
-        self.extra, self.cfg = extra, get_config(preset)
+    def __init__(self, extra: bool = True, preset: str = "af2", recompute: str = "full"):
+        self.extra, self.cfg, self.recompute = extra, get_config(preset), recompute
         self.title = "extra-MSA and Evoformer stacks" if extra else "Evoformer stack alone"
         self.leaves = ("m", "z", "m_extra") if extra else ("m", "z")
 
@@ -143,8 +164,9 @@ class AF2Trunk:
         """[extra-MSA stack (with ``extra``), Evoformer stack] of the implementation, as built."""
         cfg = self.cfg
         if impl in ("plain", "graphs"):
-            extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
-            evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")
+            earlier, last = recompute_options(self.recompute)
+            extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **earlier)
+            evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)
         else:
             mode = peer_compile_mode(impl)
             import trunk_peer
@@ -171,7 +193,7 @@ class AF2Trunk:
         return (m * t["cm"]).float().sum() + (z * t["cz"]).float().sum() + (s * t["cs"]).float().sum()
 
     def report(self) -> dict:
-        return {"trunk": self.name, "extra_msa_stack": self.extra}
+        return {"trunk": self.name, "extra_msa_stack": self.extra, "recompute": self.recompute}
 
 
 class PairformerTrunk:
@@ -182,8 +204,8 @@ class PairformerTrunk:
     title = "Pairformer stack"
     leaves = ("s", "z")
 
-    def __init__(self, preset: str = "af3"):
-        self.cfg = get_config(preset)
+    def __init__(self, preset: str = "af3", recompute: str = "full"):
+        self.cfg, self.recompute = get_config(preset), recompute
 
     def flops(self, case: TokenCase) -> float:
         section = self.cfg.pairformer_stack
@@ -191,7 +213,8 @@ class PairformerTrunk:
 
     def stacks(self, impl: str) -> list[torch.nn.Module]:
         if impl in ("plain", "graphs"):
-            return [eb.PairformerStack.from_config(self.cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs")]
+            _, last = recompute_options(self.recompute)
+            return [eb.PairformerStack.from_config(self.cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)]
         mode = peer_compile_mode(impl)
         import trunk_peer
 
@@ -213,7 +236,7 @@ class PairformerTrunk:
         return (s * t["cs"]).float().sum() + (z * t["cz"]).float().sum()
 
     def report(self) -> dict:
-        return {"trunk": self.name}
+        return {"trunk": self.name, "recompute": self.recompute}
 
 
 TRUNKS = {"af2": AF2Trunk, "pairformer": PairformerTrunk}
@@ -320,18 +343,24 @@ def main() -> None:
     cli.add_argument("--steps", type=int, default=5, help="timed steps per implementation (median)")
     cli.add_argument("--no-profile", action="store_true", help="skip the profiled step (CUDA time, host operations)")
     cli.add_argument("--no-extra", action="store_true", help="the Evoformer stack alone (no extra-MSA stack; af2 trunk)")
+    cli.add_argument("--recompute", default="full", metavar="SPEC",
+                     help="POLICY[,budget=GIB][,last]: what checkpointed blocks keep (see above; default full)")
     args = cli.parse()
     if args.forward_only:
         cli.error("--forward-only: a training step is a forward and a backward")
     if args.no_extra and args.trunk != "af2":
         cli.error("--no-extra: only the af2 trunk has an extra-MSA stack")
-    trunk = AF2Trunk(extra=not args.no_extra) if args.trunk == "af2" else PairformerTrunk()
+    if args.trunk == "af2":
+        trunk = AF2Trunk(extra=not args.no_extra, recompute=args.recompute)
+    else:
+        trunk = PairformerTrunk(recompute=args.recompute)
     print(run_info_line(), flush=True)
     results = []
     for index in args.shapes:
         case = trunk.cases[index]
         flops = trunk.flops(case)
-        print(f"\n## trunk step ({trunk.title}), {case.label()}, dropout {args.dropout} ({flops / 1e12:.1f} TFLOP model "
+        print(f"\n## trunk step ({trunk.title}), {case.label()}, dropout {args.dropout}, recompute {args.recompute} "
+              f"({flops / 1e12:.1f} TFLOP model "
               "forward+backward)", flush=True)
         rows = {}
         for impl in args.impls:

@@ -4,6 +4,7 @@ eager fallbacks."""
 
 from . import ops
 from .ops import evoformer_attention
+from . import recompute  # (the stacks' recompute options: evoformer_blocks.recompute)
 from .attention import (
     MSAColumnAttention,
     MSAColumnGlobalAttention,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ops",
+    "recompute",
     "evoformer_attention",
     "MSARowAttentionWithPairBias",
     "MSAColumnAttention",

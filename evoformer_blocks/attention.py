@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
-from .ops import gated_evoformer_attention
+from .ops import _keep, gated_evoformer_attention
 from .ops._inputs import compute_dtype
 from .primitives import LayerNorm, Linear, _head_major, mask_to_bias, stacked_projection
 
@@ -531,10 +531,12 @@ class MSAColumnGlobalAttention(nn.Module):
         k, v, g = kvg.split((c, c, heads * c), dim=-1)  # [*, S, R, C] twice, [*, S, R, H C]
 
         k_cols = k.movedim(-3, -1)  # [*, R, C, S] (a view)
-        logits = torch.matmul(q, k_cols).to(compute) * (c**-0.5)  # [*, R, H, S]
+        # (_keep.product: a stack's recompute policy may keep the attention's products)
+        logits = _keep.product(_keep.ATTENTION, torch.matmul, q, k_cols)  # [*, R, H, S]
+        logits = logits.to(compute) * (c**-0.5)
         bias = mask_to_bias(mask, self.inf, m.dtype).movedim(-2, -1).unsqueeze(-2)  # [*, R, 1, S] (a view)
         probs = torch.softmax(logits + bias, dim=-1).to(v.dtype)  # [*, R, H, S]
-        o = torch.matmul(probs, v.movedim(-3, -2))  # [*, R, H, C] (v seen as [*, R, S, C])
+        o = _keep.product(_keep.ATTENTION, torch.matmul, probs, v.movedim(-3, -2))  # [*, R, H, C] (v: [*, R, S, C])
 
         # each sequence's gate on its column's pooled output: [*, S, R, H C]
         gated = torch.sigmoid(g) * o.flatten(-2).unsqueeze(-3)  # [*, S, R, H * C]

@@ -32,6 +32,10 @@ PRESETS = ("af2", "small", "af3", "af3_small")
 logger = logging.getLogger("evoformer_blocks")
 
 
+# What the checkpointed blocks recompute (evoformer_blocks.recompute): each stack as before by default
+_RECOMPUTE = dict(recompute=None, recompute_budget_gib=None, checkpoint_last_group=True)
+
+
 def _preset(
     c_m: int,
     c_z: int,
@@ -51,6 +55,7 @@ def _preset(
         msa_dropout=msa_dropout,
         pair_dropout=pair_dropout,
         blocks_per_ckpt=blocks_per_ckpt,
+        **_RECOMPUTE,
         inf=1e9,
         eps_opm=1e-3,
     )
@@ -68,7 +73,10 @@ def _af3_preset(
     cfg = ml_collections.ConfigDict()
     cfg.c_s, cfg.c_z, cfg.c_m = c_s, c_z, c_m
     msa_dropout, pair_dropout = dropout
-    common = dict(c_z=cfg.get_ref("c_z"), transition_n=4, pair_dropout=pair_dropout, blocks_per_ckpt=blocks_per_ckpt, inf=1e9)
+    common = dict(
+        c_z=cfg.get_ref("c_z"), transition_n=4, pair_dropout=pair_dropout, blocks_per_ckpt=blocks_per_ckpt,
+        **_RECOMPUTE, inf=1e9,
+    )
     cfg.pairformer_stack = ml_collections.ConfigDict(dict(common, c_s=cfg.get_ref("c_s"), **pairformer))
     cfg.msa_module = ml_collections.ConfigDict(
         dict(common, c_m=cfg.get_ref("c_m"), msa_dropout=msa_dropout, eps_opm=1e-3, **msa_module)
@@ -83,7 +91,9 @@ def get_config(name: str) -> ml_collections.ConfigDict:
       48 Evoformer blocks, MSA attention 8 heads × 32, triangle attention 4 heads × 32, transitions
       ×4, outer product mean 32, triangle multiplication 128, dropout 0.15 (MSA row attention) and
       0.25 (pair); extra MSA c_e 64, 4 blocks, MSA attention 8 heads × 8. ``blocks_per_ckpt`` 1
-      (as trained; checkpointing only acts while gradients are enabled).
+      (as trained; checkpointing only acts while gradients are enabled). Every stack section of
+      every preset also holds ``recompute`` None, ``recompute_budget_gib`` None and
+      ``checkpoint_last_group`` True (full recomputation, see :mod:`evoformer_blocks.recompute`).
     * ``"small"``: the same architecture shrunk for CPU examples and tests: c_m 32, c_z 32, c_s 32,
       2 blocks, 4 heads × 8 in every attention (8 is the head width the fused kernel needs a
       multiple of), outer product mean 8, triangle multiplication 32, no dropout; extra MSA c_e 16,

@@ -8,7 +8,8 @@ recomputation included), into CUDA graphs once per input signature and replays t
 one launch each way instead of one per kernel.
 
 Training (gradients enabled, and the inputs or the parameters require them): the forward graph
-runs the stack as the plain module does, with ``blocks_per_ckpt`` checkpointing and dropout. The
+runs the stack as the plain module does, with ``blocks_per_ckpt`` checkpointing (and what
+``recompute`` keeps from the forward, see :mod:`evoformer_blocks.recompute`) and dropout. The
 dropout masks are drawn in the forward from the CUDA generator (replays draw new masks, and draw
 what the plain stack would draw from the same generator state) and handed to the checkpointed
 groups, so the recomputation inside the backward graph applies the forward's masks. The backward
@@ -21,11 +22,11 @@ Inference (no gradients needed): one forward graph, captured without autograd.
 Rules, all handled here and logged on the ``evoformer_blocks`` logger, never silently:
 
 * A signature (shapes, dtypes, device, train/eval, grad mode, which inputs and parameters require
-  gradients, autocast, chunk size, the backend setting) is captured the second time it is seen;
-  its first call runs the plain stack, which warms up what a capture cannot do (the kernels'
-  build and load, library handles). At most ``cuda_graphs`` signatures keep their graphs (each
-  holds its own memory pool, about the memory of the plain step); the least recently used is
-  dropped for a new one.
+  gradients, autocast, chunk size, the backend setting, the checkpointing and recompute options)
+  is captured the second time it is seen; its first call runs the plain stack, which warms up what
+  a capture cannot do (the kernels' build and load, library handles). At most ``cuda_graphs``
+  signatures keep their graphs (each holds its own memory pool, about the memory of the plain
+  step); the least recently used is dropped for a new one.
 * Where graphs cannot serve, the call runs the plain stack and the reason is logged once: inputs
   not on a CUDA device, the eager backend or float64 (no fused kernels to replay), shapes that
   change on every call (pad to fixed sizes, as a fixed training crop does, to use graphs), more
@@ -285,7 +286,8 @@ class StackGraphs:
         return (
             tuple(m.shape), tuple(z.shape), m.dtype, z.dtype, m.device, chunk_size, training,
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.stack.training,
-            self.stack.blocks_per_ckpt, m.requires_grad, z.requires_grad,
+            self.stack.blocks_per_ckpt, self.stack.recompute, self.stack.recompute_budget_gib,
+            self.stack.checkpoint_last_group, m.requires_grad, z.requires_grad,
             requires if training else b"",
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             get_default_backend(), os.environ.get("EVOFORMER_BLOCKS_KERNELS"),

@@ -11,6 +11,8 @@ given to the constructor (None: the ops' default, see :func:`evoformer_blocks.op
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from typing import Optional, Union
 
 import torch
@@ -27,8 +29,10 @@ from .attention import (
 )
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
-from .ops import add_layer_norm, layer_norm_keeping_input
+from .ops import add_layer_norm, get_default_backend, layer_norm_keeping_input
+from .ops.cutlass import KERNELS_ENV
 from .primitives import LayerNorm, Linear
+from .recompute import Plan, check_recompute
 from .transitions import MSATransition, PairTransition, SwiGLUTransition
 from .triangle_multiplication import (
     FusedTriangleMultiplicationIncoming,
@@ -349,9 +353,10 @@ def _openfold_setting(owner: str, arguments: dict, key: str, supported, meaning:
 
 
 class _Stack(nn.Module):
-    """Runs ``blocks`` in order, with activation checkpointing every ``blocks_per_ckpt`` blocks and,
-    with ``cuda_graphs``, as replays of CUDA graphs captured per input signature
-    (:mod:`evoformer_blocks.cuda_graphs`)."""
+    """Runs ``blocks`` in order, with activation checkpointing every ``blocks_per_ckpt`` blocks (what
+    the backward recomputes: ``recompute``, ``recompute_budget_gib``, ``checkpoint_last_group``, see
+    :mod:`evoformer_blocks.recompute`) and, with ``cuda_graphs``, as replays of CUDA graphs captured
+    per input signature (:mod:`evoformer_blocks.cuda_graphs`)."""
 
     config_section: str = ""
     # The name of the OpenFold section that holds the arguments in a bigger config, where it differs
@@ -368,13 +373,21 @@ class _Stack(nn.Module):
         return arguments
 
     def _init_stack(
-        self, block_cls: type, no_blocks: int, blocks_per_ckpt: Optional[int], cuda_graphs, **block_args
+        self, block_cls: type, no_blocks: int, blocks_per_ckpt: Optional[int], cuda_graphs,
+        recompute: Optional[str] = None, recompute_budget_gib: Optional[float] = None,
+        checkpoint_last_group: bool = True, **block_args,
     ) -> None:
         name = type(self).__name__
         check_positive_int(name, no_blocks=no_blocks)
         check_optional_positive_int(name, "blocks_per_ckpt", blocks_per_ckpt)
         self.blocks = nn.ModuleList([block_cls(**block_args) for _ in range(no_blocks)])
         self.blocks_per_ckpt = blocks_per_ckpt
+        self.recompute = check_recompute(name, recompute, recompute_budget_gib)
+        self.recompute_budget_gib = recompute_budget_gib
+        self.checkpoint_last_group = check_bool(name, "checkpoint_last_group", checkpoint_last_group)
+        # The bytes a block keeps under `recompute`, measured per input signature (recompute.Plan):
+        # host-side figures, not module state
+        self.__dict__["_kept_bytes"] = OrderedDict()
         self.cuda_graphs = cuda_graphs  # validated by the property's setter
 
     @property
@@ -393,16 +406,22 @@ class _Stack(nn.Module):
         # of this device only and are rebuilt on demand.
         self.__dict__["_graphs"] = None if n == 0 else StackGraphs(self, n)
 
-    # Copies (copy.deepcopy) and pickles carry the setting, not the captured graphs.
+    # Copies (copy.deepcopy) and pickles carry the setting, not the captured graphs (nor the
+    # measured kept bytes, a cache).
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_graphs"] = self.cuda_graphs
+        state.pop("_kept_bytes", None)
         return state
 
     def __setstate__(self, state):
         setting = state.pop("_graphs", 0)
+        # (a stack pickled before the recompute options: as it ran then)
+        for key, default in (("recompute", "full"), ("recompute_budget_gib", None), ("checkpoint_last_group", True)):
+            state.setdefault(key, default)
         super().__setstate__(state)
         self.cuda_graphs = setting
+        self.__dict__["_kept_bytes"] = OrderedDict()
 
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cuda(), .half(), ...: the parameters may move, so captured graphs are dropped.
@@ -454,18 +473,35 @@ class _Stack(nn.Module):
         group = self.blocks_per_ckpt if torch.is_grad_enabled() else None
         if group is None:
             return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size)
-        for start in range(0, n, group):
+        starts = range(0, n, group)
+        sizes = [min(start + group, n) - start for start in starts]
+        plan = Plan(self, sizes, lambda: self._signature(m, z, chunk_size))  # (which groups keep what)
+        for index, start in enumerate(starts):
             stop = min(start + group, n)
             # Only the group's inputs and its blocks' dropout masks (drawn here, outside the
-            # checkpoint) are kept; its activations are recomputed in the backward pass with the
-            # same masks, so the RNG state need not be saved and restored. (m and z keep their
-            # shapes through the blocks: the masks can be drawn from the group's inputs.)
+            # checkpoint) are kept, and the outputs the recompute policy keeps; its activations are
+            # recomputed in the backward pass with the same masks, so the RNG state need not be
+            # saved and restored. (m and z keep their shapes through the blocks: the masks can be
+            # drawn from the group's inputs.)
             keeps = [block.dropout_masks(m, z) for block in self.blocks[start:stop]]
+            if not plan.checkpointed_group(index):  # checkpoint_last_group=False: the last one
+                m, z = self._run_group(start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps)
+                continue
             m, z = checkpoint(
                 self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps,
-                use_reentrant=False, preserve_rng_state=False,
+                use_reentrant=False, preserve_rng_state=False, **plan.checkpoint_kwargs(index),
             )
+            plan.ran(index)
         return m, z
+
+    def _signature(self, m, z, chunk_size) -> tuple:
+        """What the bytes a block keeps under ``recompute`` depend on."""
+        device = m.device.type
+        return (
+            tuple(m.shape), tuple(z.shape), m.dtype, z.dtype, m.device, chunk_size, self.recompute, self.training,
+            torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else None, get_default_backend(),
+            os.environ.get(KERNELS_ENV),
+        )
 
     @classmethod
     def from_config(cls, cfg, **overrides):
@@ -502,10 +538,16 @@ class EvoformerStack(_Stack):
     Args: as :class:`EvoformerBlock`, plus ``c_s`` (single channels), ``no_blocks`` and
     ``blocks_per_ckpt``: while gradients are enabled, every group of that many blocks runs under
     ``torch.utils.checkpoint`` (non-reentrant), storing only the group's inputs; None: no
-    checkpointing; ``cuda_graphs``: run the stack as replays of CUDA graphs captured once per
-    input signature, True (keep two signatures' graphs), a positive int (that many) or False (see
-    :mod:`evoformer_blocks.cuda_graphs`: training with checkpointing and dropout, inference,
-    the fallbacks). Parameter names follow OpenFold's (``blocks.{i}.msa_att_row``, …, ``linear``),
+    checkpointing; ``recompute`` (``"full"``, the default, ``"attention"`` or
+    ``"attention+triangle"``: which op outputs the checkpointed groups keep from their forward
+    instead of recomputing them), ``recompute_budget_gib`` (None: every checkpointed group keeps
+    them; a number: only the last groups whose kept outputs fit in that many GiB) and
+    ``checkpoint_last_group`` (False: the last group runs without checkpointing), all three
+    without effect on the results (see :mod:`evoformer_blocks.recompute`: what each policy keeps,
+    and the memory they cost); ``cuda_graphs``: run the stack as replays of CUDA graphs captured
+    once per input signature, True (keep two signatures' graphs), a positive int (that many) or
+    False (see :mod:`evoformer_blocks.cuda_graphs`: training with checkpointing and dropout,
+    inference, the fallbacks). Parameter names follow OpenFold's (``blocks.{i}.msa_att_row``, …, ``linear``),
     except that the pair updates sit directly in the block (OpenFold: ``blocks.{i}.pair_stack``);
     :func:`evoformer_blocks.compat.load_openfold_state_dict` converts.
     """
@@ -543,12 +585,16 @@ class EvoformerStack(_Stack):
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
         cuda_graphs: Union[bool, int] = False,
+        recompute: Optional[str] = None,
+        recompute_budget_gib: Optional[float] = None,
+        checkpoint_last_group: bool = True,
     ):
         super().__init__()
         check_positive_int(type(self).__name__, c_s=c_s)
         self.c_s = c_s
         self._init_stack(
             EvoformerBlock, no_blocks, blocks_per_ckpt, cuda_graphs,
+            recompute, recompute_budget_gib, checkpoint_last_group,
             c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,
@@ -569,6 +615,8 @@ class ExtraMSAStack(_Stack):
     representation ``m [*, N_extra, N_res, c_m]`` (AF2: c_e = 64) and returns the updated pair
     representation ``z [*, N_res, N_res, c_z]`` (the MSA output is not used by AlphaFold).
     Arguments as :class:`EvoformerStack` without ``c_s``, plus ``eps`` of the global attention.
+    (``checkpoint_last_group=False`` keeps the last block's activations while the Evoformer stack
+    that follows runs its forward and backward: it adds them to that stack's peak memory.)
     """
 
     config_section = "extra_msa_stack"
@@ -601,10 +649,14 @@ class ExtraMSAStack(_Stack):
         eps_opm: float = 1e-3,
         backend: Optional[str] = None,
         cuda_graphs: Union[bool, int] = False,
+        recompute: Optional[str] = None,
+        recompute_budget_gib: Optional[float] = None,
+        checkpoint_last_group: bool = True,
     ):
         super().__init__()
         self._init_stack(
             ExtraMSABlock, no_blocks, blocks_per_ckpt, cuda_graphs,
+            recompute, recompute_budget_gib, checkpoint_last_group,
             c_m=c_m, c_z=c_z, c_hidden_msa_att=c_hidden_msa_att, c_hidden_opm=c_hidden_opm,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_msa=no_heads_msa,
             no_heads_pair=no_heads_pair, transition_n=transition_n, msa_dropout=msa_dropout,

@@ -19,7 +19,7 @@ from .dropout import DropoutRowwise
 from .evoformer import (
     OPENFOLD3_IGNORED_KEYS, _check_inputs, _openfold_setting, _PairUpdates, _Stack, add_and_norm, keep_and_norm,
 )
-from .ops import sigmoid_gate
+from .ops import _keep, sigmoid_gate
 from .ops._inputs import compute_dtype
 from .outer_product_mean import OuterProductMean
 from .primitives import LayerNorm, Linear, _head_major, mask_to_bias, stacked_projection
@@ -103,7 +103,9 @@ class MSAPairWeightedAveraging(nn.Module):
     ) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` and ``z = layer_norm_z(z)`` (checked inputs)."""
         *batch, n_msa, n, c_m = m.shape
-        logits = _head_major(_flatten_batch(z, 3), self.linear_z.weight)[:, 0]  # [B, H, N, N]
+        # (_keep.product: a stack's recompute policy may keep the logits and the weighted sums)
+        logits = _keep.product(_keep.ATTENTION, _head_major, _flatten_batch(z, 3), self.linear_z.weight)
+        logits = logits[:, 0]  # [B, H, N, N]
         logits = logits.to(compute_dtype(m.dtype))
         if pair_mask is not None:
             bias = mask_to_bias(pair_mask, self.inf, m.dtype)  # [*, N, N]
@@ -126,7 +128,7 @@ class MSAPairWeightedAveraging(nn.Module):
         v, g = vg.split(heads * c, dim=-1)  # [B, S, N, H c] each (views)
         # every row's values of head h side by side: [B, H, N_j, S c], one GEMM per (b, h)
         v = v.unflatten(-1, (heads, c)).permute(0, 3, 2, 1, 4).reshape(batch, heads, n, rows * c)
-        o = torch.matmul(weights, v)  # [B, H, N_i, S c]
+        o = _keep.product(_keep.ATTENTION, torch.matmul, weights, v)  # [B, H, N_i, S c]
         o = o.view(batch, heads, n, rows, c).permute(0, 3, 2, 1, 4).reshape(batch, rows, n, heads * c)  # [B, S, N, H c]
         return self.linear_o(sigmoid_gate(g, o, backend=self.backend))  # [B, S, N, c_m]
 
@@ -254,9 +256,12 @@ class MSAModule(_Stack):
     and is not computed. With ``last_block_msa_update=False`` the last block holds no pair-weighted
     averaging and MSA transition at all (OpenFold3's form, whose state dict lacks them).
 
-    Args: as :class:`MSAModuleBlock`, plus ``no_blocks`` (AF3: 4), ``blocks_per_ckpt`` and
-    ``cuda_graphs`` as the Evoformer stack takes them. ``from_config`` also takes OpenFold3's section
-    (``architecture.msa.msa_module``; see :meth:`from_config`).
+    Args: as :class:`MSAModuleBlock`, plus ``no_blocks`` (AF3: 4), ``blocks_per_ckpt``,
+    ``recompute``, ``recompute_budget_gib``, ``checkpoint_last_group`` and ``cuda_graphs`` as the
+    Evoformer stack takes them (``checkpoint_last_group=False`` keeps the last block's activations
+    while the Pairformer that follows runs: it adds them to the Pairformer's peak memory).
+    ``from_config`` also takes OpenFold3's section (``architecture.msa.msa_module``; see
+    :meth:`from_config`).
     """
 
     config_section = "msa_module"
@@ -302,6 +307,9 @@ class MSAModule(_Stack):
         last_block_msa_update: bool = True,
         backend: Optional[str] = None,
         cuda_graphs: Union[bool, int] = False,
+        recompute: Optional[str] = None,
+        recompute_budget_gib: Optional[float] = None,
+        checkpoint_last_group: bool = True,
     ):
         super().__init__()
         check_bool(type(self).__name__, "last_block_msa_update", last_block_msa_update)
@@ -312,7 +320,10 @@ class MSAModule(_Stack):
             pair_dropout=pair_dropout, fuse_projection_weights=fuse_projection_weights, inf=inf, eps_opm=eps_opm,
             opm_mean_first=opm_mean_first, bias_ik=bias_ik, backend=backend,
         )
-        self._init_stack(MSAModuleBlock, no_blocks, blocks_per_ckpt, cuda_graphs, **args)
+        self._init_stack(
+            MSAModuleBlock, no_blocks, blocks_per_ckpt, cuda_graphs, recompute, recompute_budget_gib,
+            checkpoint_last_group, **args,
+        )
         if not last_block_msa_update:
             self.blocks[-1] = MSAModuleBlock(**args, msa_update=False)
         self.blocks[-1].msa_output_used = False

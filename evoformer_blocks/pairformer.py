@@ -203,8 +203,10 @@ class PairformerStack(_Stack):
     ``(s [*, N_token, c_s], z [*, N_token, N_token, c_z])``.
 
     Args: as :class:`PairformerBlock`, plus ``no_blocks`` (AF3: 48), ``blocks_per_ckpt``
-    (activation checkpointing of groups of that many blocks while gradients are enabled) and
-    ``cuda_graphs`` (replays of CUDA graphs per input signature), as the Evoformer stack takes them.
+    (activation checkpointing of groups of that many blocks while gradients are enabled),
+    ``recompute``, ``recompute_budget_gib`` and ``checkpoint_last_group`` (what the checkpointed
+    groups recompute: :mod:`evoformer_blocks.recompute`) and ``cuda_graphs`` (replays of CUDA graphs
+    per input signature), as the Evoformer stack takes them.
     Parameter names follow OpenFold3's, except that the pair updates sit directly in the block
     (OpenFold3: ``blocks.{i}.pair_stack``); :mod:`evoformer_blocks.compat_af3` converts.
     ``from_config`` also takes OpenFold3's section (``architecture.pairformer``; see
@@ -242,10 +244,14 @@ class PairformerStack(_Stack):
         bias_ik: bool = False,
         backend: Optional[str] = None,
         cuda_graphs: Union[bool, int] = False,
+        recompute: Optional[str] = None,
+        recompute_budget_gib: Optional[float] = None,
+        checkpoint_last_group: bool = True,
     ):
         super().__init__()
         self._init_stack(
             PairformerBlock, no_blocks, blocks_per_ckpt, cuda_graphs,
+            recompute, recompute_budget_gib, checkpoint_last_group,
             c_s=c_s, c_z=c_z, c_hidden_pair_bias=c_hidden_pair_bias, no_heads_pair_bias=no_heads_pair_bias,
             c_hidden_mul=c_hidden_mul, c_hidden_pair_att=c_hidden_pair_att, no_heads_pair=no_heads_pair,
             transition_n=transition_n, pair_dropout=pair_dropout, fuse_projection_weights=fuse_projection_weights,

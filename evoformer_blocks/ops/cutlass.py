@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from . import _build, _fused
+from . import _build, _fused, _keep
 from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
 from ._inputs import AttentionInputs, gated_views
 
@@ -76,6 +76,9 @@ OPM_MAX_BATCHES: Optional[int] = TABLE["outer_product_mean"]["max_batches"] if T
 
 
 _kernels = _fused.kernels
+# The attention forward ops' qualified names (a stack's recompute policy may keep their outputs)
+FORWARD_OP = f"{_build.OP_NAMESPACE}::forward"
+GATED_FORWARD_OP = f"{_build.OP_NAMESPACE}::gated_attention_fwd"
 
 
 def _round_up(x, multiple: int):
@@ -195,7 +198,8 @@ class _CutlassAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_bias, pair_bias, scale, family):
-        outputs = _kernels().forward(q, k, v, mask_bias, pair_bias, scale, family)
+        # (_keep.call: a checkpointed stack group may keep the outputs, see evoformer_blocks.recompute)
+        outputs = _keep.call(FORWARD_OP, _kernels().forward, q, k, v, mask_bias, pair_bias, scale, family)
         _save(ctx, (q, k, v, mask_bias, pair_bias, scale, family), outputs, operands=3)
         # Only the output leaves the Function: the statistics and prepared biases are saved
         # intermediates, so autograd has no gradients of them to materialize as zeros.
@@ -243,7 +247,10 @@ class _CutlassGatedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkvg, mask_bias, pair_bias, heads, transposed, scale, family):
-        outputs = _kernels().gated_attention_fwd(qkvg, mask_bias, pair_bias, heads, transposed, scale, family)
+        outputs = _keep.call(
+            GATED_FORWARD_OP, _kernels().gated_attention_fwd, qkvg, mask_bias, pair_bias, heads, transposed, scale,
+            family,
+        )
         _save(ctx, (qkvg, mask_bias, pair_bias, heads, transposed, scale, family), outputs, operands=1)
         return outputs[0]
 

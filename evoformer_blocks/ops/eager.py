@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import _keep
 from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
 from ._inputs import FLOAT_DTYPES, AttentionInputs, compute_dtype
 
@@ -22,14 +23,16 @@ def safe_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(qh, kh, vh, mask_bias, pair_bias, scale: float, compute: torch.dtype) -> torch.Tensor:
-    # qh: [B, N, H, Lq, D]; kh, vh: [B, N, H, Lk, D]
-    logits = torch.matmul(qh, kh.transpose(-1, -2)).to(compute) * scale  # [B, N, H, Lq, Lk]
+    # qh: [B, N, H, Lq, D]; kh, vh: [B, N, H, Lk, D]. (_keep.product: a stack's recompute policy
+    # may keep the two products.)
+    logits = _keep.product(_keep.ATTENTION, torch.matmul, qh, kh.transpose(-1, -2))  # [B, N, H, Lq, Lk]
+    logits = logits.to(compute) * scale
     if mask_bias is not None:
         logits = logits + mask_bias.to(compute)  # + [B|1, N|1, 1, 1, Lk]
     if pair_bias is not None:
         logits = logits + pair_bias.to(compute)  # + [B|1, 1, H|1, Lq, Lk]
     probs = safe_softmax(logits)  # [B, N, H, Lq, Lk]
-    return torch.matmul(probs.to(vh.dtype), vh)  # [B, N, H, Lq, D]
+    return _keep.product(_keep.ATTENTION, torch.matmul, probs.to(vh.dtype), vh)  # [B, N, H, Lq, D]
 
 
 def eager_attention(inputs: AttentionInputs, chunk_size: Optional[int] = None) -> torch.Tensor:

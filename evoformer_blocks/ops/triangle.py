@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch, _fused
+from . import _dispatch, _fused, _keep
 from ._dispatch import Backend, Capabilities
 from .cutlass import MAX_ROW_BYTES, ROW_CHUNK_BYTES, kernel_family
 from ._inputs import FLOAT_DTYPES, LOW_PRECISION, ValidatedInputs, describe
@@ -215,6 +215,7 @@ def triangle_multiplication_residual(
 
 
 _PLAIN, _KEEP, _ADD = "plain", "keep", "add"  # what the op returns: out; (z, out); z + out (* scale)
+FUSED_OP = f"{_fused._build.OP_NAMESPACE}::triangle_multiplication_fwd"  # (its qualified name)
 
 
 def _triangle(inputs: TriangleInputs, backend: Optional[str], mode: str = _PLAIN, update_scale=None):
@@ -252,10 +253,9 @@ def eager_triangle_multiplication(inputs: TriangleInputs) -> Tensor:
     if inputs.mask is not None:
         m = inputs.mask.to(dt).unsqueeze(-1)  # [*, N, N, 1]
         a, b = a * m, b * m
-    if inputs.outgoing:
-        p = torch.einsum("...ikc,...jkc->...ijc", a, b)  # [*, N, N, c]
-    else:
-        p = torch.einsum("...kic,...kjc->...ijc", a, b)  # [*, N, N, c]
+    # (_keep.product: a stack's recompute policy may keep the product)
+    equation = "...ikc,...jkc->...ijc" if inputs.outgoing else "...kic,...kjc->...ijc"
+    p = _keep.product(_keep.TRIANGLE, torch.einsum, equation, a, b)  # [*, N, N, c]
     p = F.layer_norm(p, (c,), w["norm_out_weight"], w["norm_out_bias"], inputs.eps)
     return torch.sigmoid(F.linear(x, w["gate_weight"], w["gate_bias"])) * F.linear(p, w["out_weight"], w["out_bias"])
 
@@ -322,7 +322,9 @@ class _FusedTriangleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, mask, eps, outgoing, family, mode, update_scale, *weights):
-        out, *saved = _fused.kernels().triangle_multiplication_fwd(
+        # (_keep.call: a checkpointed stack group may keep the outputs, see evoformer_blocks.recompute)
+        out, *saved = _keep.call(
+            FUSED_OP, _fused.kernels().triangle_multiplication_fwd,
             z, mask, list(weights), eps, outgoing, family, True, mode == _ADD, update_scale)
         ctx.mode, ctx.scaled = mode, update_scale is not None
         _save(ctx, z, mask, weights, eps, outgoing, saved, *([update_scale] if ctx.scaled else []))
