@@ -98,14 +98,22 @@ CASES = [
 ]
 
 
+# The keys of a preset's stack section that configure the stack, not its blocks
+STACK_KEYS = ("no_blocks", "blocks_per_ckpt", "cuda_graphs", "recompute", "recompute_budget_gib",
+              "checkpoint_last_group")
+
+
+def _block_arguments(section, *stack_keys: str) -> dict:
+    """A preset's stack section less its :data:`STACK_KEYS` and ``stack_keys``: one block's
+    constructor arguments."""
+    return {key: value for key, value in dict(section).items() if key not in STACK_KEYS + stack_keys}
+
+
 def block_args(extra: bool) -> dict:
     """The constructor arguments of one block of the af2 preset (dropout rates included: they act
     only in training mode)."""
     cfg = get_config("af2")
-    section = dict(cfg.extra_msa_stack if extra else cfg.evoformer_stack)
-    for key in ("no_blocks", "blocks_per_ckpt", "c_s"):
-        section.pop(key, None)
-    return section
+    return _block_arguments(cfg.extra_msa_stack if extra else cfg.evoformer_stack, "c_s")  # (the stack's s)
 
 
 def block_flops(args: dict, n_seq: int, n_res: int, extra: bool) -> tuple[float, float]:
@@ -151,10 +159,7 @@ def triangle_flops(args: dict, n_res: int) -> tuple[float, float]:
 def pairformer_block_args() -> dict:
     """The constructor arguments of one PairformerBlock of the af3 preset (its dropout rate
     included: it acts only in training mode)."""
-    section = dict(get_config("af3").pairformer_stack)
-    for key in ("no_blocks", "blocks_per_ckpt"):
-        section.pop(key, None)
-    return section
+    return _block_arguments(get_config("af3").pairformer_stack)
 
 
 def pairformer_block_flops(args: dict, n_token: int) -> tuple[float, float]:

@@ -226,3 +226,15 @@ def test_trunk_cases_and_flops():
     assert 4 < trunk.flops(trunk.cases[1]) / trunk.flops(trunk.cases[0]) < 8
     af2 = bench_trunk.AF2Trunk()
     assert af2.flops(af2.cases[0]) > bench_trunk.AF2Trunk(extra=False).flops(af2.cases[0])
+
+
+def test_block_arguments_build_the_presets_blocks():
+    # The block benchmarks build one block from a preset's stack section: every stack-only key
+    # (the recompute options included) must be left out, and the Pairformer block keeps its c_s.
+    import bench_block
+    from evoformer_blocks import EvoformerBlock, ExtraMSABlock
+
+    EvoformerBlock(**bench_block.block_args(False))
+    ExtraMSABlock(**bench_block.block_args(True))
+    assert bench_block.pairformer_block_args()["c_s"] == 384
+    PairformerBlock(**bench_block.pairformer_block_args())
