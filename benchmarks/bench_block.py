@@ -450,37 +450,24 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
     median = per_round[len(per_round) // 2]
     loss = forward()
     counts = {"fwd": host_operations(forward), "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves))}
-    loss = forward()  # (the backward above freed the graph of the previous forward)
-    parts = {"fwd": operations_by_part(forward), "bwd": operations_by_part(lambda: torch.autograd.grad(loss, leaves))}
+    parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
     return {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1], "rounds": per_round,
             "operations": counts, "parts": parts}
 
 
-_CONTAINERS = (": _update", ": _pair_updates")
+_CONTAINERS = (": _update", ": _pair_updates")  # the block's code whose calls are the forward's parts
+_AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 
 
-def _callee_in(stack: list[str]):
-    """The frame ``stack`` (one event's Python frames) shows called by the innermost ``_update`` or
-    ``_pair_updates`` of the package, or None."""
-    frames = [f[f.rindex("evoformer_blocks"):] for f in stack if "evoformer_blocks" in f]
-    containers = [i for i, f in enumerate(frames) if f.endswith(_CONTAINERS)]
-    if not containers:
-        return None
-    # Frames run innermost first unless the first container comes after its caller's forward.
-    outer_first = any(f.endswith(": forward") for f in frames[: containers[0]])
-    if outer_first:
-        i = containers[-1] + 1
-    else:
-        i = containers[0] - 1
-    return frames[i] if 0 <= i < len(frames) else None
-
-
-def operations_by_part(fn, top: int = 4) -> list[dict]:
-    """Where the ATen calls (nested ones included) of one call of ``fn`` go: in a forward, per call
-    the block's ``_update`` or ``_pair_updates`` makes (``file(line): function`` of the callee, from
-    the profiler's Python frames; the block runs its sub-modules through internal entry points, so
-    module hooks would not see them); in a backward, per autograd node type. Each part: its name, its ATen calls, kernel
-    launches and its ``top`` most frequent ATen operations, largest part first."""
+def host_operations(fn, top: int = 4) -> dict:
+    """The host operations of one call of ``fn`` (torch.profiler, CPU events, one profile): ATen
+    calls (nested ones included), kernel launches and autograd nodes run, and ``parts``: where the
+    ATen calls go. In a forward a part is a call the block's ``_update`` or ``_pair_updates`` makes
+    (``file(line): function`` of the callee, from the Python frames the profiler keeps as the
+    events' ancestors; the block runs its sub-modules through internal entry points, so module
+    hooks would not see them; a profiler that keeps no Python frames, as torch 2.11's did, puts
+    the whole forward in one part); in a backward, an autograd node type. Each part: its name, its
+    ATen calls, kernel launches and its ``top`` most frequent ATen operations, largest part first."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -488,55 +475,38 @@ def operations_by_part(fn, top: int = 4) -> list[dict]:
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         fn()
         synchronize()
-    node_prefix = "autograd::engine::evaluate_function: "
+    totals = {"aten": 0, "launches": 0, "autograd_nodes": 0}
     parts: dict[str, dict] = {}
     for event in prof.events():
         name = event.name
+        if name.startswith(_AUTOGRAD_NODE):
+            totals["autograd_nodes"] += 1
         is_aten = name.startswith("aten::")
         is_launch = name.startswith(("cudaLaunchKernel", "cuLaunchKernel"))
         if not (is_aten or is_launch):
             continue
         # The outermost enclosing autograd node (backward), else the callee of the block's _update
-        # (forward; the profiler's Python frames are the events' ancestors).
+        # (forward).
         part, callee, parent = None, None, event.cpu_parent
         while parent is not None:
-            if parent.name.startswith(node_prefix):
-                part = parent.name[len(node_prefix):]
+            if parent.name.startswith(_AUTOGRAD_NODE):
+                part = parent.name[len(_AUTOGRAD_NODE):]
             elif parent.name.endswith(_CONTAINERS) and "evoformer_blocks" in parent.name:
                 part = part or callee
             elif "evoformer_blocks" in parent.name and "(" in parent.name:
                 callee = parent.name[parent.name.rindex("evoformer_blocks"):]
             parent = parent.cpu_parent
-        if part is None and event.stack:  # profilers that keep Python frames as each event's stack
-            part = _callee_in(event.stack)
         part = part or "(outside the block's calls)"
         entry = parts.setdefault(part, {"part": part, "aten": 0, "launches": 0, "ops": Counter()})
+        kind = "aten" if is_aten else "launches"
+        totals[kind] += 1
+        entry[kind] += 1
         if is_aten:
-            entry["aten"] += 1
             entry["ops"][name[len("aten::"):]] += 1
-        else:
-            entry["launches"] += 1
-    out = sorted(parts.values(), key=lambda p: -p["aten"])
-    for entry in out:
+    ordered = sorted(parts.values(), key=lambda p: -p["aten"])
+    for entry in ordered:
         entry["ops"] = dict(entry["ops"].most_common(top))
-    return out
-
-
-def host_operations(fn) -> dict:
-    """The host operations of one call of ``fn`` (torch.profiler, CPU events): ATen calls (nested ones
-    included), kernel launches and autograd nodes run."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [event.name for event in prof.events()]
-    return {
-        "aten": sum(name.startswith("aten::") for name in names),
-        "launches": sum(name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for name in names),
-        "autograd_nodes": sum(name.startswith("autograd::engine::evaluate_function") for name in names),
-    }
+    return {**totals, "parts": ordered}
 
 
 def main() -> None:
