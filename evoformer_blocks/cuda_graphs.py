@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import time
 import weakref
 from collections import OrderedDict
@@ -284,13 +283,11 @@ class StackGraphs:
 
     def _signature(self, m, z, chunk_size, training: bool, requires: bytes) -> tuple:
         return (
-            tuple(m.shape), tuple(z.shape), m.dtype, z.dtype, m.device, chunk_size, training,
+            *self.stack._computation_key(m, z, chunk_size), training,
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.stack.training,
             self.stack.blocks_per_ckpt, self.stack.recompute, self.stack.recompute_budget_gib,
             self.stack.checkpoint_last_group, m.requires_grad, z.requires_grad,
             requires if training else b"",
-            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-            get_default_backend(), os.environ.get("EVOFORMER_BLOCKS_KERNELS"),
             torch.are_deterministic_algorithms_enabled(),
         )
 

@@ -475,7 +475,7 @@ class _Stack(nn.Module):
             return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size)
         starts = range(0, n, group)
         sizes = [min(start + group, n) - start for start in starts]
-        plan = Plan(self, sizes, lambda: self._signature(m, z, chunk_size))  # (which groups keep what)
+        plan = Plan(self, sizes, lambda: (*self._computation_key(m, z, chunk_size), self.recompute, self.training))
         for index, start in enumerate(starts):
             stop = min(start + group, n)
             # Only the group's inputs and its blocks' dropout masks (drawn here, outside the
@@ -494,13 +494,17 @@ class _Stack(nn.Module):
             plan.ran(index)
         return m, z
 
-    def _signature(self, m, z, chunk_size) -> tuple:
-        """What the bytes a block keeps under ``recompute`` depend on."""
+    def _computation_key(self, m, z, chunk_size) -> tuple:
+        """What the ops a call runs depend on besides the weights: the inputs' shapes, dtypes and
+        device, the chunk size, autocast, the backend setting and the kernel family's variable (the
+        key of the bytes a block keeps under ``recompute``, and part of a CUDA graph signature)."""
         device = m.device.type
+        autocast = None
+        if device in ("cpu", "cuda"):
+            autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         return (
-            tuple(m.shape), tuple(z.shape), m.dtype, z.dtype, m.device, chunk_size, self.recompute, self.training,
-            torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else None, get_default_backend(),
-            os.environ.get(KERNELS_ENV),
+            tuple(m.shape), tuple(z.shape), m.dtype, z.dtype, m.device, chunk_size, autocast,
+            get_default_backend(), os.environ.get(KERNELS_ENV),
         )
 
     @classmethod
