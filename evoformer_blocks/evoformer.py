@@ -477,7 +477,7 @@ class _Stack(nn.Module):
         sizes = [min(start + group, n) - start for start in starts]
         plan = Plan(self, sizes, lambda: (*self._computation_key(m, z, chunk_size), self.recompute, self.training))
         for index, start in enumerate(starts):
-            stop = min(start + group, n)
+            stop = start + sizes[index]
             # Only the group's inputs and its blocks' dropout masks (drawn here, outside the
             # checkpoint) are kept, and the outputs the recompute policy keeps; its activations are
             # recomputed in the backward pass with the same masks, so the RNG state need not be
