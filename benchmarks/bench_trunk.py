@@ -46,13 +46,17 @@ recomputation counted, over the wall time).
 
     python benchmarks/bench_trunk.py [--trunk af2|pairformer] [--shapes all|0,1] [--impls plain,graphs,peer,...]
                                      [--dropout on|off] [--steps 5] [--no-profile] [--no-extra]
-                                     [--recompute SPEC] [--json out.json]
+                                     [--recompute SPEC] [--backward-thread engine|caller] [--json out.json]
 
 --recompute (plain and graphs): what the checkpointed blocks of the trunk's stacks keep instead of
 recomputing (evoformer_blocks.recompute): a policy (full, attention, attention+triangle), then
 optionally ``,budget=GIB`` (each stack's recompute_budget_gib) and ``,last`` (the last stack's last
 block without checkpointing; an extra-MSA stack's stays checkpointed: the Evoformer stack runs
 after it), e.g. ``--recompute attention+triangle,budget=8,last``.
+
+--backward-thread caller: every implementation's backward runs on the thread that calls it
+(``torch.autograd.set_multithreading_enabled(False)``, a setting of the user's training loop)
+instead of autograd's worker thread for the GPU (``engine``, PyTorch's default).
 """
 
 from __future__ import annotations
@@ -345,6 +349,8 @@ def main() -> None:
     cli.add_argument("--no-extra", action="store_true", help="the Evoformer stack alone (no extra-MSA stack; af2 trunk)")
     cli.add_argument("--recompute", default="full", metavar="SPEC",
                      help="POLICY[,budget=GIB][,last]: what checkpointed blocks keep (see above; default full)")
+    cli.add_argument("--backward-thread", choices=("engine", "caller"), default="engine",
+                     help="caller: torch.autograd.set_multithreading_enabled(False) for the whole run")
     args = cli.parse()
     if args.forward_only:
         cli.error("--forward-only: a training step is a forward and a backward")
@@ -354,12 +360,14 @@ def main() -> None:
         trunk = AF2Trunk(extra=not args.no_extra, recompute=args.recompute)
     else:
         trunk = PairformerTrunk(recompute=args.recompute)
+    torch.autograd.set_multithreading_enabled(args.backward_thread == "engine")
     print(run_info_line(), flush=True)
     results = []
     for index in args.shapes:
         case = trunk.cases[index]
         flops = trunk.flops(case)
-        print(f"\n## trunk step ({trunk.title}), {case.label()}, dropout {args.dropout}, recompute {args.recompute} "
+        print(f"\n## trunk step ({trunk.title}), {case.label()}, dropout {args.dropout}, recompute {args.recompute}, "
+              f"backward thread {args.backward_thread} "
               f"({flops / 1e12:.1f} TFLOP model "
               "forward+backward)", flush=True)
         rows = {}
@@ -390,7 +398,8 @@ def main() -> None:
                 print(f"  {impl}: GPU idle between operations (ms): {idle}; busy span {r['span_ms']:.1f} ms", flush=True)
         print(markdown_table(["impl", "wall ms", "CUDA ms", "wall / CUDA", "ATen calls", "launches",
                               "peak GiB alloc / reserved", "model TFLOP/s", "plain wall / this wall"], table), flush=True)
-        results.append({"case": case.label(), "dropout": args.dropout, **trunk.report(), "flops": flops, "impls": rows})
+        results.append({"case": case.label(), "dropout": args.dropout, **trunk.report(),
+                        "backward_thread": args.backward_thread, "flops": flops, "impls": rows})
         torch.cuda.empty_cache()
     if args.json:
         write_json(args.json, results)
