@@ -37,8 +37,10 @@ iterations after warm-up (instead of the block cases unless --shapes is given to
 what bounds the block at small sizes without CUDA graphs. It also counts, per forward and per
 backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
 kernel launches; autograd nodes run): exact where the times swing between processes and machine
-instances, so that host-side changes can be compared by them; and where those ATen calls go (per
-call of the block's code in the forward, per autograd node in the backward).
+instances, so that host-side changes can be compared by them; where those ATen calls go (per
+call of the block's code in the forward, per autograd node in the backward); and the host µs per
+call of the layers beneath (`layer_costs`: torch's own calls, the extension's ops called directly,
+the ops package's entries around them).
 
 With --train, the blocks run in training mode: dropout at the preset's rates (AF2: 0.15 after the MSA
 row attention, 0.25 after each pair update), a new mask every step, as a training step runs them
@@ -455,6 +457,69 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
             "operations": counts, "parts": parts}
 
 
+def _host_us_per_call(fn, iters: int = 400) -> float:
+    """Host µs per call of ``fn`` with the GPU idle (no synchronisation inside the loop; the calls'
+    kernels are far shorter than their host time at these sizes)."""
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    per_call = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    return per_call
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def layer_costs() -> list[tuple[str, str, float]]:
+    """Host µs per call, GPU idle, of the layers a plain block's host time is made of, at
+    HOST_CASE's sizes (rows of 256 channels, 1,024 rows; the row attention's [1, 16, 64, 8 x 32]):
+    torch's own calls (floors), the extension's ops called directly, and the ops package's
+    entries that wrap them (validation, backend selection, the autograd node; inputs requiring
+    grad). Each row: (layer, call, µs)."""
+    kernels = cutlass._kernels()
+    kw = dict(device="cuda", dtype=DTYPE)
+    x, w = torch.randn(1024, 256, **kw), torch.randn(256, 256, **kw)
+    b, ln_w = torch.randn(256, **kw), torch.randn(256, **kw)
+    xg = x.clone().requires_grad_(True)
+    qkvg = torch.randn(1, 16, 64, 4 * 8 * 32, **kw)
+    qkvg_g = qkvg.clone().requires_grad_(True)
+    mask_bias = torch.zeros(1, 16, 1, 1, 64, device="cuda")  # [B, N, 1, 1, L] float32
+    pair_bias = torch.randn(1, 1, 8, 64, 64, **kw)  # [B, 1, H, L, L]
+    family, scale = cutlass.kernel_family(), 32 ** -0.5
+    y, out, stats, mask_prepared, pair_prepared = kernels.gated_attention_fwd(
+        qkvg, mask_bias, pair_bias, 8, False, scale, family)
+    calls = [
+        ("torch", "torch.add", lambda: torch.add(x, x)),
+        ("torch", "torch.empty", lambda: torch.empty(1024, 256, **kw)),
+        ("torch", "autograd.Function.apply, identity", lambda: _Identity.apply(xg)),
+        ("torch", "F.linear with bias", lambda: torch.nn.functional.linear(xg, w, b)),
+        ("torch", "F.layer_norm", lambda: torch.nn.functional.layer_norm(xg, (256,), ln_w, b)),
+        ("extension", "layer_norm_fwd", lambda: kernels.layer_norm_fwd(x, ln_w, b, 1e-5)),
+        ("extension", "add_layer_norm_fwd", lambda: kernels.add_layer_norm_fwd(x, x, ln_w, b, 1e-5, None)),
+        ("extension", "linear_bwd (dx, dw, db)", lambda: kernels.linear_bwd(x, x, w, None, True, True, True, DTYPE, 0)),
+        ("extension", "gated_attention_fwd",
+         lambda: kernels.gated_attention_fwd(qkvg, mask_bias, pair_bias, 8, False, scale, family)),
+        ("extension", "gated_attention_bwd", lambda: kernels.gated_attention_bwd(
+            y, qkvg, out, stats, mask_prepared, pair_bias, pair_prepared, 8, False, scale, family, None, True)),
+        ("ops", "layer_norm", lambda: ops.layer_norm(xg, ln_w, b)),
+        ("ops", "add_layer_norm", lambda: ops.add_layer_norm(xg, x, ln_w, b)),
+        ("ops", "linear with bias", lambda: ops.linear(xg, w, b)),
+        ("ops", "gated_evoformer_attention", lambda: ops.gated_evoformer_attention(qkvg_g, 8, mask_bias, pair_bias)),
+    ]
+    return [(layer, name, _host_us_per_call(fn)) for layer, name, fn in calls]
+
+
 _CONTAINERS = (": _update", ": _pair_updates")  # the block's code whose calls are the forward's parts
 _AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 
@@ -536,6 +601,12 @@ def main() -> None:
             print(markdown_table(["part", "ATen calls", "launches", "most frequent"],
                                  [[p["part"], p["aten"], p["launches"],
                                    ", ".join(f"{op} {n}" for op, n in p["ops"].items())] for p in parts]), flush=True)
+        costs = layer_costs()
+        print("\nhost µs per call, GPU idle (torch's calls, the extension's ops, the ops package's entries):",
+              flush=True)
+        print(markdown_table(["layer", "call", "µs"], [[layer, name, f"{us:.1f}"] for layer, name, us in costs]),
+              flush=True)
+        host["layer_costs"] = [{"layer": layer, "call": name, "us": us} for layer, name, us in costs]
         results.append({"host": host})
     if args.triangle:
         print("\n## triangle multiplication, c_z = c_hidden = 128", flush=True)
