@@ -69,8 +69,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    H100_SXM, CommandLine, Impl, kernel_breakdown, make_step, markdown_table, measure, optional_import, run_info_line,
-    speedup, write_json, fmt,
+    H100_SXM, CommandLine, Impl, host_and_gpu_ms, kernel_breakdown, make_step, markdown_table, measure, optional_import,
+    run_info_line, speedup, warm_up, write_json, fmt,
 )
 
 import evoformer_blocks as eb  # noqa: E402
@@ -457,18 +457,11 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
             "operations": counts, "parts": parts}
 
 
-def _host_us_per_call(fn, iters: int = 400) -> float:
-    """Host µs per call of ``fn`` with the GPU idle (no synchronisation inside the loop; the calls'
-    kernels are far shorter than their host time at these sizes)."""
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    per_call = (time.perf_counter() - t0) / iters * 1e6
-    torch.cuda.synchronize()
-    return per_call
+def _host_us_per_call(fn, iters: int = 100) -> float:
+    """Host µs per call of ``fn``: harness.host_and_gpu_ms's enqueue time after warm-up (a call here
+    launches at most a few kernels, so 100 calls stay within the launch queue)."""
+    warm_up(fn, iters=30)
+    return host_and_gpu_ms(fn, iters)[0] * 1e3
 
 
 class _Identity(torch.autograd.Function):
@@ -482,7 +475,7 @@ class _Identity(torch.autograd.Function):
 
 
 def layer_costs() -> list[tuple[str, str, float]]:
-    """Host µs per call, GPU idle, of the layers a plain block's host time is made of, at
+    """Host µs per call (enqueue time) of the layers a plain block's host time is made of, at
     HOST_CASE's sizes (rows of 256 channels, 1,024 rows; the row attention's [1, 16, 64, 8 x 32]):
     torch's own calls (floors), the extension's ops called directly, and the ops package's
     entries that wrap them (validation, backend selection, the autograd node; inputs requiring
@@ -602,7 +595,7 @@ def main() -> None:
                                  [[p["part"], p["aten"], p["launches"],
                                    ", ".join(f"{op} {n}" for op, n in p["ops"].items())] for p in parts]), flush=True)
         costs = layer_costs()
-        print("\nhost µs per call, GPU idle (torch's calls, the extension's ops, the ops package's entries):",
+        print("\nhost µs per call, enqueue time (torch's calls, the extension's ops, the ops package's entries):",
               flush=True)
         print(markdown_table(["layer", "call", "µs"], [[layer, name, f"{us:.1f}"] for layer, name, us in costs]),
               flush=True)
