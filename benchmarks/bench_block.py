@@ -33,8 +33,11 @@ cuEquivariance's fused triangle_multiplicative_update on the same weights: time 
 With --host, the host (CPU) time of the default EvoformerBlock with the GPU idle: AF2 widths at
 N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the block call and around
 `torch.autograd.grad` (no synchronisation inside an iteration), the median over five rounds of 20
-iterations after warm-up (instead of the block cases unless --shapes is given too). Host time is
-what bounds the block at small sizes without CUDA graphs. It also counts, per forward and per
+iterations after warm-up (instead of the block cases unless --shapes is given too), twice in one
+process, rounds alternating: with the modules calling their one-node C++ entries
+(`evoformer_blocks.ops.module_nodes`, the default) and with the modules composing their ops
+(`module_nodes.composed()`), the A/B of those nodes. Host time is
+what bounds the block at small sizes without CUDA graphs. It also counts, for the nodes, per forward and per
 backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
 kernel launches; autograd nodes run): exact where the times swing between processes and machine
 instances, so that host-side changes can be compared by them; where those ATen calls go (per
@@ -57,6 +60,8 @@ those of the outgoing triangle multiplication at each N_res, once per kernel fam
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 from collections import Counter
 import time
@@ -75,7 +80,7 @@ from harness import (  # noqa: E402
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
-from evoformer_blocks.ops import cutlass  # noqa: E402
+from evoformer_blocks.ops import cutlass, module_nodes  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -427,34 +432,46 @@ HOST_CASE = Case("EvoformerBlock", 16, 64)
 
 def host_ms(rounds: int = 5, iters: int = 20) -> dict:
     """Median host ms of the forward and of the backward of the default block at HOST_CASE, and every
-    round's (forward, backward) pair (see the module docstring)."""
+    round's (forward, backward) pair (see the module docstring), with the modules calling their nodes
+    and, under ``"composed"``, with the modules composing their ops (``ops.module_nodes.composed``):
+    the rounds alternate between the two, so that both see the same machine."""
     _, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
     leaves = [m.requires_grad_(True), z.requires_grad_(True), *block.parameters()]
+    modes = {"nodes": contextlib.nullcontext, "composed": module_nodes.composed}
 
     def forward():
         return sum(o.float().sum() for o in block(m, z, msa_mask, pair_mask))
 
-    for _ in range(5):
-        torch.autograd.grad(forward(), leaves)
+    for mode in modes.values():
+        with mode():
+            for _ in range(5):
+                torch.autograd.grad(forward(), leaves)
     torch.cuda.synchronize()
-    per_round = []
+    per_round = {name: [] for name in modes}
     for _ in range(rounds):
-        fwd = bwd = 0.0
-        for _ in range(iters):
-            t0 = time.perf_counter()
+        for name, mode in modes.items():
+            fwd = bwd = 0.0
+            with mode():
+                for _ in range(iters):
+                    t0 = time.perf_counter()
+                    loss = forward()
+                    t1 = time.perf_counter()
+                    torch.autograd.grad(loss, leaves)
+                    fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+            torch.cuda.synchronize()
+            per_round[name].append((fwd / iters * 1e3, bwd / iters * 1e3))
+    results = {}
+    for name, mode in modes.items():
+        ordered = sorted(per_round[name], key=sum)
+        median = ordered[len(ordered) // 2]
+        with mode():
             loss = forward()
-            t1 = time.perf_counter()
-            torch.autograd.grad(loss, leaves)
-            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-        torch.cuda.synchronize()
-        per_round.append((fwd / iters * 1e3, bwd / iters * 1e3))
-    per_round.sort(key=sum)
-    median = per_round[len(per_round) // 2]
-    loss = forward()
-    counts = {"fwd": host_operations(forward), "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves))}
-    parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
-    return {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1], "rounds": per_round,
-            "operations": counts, "parts": parts}
+            counts = {"fwd": host_operations(forward),
+                      "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves))}
+        parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
+        results[name] = {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1],
+                         "rounds": per_round[name], "operations": counts, "parts": parts}
+    return {**results["nodes"], "composed": results["composed"]}
 
 
 def _host_us_per_call(fn, iters: int = 100) -> float:
@@ -583,9 +600,12 @@ def main() -> None:
     results = []
     if args.host:
         host = host_ms()
-        rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in host["rounds"])
-        print(f"\n## host time, {host['case']}, GPU idle: forward {host['fwd_ms']:.2f} ms, backward "
-              f"{host['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds})", flush=True)
+        for what, h in (("the modules' nodes", host), ("the modules composing their ops", host["composed"])):
+            rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in h["rounds"])
+            print(f"\n## host time, {h['case']}, GPU idle, {what}: forward {h['fwd_ms']:.2f} ms, backward "
+                  f"{h['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds}); ATen calls "
+                  f"{h['operations']['fwd']['aten']} / {h['operations']['bwd']['aten']}, autograd nodes "
+                  f"{h['operations']['bwd']['autograd_nodes']}", flush=True)
         for part, ops in host["operations"].items():
             print(f"{part}: {ops['aten']} ATen calls, {ops['launches']} kernel launches, "
                   f"{ops['autograd_nodes']} autograd nodes", flush=True)

@@ -26,6 +26,8 @@ from bench_block.pairformer_block_flops.
 
 Implementations:
     plain        the stacks as ``from_config`` builds them
+    plain-composed  the same with every module composing its ops instead of calling its one-node
+                 C++ entry (``evoformer_blocks.ops.module_nodes.composed``: the A/B of those nodes)
     graphs       the same stacks with ``cuda_graphs=True`` (the first step runs plain, the second
                  captures; the warm-up covers both)
     peer         the same trunk in plain PyTorch on cuEquivariance's fused triangle multiplication
@@ -77,6 +79,7 @@ from harness import CommandLine, failure_reason, fmt, markdown_table, optional_i
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
+from evoformer_blocks.ops import module_nodes  # noqa: E402
 
 N_EXTRA = 1024
 
@@ -98,9 +101,10 @@ class TokenCase:
         return f"N_token {self.n_token}"
 
 
-IMPLS = ["plain", "graphs", "peer", "peer-graphs", "peer-eager"]
+IMPLS = ["plain", "plain-composed", "graphs", "peer", "peer-graphs", "peer-eager"]
 DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
-WARM_UP = {"plain": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
+WARM_UP = {"plain": 2, "plain-composed": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
+PLAIN = ("plain", "plain-composed", "graphs")  # the library's stacks
 
 
 def peer_compile_mode(impl: str):
@@ -167,7 +171,7 @@ class AF2Trunk:
     def stacks(self, impl: str) -> list[torch.nn.Module]:
         """[extra-MSA stack (with ``extra``), Evoformer stack] of the implementation, as built."""
         cfg = self.cfg
-        if impl in ("plain", "graphs"):
+        if impl in PLAIN:
             earlier, last = recompute_options(self.recompute)
             extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **earlier)
             evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)
@@ -216,7 +220,7 @@ class PairformerTrunk:
         return section.no_blocks * pairformer_block_flops(dict(section), case.n_token)[1]
 
     def stacks(self, impl: str) -> list[torch.nn.Module]:
-        if impl in ("plain", "graphs"):
+        if impl in PLAIN:
             _, last = recompute_options(self.recompute)
             return [eb.PairformerStack.from_config(self.cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)]
         mode = peer_compile_mode(impl)
@@ -312,6 +316,13 @@ def profile_step(step) -> dict:
 
 
 def measure(trunk, impl: str, case, args) -> dict:
+    if impl == "plain-composed":  # the modules compose their ops instead of calling their nodes
+        with module_nodes.composed():
+            return _measure(trunk, impl, case, args)
+    return _measure(trunk, impl, case, args)
+
+
+def _measure(trunk, impl: str, case, args) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     stacks = build_stacks(trunk, impl, train=args.dropout == "on")

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
-from .ops import _keep, gated_evoformer_attention
+from .ops import _keep, gated_evoformer_attention, module_nodes
 from .ops._inputs import compute_dtype
 from .primitives import LayerNorm, Linear, _head_major, mask_to_bias, stacked_projection
 
@@ -118,6 +118,10 @@ class _GatedAttention(nn.Module):
         logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns the update in x's
         layout.
         """
+        if qkvg is None:  # the whole update as one node where it can run (ops.module_nodes)
+            out = self._node(x, mask_bias, pair_bias, transposed)
+            if out is not None:
+                return out  # [*, A, B', c_in]
         batch_shape = x.shape[:-3]
         if qkvg is None:
             qkvg = stacked_projection(
@@ -135,6 +139,17 @@ class _GatedAttention(nn.Module):
         )  # [B, A, B', H * C]
         out = self.linear_o(o)  # [B, A, B', c_in]
         return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
+
+    def _node(self, x, mask_bias, pair_bias, transposed: bool, head_major: Optional[Linear] = None,
+              transpose_head: bool = False) -> Optional[torch.Tensor]:
+        """:meth:`_attend`'s result (with ``head_major``, the pair bias from x's own head-major
+        projection, transposed with ``transpose_head``) as one autograd node, or None where the node
+        cannot stand for the composed ops (:func:`evoformer_blocks.ops.module_nodes.gated_attention`)."""
+        return module_nodes.gated_attention(
+            x, self.no_heads, mask_bias, pair_bias, self._qkvg(), self.linear_o,
+            head_weight=None if head_major is None else head_major.weight, transpose_head=transpose_head,
+            transposed=transposed, backend=self.backend,
+        )
 
     def _mask_bias(
         self, mask: Optional[torch.Tensor], like: torch.Tensor, given: Optional[torch.Tensor] = None
@@ -351,6 +366,11 @@ class _TriangleAttention(_GatedAttention):
         fused residual add and layer norm's output here, and ``mask_bias = mask_to_bias(mask)``
         [*, I, J] when it has it already)."""
         mask_bias = self._mask_bias(mask, z, mask_bias)  # [*, I, J] or None
+        # (the ending node's mask in its attention's orientation: row j attends over i)
+        node_mask = mask_bias if self._starting or mask_bias is None else mask_bias.transpose(-1, -2)  # [*, J, I]
+        out = self._node(z, node_mask, None, not self._starting, self.linear_z, not self._starting and not self.bias_ik)
+        if out is not None:
+            return out  # [*, I, J, c_z]
         # Starting node: row i, query j, key k; the bias comes from the third edge z[j, k], i.e.
         # pair_bias[b, 0, h, j, k] = linear_z(z[j, k])[h], the same for every row i. It comes from the
         # node of the q, k, v, g projection, which adds its gradient of z into theirs.

@@ -66,7 +66,6 @@ are freed with the group's backward), as PyTorch's selective checkpointing does.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -194,8 +193,10 @@ class Plan:
         """The ``context_fn`` argument of the checkpoint of group ``index`` (a checkpointed one),
         none for full recomputation (torch.compile traces only a context_fn it can read)."""
         if index == 0 and self.meter is not None:
+            # the meter's forward runs the policy's ops at their call sites (not inside a module's
+            # node), and so must its recomputation, which saves what the forward saved
             meter = self.meter
-            return {"context_fn": lambda: (_keep.Keeping(meter), contextlib.nullcontext())}
+            return {"context_fn": lambda: (_keep.Keeping(meter), _keep.Composing(meter.ops))}
         if index < self.first:
             return {}
         if torch.compiler.is_compiling():

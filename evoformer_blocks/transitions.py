@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ._checks import as_mask, check_backend, check_optional_positive_int, check_positive_int, check_tensor
 from ._chunking import chunked
-from .ops import linear
+from .ops import linear, module_nodes
 from .primitives import LayerNorm, Linear, stacked_projection
 
 
@@ -41,7 +41,11 @@ class Transition(nn.Module):
 
     def _unmasked_update(self, x: torch.Tensor) -> torch.Tensor:
         # x = layer_norm(x) [*, N_b, c]; relu(linear_1(x)), the ReLU in the GEMM's epilogue where the
-        # backend can, then linear_2: the update before its mask [*, N_b, c]
+        # backend can, then linear_2: the update before its mask [*, N_b, c]; as one node where it can
+        # run (ops.module_nodes)
+        update = module_nodes.transition(x, self.linear_1, self.linear_2)
+        if update is not None:
+            return update
         x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
         return self.linear_2(x)
 

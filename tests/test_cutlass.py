@@ -135,7 +135,7 @@ def test_kernel_sources_are_one_translation_unit_per_family_file():
     root = Path(cutlass.__file__).resolve().parents[2] / "csrc"
     sources = _build.sources()
     assert [s.relative_to(root).parts[0] for s in sources if s.suffix == ".cpp"] == [
-        "attention", "gating", "layer_norm", "outer_product_mean", "triangle_multiplication"]
+        "attention", "gating", "layer_norm", "modules", "outer_product_mean", "triangle_multiplication"]
     assert all(s.name.endswith("_bindings.cpp") for s in sources if s.suffix == ".cpp")
     instantiations = [s for s in sources if s.parent.name == "instantiations"]
     assert len(instantiations) == len(list((root / "attention/instantiations").glob("*.cu"))) > 0

@@ -49,6 +49,7 @@
 
 #include <cutlass/numeric_types.h>
 
+#include "attention/attention_ops.h"
 #include "attention/evoformer_attention.h"
 #include "common/bindings_common.h"
 #include "gating/gating_ops.h"
@@ -294,7 +295,7 @@ void use_mask(AttentionParams& p, const at::Tensor& prepared, const at::Tensor& 
 at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mask_bias, const at::Tensor& q) {
   if (!mask_bias.has_value()) {
     use_mask(p, at::Tensor(), q);
-    return at::empty({0}, q.options().dtype(at::kFloat));
+    return new_empty({0}, q.options().dtype(at::kFloat));
   }
   const at::Tensor& m = *mask_bias;
   EVO_CHECK(m.device() == q.device() &&
@@ -306,7 +307,7 @@ at::Tensor prepare_mask(AttentionParams& p, const std::optional<at::Tensor>& mas
             "evoformer attention: `mask_bias` must be [B|1, N|1, 1, 1, Lk]; ", describe("mask_bias", m), "; ",
             describe("q", q));
   const int64_t bm = m.size(0), nm = m.size(1), lk_pad = mask_lk_pad(p.Lk);
-  at::Tensor prepared = at::empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));  // [B|1, N|1, Lk_pad]
+  at::Tensor prepared = new_empty({bm, nm, lk_pad}, m.options().dtype(at::kFloat));  // [B|1, N|1, Lk_pad]
   const MaskLayout layout{kstride(m, 0), kstride(m, 1), m.stride(4), int(bm), int(nm), p.Lk, int(lk_pad)};
   auto launch = [&](auto element) {
     launch_prepare_mask<decltype(element)>(m.data_ptr(), layout, p.inv_scale, prepared.data_ptr<float>(),
@@ -344,7 +345,8 @@ at::Tensor pair_view(const at::Tensor& pb, const AttentionParams& p, const at::T
                 (pb.size(2) == p.H || pb.size(2) == 1) && pb.size(3) == p.Lq && pb.size(4) == p.Lk,
             "evoformer attention: `pair_bias` must be [B|1, 1, H|1, Lq, Lk]; ", describe("pair_bias", pb), "; ",
             describe("q", q));
-  return pb.select(1, 0);
+  return raw_view(pb, {pb.size(0), pb.size(2), pb.size(3), pb.size(4)},
+                  {pb.stride(0), pb.stride(2), pb.stride(3), pb.stride(4)}, pb.storage_offset());  // pb[:, 0]
 }
 
 // Points p at the pair-bias tensor the kernels read (t [B|1, H|1, Lq, Lk(_pad)] in kernel layout)
@@ -364,11 +366,11 @@ at::Tensor prepare_pair(AttentionParams& p, int& pair_kind, const std::optional<
   p.pair = nullptr;
   p.pair_stride_b = p.pair_stride_h = p.pair_stride_q = 0;
   pair_kind = kNoPair;
-  if (!pair_bias.has_value()) return at::empty({0}, q.options());
+  if (!pair_bias.has_value()) return new_empty({0}, q.options());
   const at::Tensor t = pair_view(*pair_bias, p, q);  // [B|1, H|1, Lq, Lk]
   if (pair_in_kernel_layout(t)) {
     pair_kind = use_pair(p, t, q);
-    return at::empty({0}, t.options());
+    return new_empty({0}, t.options());
   }
   const int64_t per_chunk = limits::kRowAlignBytes / t.element_size();
   at::Tensor padded = at::zeros({t.size(0), t.size(1), p.Lq, round_up(p.Lk, per_chunk)}, t.options());  // [B|1, H|1, Lq, Lk_pad]
@@ -410,8 +412,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_forward(
   int pair_kind = kNoPair;
   at::Tensor pair_prepared = prepare_pair(p, pair_kind, pair_bias, q);
 
-  at::Tensor out = at::empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
-  at::Tensor stats = at::empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
+  at::Tensor out = new_empty({p.B, p.N, p.Lq, p.H, p.D}, q.options());
+  at::Tensor stats = new_empty({p.B, p.N, p.H, p.Lq, 2}, q.options().dtype(at::kFloat));
   maybe_poison(out);
   maybe_poison(stats);
   if (gated != nullptr) maybe_poison(*gated);
@@ -539,15 +541,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
               "evoformer attention backward: `delta` must be float32 [B, N, H, Lq] contiguous on q's device; ",
               describe("delta", *delta_in));
   }
-  at::Tensor delta = p.delta_ready ? *delta_in : at::empty({p.B, p.N, p.H, p.Lq}, f32);
+  at::Tensor delta = p.delta_ready ? *delta_in : new_empty({p.B, p.N, p.H, p.Lq}, f32);
   // dq, dk, dv in the layouts q, k, v came in (not the kernel-layout copies: the fake sees those)
   at::Tensor dq = dq_out.value_or(empty_in_memory_order(q_in));
   at::Tensor dk = dk_out.value_or(empty_in_memory_order(k_in));
   at::Tensor dv = dv_out.value_or(empty_in_memory_order(v_in));
-  at::Tensor dmask_part = need_dmask ? at::empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
+  at::Tensor dmask_part = need_dmask ? new_empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;
-  at::Tensor dpair_part = need_dpair ? at::empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();  // [chunks, B, H, Lq, Lk]
+  at::Tensor dpair_part = need_dpair ? new_empty({p.n_chunks, p.B, p.H, p.Lq, p.Lk}, f32) : at::Tensor();  // [chunks, B, H, Lq, Lk]
   for (at::Tensor* t : {&dq, &dk, &dv, &dmask_part, &dpair_part}) maybe_poison(*t);
   if (!p.delta_ready) maybe_poison(delta);
   p.delta = delta.data_ptr<float>();
@@ -558,7 +560,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   kernels.backward(p, stream);
 
   // Reduce the partials to the biases' own (broadcast) shapes and dtypes; fixed-order torch sums.
-  at::Tensor dmask = at::empty({0}, q.options()), dpair = at::empty({0}, q.options());
+  at::Tensor dmask = new_empty({0}, q.options()), dpair = new_empty({0}, q.options());
   if (need_dmask) {
     at::Tensor r = dmask_part.sum(2);  // [B, N, Lk]
     if (mask_prepared.size(0) == 1) r = r.sum(0, /*keepdim=*/true);
@@ -567,10 +569,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
   }
   if (need_dpair) {
     const at::Tensor& pb = *pair_bias;
-    at::Tensor r = p.n_chunks == 1 ? dpair_part.select(0, 0) : dpair_part.sum(0);  // [B, H, Lq, Lk]
-    if (pb.size(0) == 1) r = r.sum(0, /*keepdim=*/true);
-    if (pb.size(2) == 1) r = r.sum(1, /*keepdim=*/true);
-    dpair = r.unsqueeze(1).to(pb.scalar_type());  // [B|1, 1, H|1, Lq, Lk]
+    // (contiguous; a sum over a dim of size 1 would copy it unchanged)
+    at::Tensor r = p.n_chunks == 1 ? raw_reshape(dpair_part, {p.B, p.H, p.Lq, p.Lk}) : dpair_part.sum(0);  // [B, H, Lq, Lk]
+    if (pb.size(0) == 1 && r.size(0) != 1) r = r.sum(0, /*keepdim=*/true);
+    if (pb.size(2) == 1 && r.size(1) != 1) r = r.sum(1, /*keepdim=*/true);
+    const std::vector<int64_t> sizes = {r.size(0), 1, r.size(1), p.Lq, p.Lk};  // [B|1, 1, H|1, Lq, Lk]
+    if (pb.scalar_type() == at::kFloat) {
+      dpair = raw_reshape(r, sizes);
+    } else {
+      dpair = new_empty(sizes, r.options().dtype(pb.scalar_type()));
+      raw_reshape(dpair, r.sizes()).copy_(r);  // rounded to the pair bias's dtype
+    }
   }
   return {dq, dk, dv, dmask, dpair};
 }
@@ -596,23 +605,39 @@ GatedViews gated_views(const at::Tensor& qkvg, int64_t heads, bool transposed) {
   const char* op = "evoformer gated attention";
   EVO_CHECK(qkvg.dim() == 4 && heads > 0 && qkvg.size(3) % (4 * heads) == 0, op,
             ": `qkvg` must be [B, A, A', 4 H D] with H = heads = ", heads, "; ", describe("qkvg", qkvg));
-  const int64_t D = qkvg.size(3) / (4 * heads);
-  at::Tensor blocks = qkvg.view({qkvg.size(0), qkvg.size(1), qkvg.size(2), 4, heads, D});  // [B, A, A', 4, H, D]
-  if (transposed) blocks = blocks.transpose(1, 2);  // [B, A', A, 4, H, D]
-  const std::vector<at::Tensor> qkv = blocks.unbind(3);  // q, k, v, (g) [B, N, L, H, D]
-  return {qkv[0], qkv[1], qkv[2], qkvg.narrow(3, 3 * heads * D, heads * D)};  // g [B, A, A', H D]
+  const int64_t D = qkvg.size(3) / (4 * heads), width = heads * D;
+  const int64_t s0 = qkvg.stride(0), s1 = qkvg.stride(1), s2 = qkvg.stride(2), s3 = qkvg.stride(3);
+  const int64_t n = transposed ? qkvg.size(2) : qkvg.size(1), l = transposed ? qkvg.size(1) : qkvg.size(2);
+  const int64_t sn = transposed ? s2 : s1, sl = transposed ? s1 : s2, start = qkvg.storage_offset();
+  // block i of the last dim seen as [B, N, L, H, D] (attention along A', or along A when transposed)
+  const auto block = [&](int64_t i) {
+    return raw_view(qkvg, {qkvg.size(0), n, l, heads, D}, {s0, sn, sl, D * s3, s3}, start + i * width * s3);
+  };
+  at::Tensor g = raw_view(qkvg, {qkvg.size(0), qkvg.size(1), qkvg.size(2), width}, {s0, s1, s2, s3},
+                          start + 3 * width * s3);  // g [B, A, A', H D]
+  return {block(0), block(1), block(2), g};
 }
 
 // [B, A, A', H D] (the gate's layout) as [B, N, L, H, D] (the attention's), a view.
 at::Tensor attention_view(const at::Tensor& t, int64_t heads, bool transposed) {
-  const at::Tensor blocks = t.view({t.size(0), t.size(1), t.size(2), heads, t.size(3) / heads});  // [B, A, A', H, D]
-  return transposed ? blocks.transpose(1, 2) : blocks;
+  const int64_t D = t.size(3) / heads;
+  const int64_t n = transposed ? t.size(2) : t.size(1), l = transposed ? t.size(1) : t.size(2);
+  const int64_t sn = transposed ? t.stride(2) : t.stride(1), sl = transposed ? t.stride(1) : t.stride(2);
+  return raw_view(t, {t.size(0), n, l, heads, D}, {t.stride(0), sn, sl, D * t.stride(3), t.stride(3)},
+                  t.storage_offset());
 }
 
-// The attention output [B, N, L, H, D] as [B, A, A', H D] (the inverse of attention_view), a view.
+// The attention output [B, N, L, H, D] as [B, A, A', H D] (the inverse of attention_view), a view
+// where its (H, D) dims flatten into one (the kernels' outputs: contiguous), else a copy.
 at::Tensor gated_output_view(const at::Tensor& out, bool transposed) {
-  return (transposed ? out.transpose(1, 2) : out).flatten(-2);
+  if (out.stride(3) != out.size(4) * out.stride(4)) return (transposed ? out.transpose(1, 2) : out).flatten(-2);
+  const int64_t a = transposed ? out.size(2) : out.size(1), a2 = transposed ? out.size(1) : out.size(2);
+  const int64_t sa = transposed ? out.stride(2) : out.stride(1), sa2 = transposed ? out.stride(1) : out.stride(2);
+  return raw_view(out, {out.size(0), a, a2, out.size(3) * out.size(4)}, {out.stride(0), sa, sa2, out.stride(4)},
+                  out.storage_offset());
 }
+
+}  // namespace
 
 // (y = sigmoid(g) * attention(q, k, v) [B, A, A', H D] contiguous, then forward's out, stats,
 // mask_prepared, pair_prepared). The sm90 family writes y in the attention's epilogue; sm80 runs the
@@ -627,7 +652,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_att
     at::Tensor y = block::sigmoid_gate_forward(in.g, gated_output_view(out, transposed));  // [B, A, A', H D]
     return {y, out, stats, mask_prepared, pair_prepared};
   }
-  at::Tensor y = at::empty(in.g.sizes(), in.g.options());  // [B, A, A', H D]
+  at::Tensor y = new_empty(in.g.sizes(), in.g.options());  // [B, A, A', H D]
   at::Tensor gated = attention_view(y, heads, transposed);  // [B, N, L, H, D]
   const at::Tensor gate = attention_view(in.g, heads, transposed);
   auto [out, stats, mask_prepared, pair_prepared] =
@@ -647,20 +672,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_attention_bwd(
   const GatedViews in = gated_views(qkvg, heads, transposed);
   EVO_CHECK(out.dim() == 5 && out.size(3) == heads, "evoformer gated attention: `out` must be [B, N, L, H, D]; ",
             describe("out", out));
-  at::Tensor dqkvg = at::empty(qkvg.sizes(), qkvg.options());  // the kernels write all of it
+  at::Tensor dqkvg = new_empty(qkvg.sizes(), qkvg.options());  // the kernels write all of it
   GatedViews d = gated_views(dqkvg, heads, transposed);
   const int64_t batch = out.size(0), rows = out.size(1), length = out.size(2);
   auto [dout_rows, delta] =
       block::sigmoid_gate_backward_into(dy, in.g, gated_output_view(out, transposed), d.g, heads, length);
   const at::Tensor dout = attention_view(dout_rows, heads, transposed);  // dO [B, N, L, H, D]
   std::optional<at::Tensor> delta_rows;
-  if (delta.numel() > 0) delta_rows = delta.view({batch, rows, heads, length});  // [B, N, H, L]
+  if (delta.numel() > 0) delta_rows = raw_reshape(delta, {batch, rows, heads, length});  // [B, N, H, L]
   auto grads = run_backward(dout, in.q, in.k, in.v, out, stats, mask_prepared, pair_bias, pair_prepared, scale,
                             family, dmask_dtype, need_dpair, d.q, d.k, d.v, delta_rows);
   return {dqkvg, std::get<3>(grads), std::get<4>(grads)};
 }
 
-}  // namespace
 }  // namespace evoformer
 
 // The schemas are declared in Python (evoformer_blocks/ops/_fused.py, with the fake implementations

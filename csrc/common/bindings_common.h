@@ -1,9 +1,11 @@
 // Host helpers shared by the bindings of every kernel family (the attention's and the block ops'
-// *_bindings.cpp): error messages without iostreams, poisoned outputs, the device's SM count and
-// compute capability, and whether the Hopper kernels can run.
+// *_bindings.cpp): error messages without iostreams, tensors made without a dispatcher call, poisoned
+// outputs, the device's SM count and compute capability, and whether the Hopper kernels can run.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
@@ -65,6 +67,43 @@ std::string join(const Pieces&... pieces) {
 
 // TORCH_CHECK with the message joined by message::join (evaluated only when `cond` fails).
 #define EVO_CHECK(cond, ...) TORCH_CHECK(cond, ::evoformer::message::join(__VA_ARGS__))
+
+// Tensors made without a dispatcher call. Every op call through the dispatcher costs host time (and
+// is an ATen call in a profile); a binding that takes views of its operands for the kernels' pointers
+// and strides, or allocates its outputs and scratch, made dozens per call through at::view, select,
+// transpose and empty. These make the same tensors directly.
+//
+// A new CUDA tensor of `options`' dtype and device (at::empty's, without the dispatcher).
+inline at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::Tensor(at::detail::empty_cuda(sizes, options));
+}
+
+// `base`'s storage seen with `sizes`, `strides` and `offset` (elements from the storage's start): a
+// view as at::as_strided makes one, without the dispatcher and without autograd's view tracking (it
+// shares base's memory, not its version counter), for the tensors a binding reads or writes itself
+// or returns as a new result.
+inline at::Tensor raw_view(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  return at::Tensor(std::move(impl));
+}
+
+// raw_view of a contiguous tensor with other sizes (its elements in the same order).
+inline at::Tensor raw_reshape(const at::Tensor& base, at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= sizes[d];
+  }
+  return raw_view(base, sizes, strides, base.storage_offset());
+}
+
+// `t` in `dtype`: t itself where it has that dtype (Tensor::to would return it too, after a call
+// through the dispatcher).
+inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
 
 // EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
 // element a kernel fails to write (read once per process).

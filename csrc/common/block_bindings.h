@@ -36,7 +36,7 @@ inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(
 // A new output tensor; filled with NaN first when EVOFORMER_BLOCKS_POISON is set, so that a test sees
 // any element a kernel fails to write.
 inline at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(sizes, options);
+  at::Tensor t = new_empty(sizes, options);
   maybe_poison(t);
   return t;
 }
@@ -69,7 +69,7 @@ inline bool aligned_rows(const at::Tensor& rows) {
 
 // x as [M, C] rows with C contiguous and 16-byte aligned rows (a copy only when the layout is not).
 inline at::Tensor as_rows(const at::Tensor& x, int64_t C) {
-  at::Tensor rows = x.reshape({-1, C});
+  at::Tensor rows = x.is_contiguous() && C > 0 ? raw_reshape(x, {x.numel() / C, C}) : x.reshape({-1, C});
   if (!aligned_rows(rows)) rows = rows.contiguous();
   return rows;
 }

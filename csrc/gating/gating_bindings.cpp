@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> gate_backward(const at::Tensor& dout_in, cons
   const at::Tensor g = as_rows(g_in, C), dout = as_rows(dout_in, C);
   RowMap y_rows;
   const at::Tensor y = rows_in_map(y_in, y_rows);
-  at::Tensor dy_out = at::empty_like(y_in);
+  at::Tensor dy_out = y_in.is_contiguous() ? new_empty(y_in.sizes(), y_in.options()) : at::empty_like(y_in);
   at::Tensor dy = dy_out.strides() == y.strides() ? dy_out : at::empty_like(y);
   maybe_poison(dy);
   const int64_t M = g.size(0);
@@ -96,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor> gate_backward(const at::Tensor& dout_in, cons
   SigmoidGateBackwardParams p{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg_rows.data_ptr(), dy.data_ptr(),
                               nullptr, nullptr, M, M > 1 ? g.stride(0) : C, M > 1 ? dout.stride(0) : C,
                               M > 1 ? dg_rows.stride(0) : C, y_rows, int(C), row_threads};
-  at::Tensor delta = at::empty({0}, g.options().dtype(at::kFloat));
+  at::Tensor delta = new_empty({0}, g.options().dtype(at::kFloat));
   if (delta_heads > 0 && delta_len > 0 && C % delta_heads == 0 && M % delta_len == 0 && M < (int64_t(1) << 31) &&
       y.is_same(y_in)) {
     const int64_t head_bytes = C / delta_heads * g.element_size(), lanes = head_bytes / 16;
@@ -184,8 +184,6 @@ at::Tensor column_sum(const at::Tensor& x_in, at::ScalarType dtype) {
   return column_sum_rows(as_rows(x_in, C), dtype);
 }
 
-namespace {
-
 // The backward of y = x . weight^T + bias (then relu where relu_out, the saved y, is given) from dy
 // [..., out]: (dx in x's dtype, dweight in weight's, dbias in bias_dtype), each an undefined tensor
 // unless wanted. Products in dy's dtype (autocast: x and weight may be float32 under a half dy), as
@@ -232,14 +230,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
     db = sum_kernel ? column_sum_rows(biased, bias_dtype) : at::sum(biased, {0}, false, at::kFloat).to(bias_dtype);
   }
   at::Tensor dx, dw;
-  if (need_dx) dx = at::mm(dy, weight.to(dy.scalar_type())).view(x.sizes()).to(x.scalar_type());  // [..., in]
-  if (need_dw) dw = at::mm(dy.t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type())).to(weight.scalar_type());  // [out, in]
+  if (need_dx) dx = as_dtype(raw_reshape(at::mm(dy, as_dtype(weight, dy.scalar_type())), x.sizes()), x.scalar_type());  // [..., in]
+  if (need_dw) {
+    const at::Tensor dy_t = raw_view(dy, {C, dy.size(0)}, {dy.stride(1), dy.stride(0)}, dy.storage_offset());  // dy^T
+    const int64_t in = x.size(-1);
+    const at::Tensor rows = x.is_contiguous() && in > 0 ? raw_reshape(x, {x.numel() / in, in}) : x.reshape({-1, in});
+    dw = as_dtype(at::mm(dy_t, as_dtype(rows, dy.scalar_type())), weight.scalar_type());  // [out, in]
+  }
   // an op returns tensors: a new [0] one for each gradient not wanted (outputs must not alias)
-  const auto wanted = [&](bool need, const at::Tensor& t) { return need ? t : at::empty({0}, dy_in.options()); };
+  const auto wanted = [&](bool need, const at::Tensor& t) { return need ? t : new_empty({0}, dy_in.options()); };
   return {wanted(need_dx, dx), wanted(need_dw, dw), wanted(need_db, db)};
 }
-
-}  // namespace
 
 at::Tensor sigmoid_gate_forward(const at::Tensor& g, const at::Tensor& y) { return sigmoid_gate_fwd(g, y); }
 

@@ -1,10 +1,12 @@
 // The gating family's host entry points that other families' bindings call (the gated attention's
-// gate, the triangle multiplication's bias sums); defined in gating_bindings.cpp.
+// gate, the triangle multiplication's bias sums, the per-module nodes' projections); defined in
+// gating_bindings.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace evoformer {
@@ -20,6 +22,14 @@ at::Tensor sigmoid_gate_forward(const at::Tensor& g, const at::Tensor& y);
 std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& dout, const at::Tensor& g,
                                                               const at::Tensor& y, at::Tensor& dg,
                                                               int64_t delta_heads, int64_t delta_len);
+
+// The op linear_bwd: (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output) from
+// dy, each a new [0] tensor unless wanted; the bias over the columns from bias_from on.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_in, const at::Tensor& x,
+                                                          const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& relu_out, bool need_dx,
+                                                          bool need_dw, bool need_db, at::ScalarType bias_dtype,
+                                                          int64_t bias_from);
 
 }  // namespace block
 }  // namespace evoformer

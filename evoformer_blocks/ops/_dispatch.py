@@ -145,6 +145,8 @@ class _State:
     logged: set[str] = field(default_factory=set)
     # (op, name in effect, deterministic mode, the inputs' selection_key()) -> the backend selected
     selected: dict[tuple, "Backend"] = field(default_factory=dict)
+    # (deterministic mode, a caller's key) -> what the caller decided from selections (Registry.decision)
+    decisions: dict[tuple, object] = field(default_factory=dict)
 
     def copy(self) -> "_State":
         return _State(
@@ -188,6 +190,7 @@ class Registry:
         self._state.priorities[(op, name)] = auto_priority
         self._state.order[op] = sorted(backends, key=lambda n: self._state.priorities[(op, n)])
         self._state.selected.clear()
+        self._state.decisions.clear()
 
     def ops(self) -> list[str]:
         return list(self._state.backends)
@@ -288,6 +291,23 @@ class Registry:
                 self._state.selected.clear()
             self._state.selected[key] = impl
         return impl
+
+    def decision(self, key: tuple, decide):
+        """``decide()``, a caller's answer that follows from selections alone (e.g. whether every op a
+        module node stands for selects the backend the node runs), kept per ``key`` and deterministic
+        mode as :meth:`select` keeps its answers: the key must hold everything the selections read
+        (the names in effect, the inputs' shapes, dtypes and devices). Not kept under torch.compile."""
+        if torch.compiler.is_compiling():
+            return decide()
+        full = (torch.are_deterministic_algorithms_enabled(), key)
+        decisions = self._state.decisions
+        if full in decisions:
+            return decisions[full]
+        answer = decide()
+        if len(decisions) >= _MAX_SELECTIONS:
+            decisions.clear()
+        decisions[full] = answer
+        return answer
 
     def _select(self, op: str, name: str, inputs: OpInputs) -> Backend:
         if name != AUTO:

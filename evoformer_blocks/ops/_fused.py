@@ -18,7 +18,8 @@ import torch
 from . import _build
 
 # Shapes and meanings: the header comments of each family's bindings, csrc/*/*_bindings.cpp
-# (attention/attention_bindings.cpp, layer_norm/, triangle_multiplication/, outer_product_mean/, gating/).
+# (attention/attention_bindings.cpp, layer_norm/, triangle_multiplication/, outer_product_mean/, gating/,
+# modules/).
 SCHEMAS = (
     # attention
     "available_kernel_families(int device) -> str[]",
@@ -57,6 +58,11 @@ SCHEMAS = (
     "opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor",
     "linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
     "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)",
+    # per-module autograd nodes (modules/): composite, each records its own node
+    "gated_attention_module(Tensor x, Tensor? mask_bias, Tensor? pair_bias, Tensor w_q, Tensor w_k, Tensor w_v, "
+    "Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head, int heads, bool transposed, "
+    "bool transpose_head, float scale, str family) -> Tensor",
+    "transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor",
 )
 
 _LIBRARY = torch.library.Library(_build.OP_NAMESPACE, "DEF")

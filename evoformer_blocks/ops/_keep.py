@@ -124,6 +124,33 @@ def call(name: str, op: Callable, *args, **kwargs):
     return kept.run(op, args, kwargs)
 
 
+class Composing:
+    """The recomputation context of a group whose forward only counted the bytes it would keep (a
+    stack's meter): nothing comes back, but the ``ops`` run at their call sites, as in that forward,
+    so that the recomputation saves what the forward saved (:func:`keeps`)."""
+
+    def __init__(self, ops) -> None:
+        self.ops = frozenset(ops)
+
+    def __enter__(self):
+        self.previous = getattr(_local, "composing", None)
+        _local.composing = self.ops
+
+    def __exit__(self, *exc) -> None:
+        _local.composing = self.previous
+
+
+def keeps(name: str) -> bool:
+    """Whether a checkpointed group running on this thread keeps (or takes back, or counts) the fused
+    op ``name``'s outputs, or recomputes a group that counted them: then the op must run at its own
+    call site (:func:`call`), not inside a module's node (``ops.module_nodes``)."""
+    kept = getattr(_local, "kept", None)
+    if kept is not None and name in kept.ops:
+        return True
+    composing = getattr(_local, "composing", None)
+    return composing is not None and name in composing
+
+
 class _Products(TorchDispatchMode):
     """Inside a kept region: the matrix products through ``kept`` (below autograd, which records
     them as usual)."""

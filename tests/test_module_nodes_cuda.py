@@ -1,0 +1,242 @@
+"""The per-module autograd nodes (evoformer_blocks.ops.module_nodes) against the composed ops they stand
+for (GPU only): outputs and every gradient equal bit for bit, for each gated attention module and
+variant, dtype, batch shape, with and without a mask, with frozen parameters and without grad, and
+for the AF2 transitions; the node runs where it should and the composed path everywhere else
+(autocast, the eager backend, a recompute policy keeping the attention); whole blocks equal either
+way.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import evoformer_blocks as eb
+from evoformer_blocks.ops import _keep, module_nodes
+from evoformer_blocks.ops.cutlass import GATED_FORWARD_OP
+from evoformer_blocks.pairformer import AttentionPairBias
+from gpu import kernel_family, requires_sm80  # noqa: F401  (kernel_family: a fixture)
+from test_modules_cuda import randomize
+
+pytestmark = requires_sm80
+
+C_M, C_Z, C_S, C = 64, 32, 48, 16
+N_SEQ, N_RES = 12, 37
+NODE = "GatedAttentionNode"
+
+# name -> (the module, its inputs: "msa" m [*, S, R, c_m]; "row" m and z; "pair" z [*, R, R, c_z];
+# "single" s [*, R, c_s] and z)
+MODULES = {
+    "msa_row": (lambda: eb.MSARowAttentionWithPairBias(C_M, C_Z, C, 4), "row"),
+    "msa_column": (lambda: eb.MSAColumnAttention(C_M, C, 4), "msa"),
+    "triangle_start": (lambda: eb.TriangleAttentionStartingNode(C_Z, C, 2), "pair"),
+    "triangle_end": (lambda: eb.TriangleAttentionEndingNode(C_Z, C, 2), "pair"),
+    "triangle_start_no_bias": (lambda: eb.TriangleAttentionStartingNode(C_Z, C, 2, bias=False), "pair"),
+    "triangle_end_no_bias": (lambda: eb.TriangleAttentionEndingNode(C_Z, C, 2, bias=False), "pair"),
+    "triangle_end_bias_ik": (lambda: eb.TriangleAttentionEndingNode(C_Z, C, 2, bias_ik=True), "pair"),
+    "attention_pair_bias": (lambda: AttentionPairBias(C_S, C_Z, C, 4), "single"),
+}
+
+
+def inputs(kind: str, batch: tuple, masked: bool, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*batch, *shape, generator=gen).to("cuda", dtype)
+
+    def mask(*shape):
+        m = (torch.rand(*batch, *shape, generator=gen) > 0.2).to("cuda", dtype)
+        m[(0,) * (len(batch) + 1)] = 0.0  # a fully masked row
+        return m
+
+    z = rand(N_RES, N_RES, C_Z)
+    if kind == "msa":
+        args = [rand(N_SEQ, N_RES, C_M)]
+    elif kind == "row":
+        args = [rand(N_SEQ, N_RES, C_M), z]
+    elif kind == "pair":
+        args = [z]
+    else:
+        args = [rand(N_RES, C_S), z]
+    shape = {"msa": (N_SEQ, N_RES), "row": (N_SEQ, N_RES), "pair": (N_RES, N_RES), "single": (N_RES,)}[kind]
+    return args, mask(*shape) if masked else None
+
+
+def step(module, args, mask, *, frozen=(), grad=True):
+    """(output, gradients of the inputs and of every parameter requiring grad) of a loss of the output."""
+    for name, param in module.named_parameters():
+        param.requires_grad_(not any(name.startswith(f) for f in frozen))
+    args = [a.detach().clone().requires_grad_(grad) for a in args]
+    with torch.set_grad_enabled(grad):
+        out = module(*args, mask=mask)
+    if not grad:
+        return out, [], None
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
+    leaves = args + [p for p in module.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((out.float() * weight).sum(), leaves)
+    return out, list(grads), out.grad_fn
+
+
+def node_name(grad_fn) -> str:
+    return "" if grad_fn is None else grad_fn.name()
+
+
+def graph_names(grad_fn) -> set:
+    """The names of every node of the autograd graph below ``grad_fn``."""
+    names, stack, seen = set(), [grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(fn.name())
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return names
+
+
+def ran(grad_fn, node: str = NODE) -> bool:
+    """Whether the autograd graph below ``grad_fn`` holds the node ``node``."""
+    return any(node in name for name in graph_names(grad_fn))
+
+
+def assert_bitwise(a_list, b_list, what):
+    assert len(a_list) == len(b_list), what
+    for i, (a, b) in enumerate(zip(a_list, b_list)):
+        assert torch.isfinite(a.float()).all(), f"{what}: item {i} is not finite"
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), f"{what}: item {i} layout"
+        assert torch.equal(a, b), f"{what}: item {i} differs by {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_node_equals_the_composed_ops(name, dtype, kernel_family):
+    make, kind = MODULES[name]
+    module = randomize(make()).to("cuda", dtype)
+    for batch, masked in (((), True), ((2,), True), ((2,), False)):
+        args, mask = inputs(kind, batch, masked, dtype)
+        out, grads, grad_fn = step(module, args, mask)
+        assert ran(grad_fn), f"{name}: the node did not run ({node_name(grad_fn)})"
+        with module_nodes.composed():
+            ref_out, ref_grads, ref_fn = step(module, args, mask)
+        assert not ran(ref_fn)
+        assert_bitwise([out, *grads], [ref_out, *ref_grads], f"{name} batch {batch} mask {masked}")
+
+
+@pytest.mark.parametrize("name", ["msa_row", "triangle_end", "attention_pair_bias"])
+@pytest.mark.parametrize("frozen", [("linear_o",), ("linear_q", "linear_k", "linear_v", "linear_g"),
+                                    ("linear_", "layer_norm")], ids=["output", "projections", "all-linears"])
+def test_node_with_frozen_parameters(name, frozen):
+    make, kind = MODULES[name]
+    module = randomize(make()).to("cuda", torch.bfloat16)
+    args, mask = inputs(kind, (2,), True, torch.bfloat16, seed=1)
+    out, grads, _ = step(module, args, mask, frozen=frozen)
+    with module_nodes.composed():
+        ref_out, ref_grads, _ = step(module, args, mask, frozen=frozen)
+    assert_bitwise([out, *grads], [ref_out, *ref_grads], f"{name} frozen {frozen}")
+
+
+@pytest.mark.parametrize("name", ["msa_row", "triangle_start"])
+def test_node_gradient_of_a_soft_mask(name):
+    """A float mask that requires grad gets the same gradient through the node."""
+    make, kind = MODULES[name]
+    module = randomize(make()).to("cuda", torch.bfloat16)
+    args, mask = inputs(kind, (2,), True, torch.bfloat16, seed=2)
+    results = []
+    for composed in (False, True):
+        soft = (mask * 0.5 + 0.25).float().requires_grad_(True)
+        with module_nodes.composed() if composed else torch.enable_grad():
+            out = module(*args, mask=soft)
+        (grad,) = torch.autograd.grad(out.float().sum(), [soft])
+        results.append([out, grad])
+    assert_bitwise(results[0], results[1], f"{name} soft mask")
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_node_without_grad(name):
+    make, kind = MODULES[name]
+    module = randomize(make()).to("cuda", torch.bfloat16)
+    args, mask = inputs(kind, (2,), True, torch.bfloat16, seed=3)
+    with torch.inference_mode():
+        out = module(*args, mask=mask)
+        with module_nodes.composed():
+            ref = module(*args, mask=mask)
+    assert_bitwise([out], [ref], f"{name} inference")
+    out, _, _ = step(module, args, mask, grad=False)
+    assert_bitwise([out], [ref], f"{name} no_grad")
+
+
+def test_the_composed_path_runs_where_the_node_cannot():
+    make, kind = MODULES["msa_row"]
+    module = randomize(make()).to("cuda", torch.bfloat16)
+    args, mask = inputs(kind, (2,), True, torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert not ran(step(module, args, mask)[2])
+    with eb.ops.backend("eager"):
+        assert not ran(step(module, args, mask)[2])
+    kept = _keep.Kept(ops=(GATED_FORWARD_OP,), regions=(), count_only=True)
+    with _keep.Keeping(kept):
+        assert not ran(step(module, args, mask)[2])
+    assert kept.bytes > 0  # the composed op's call site saw the call
+    assert ran(step(module, args, mask)[2])
+
+
+TRANSITIONS = {
+    "msa_transition": (lambda: eb.MSATransition(C_M, 4), (N_SEQ, N_RES, C_M)),
+    "pair_transition": (lambda: eb.PairTransition(C_Z, 2), (N_RES, N_RES, C_Z)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSITIONS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_transition_node_equals_the_composed_ops(name, dtype):
+    make, shape = TRANSITIONS[name]
+    module = randomize(make()).to("cuda", dtype)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, *shape, generator=gen).to("cuda", dtype)
+    mask = (torch.rand(2, *shape[:-1], generator=gen) > 0.2).to("cuda", dtype)
+    for frozen in ((), ("linear_1",), ("linear_2",)):
+        out, grads, grad_fn = step(module, [x], mask, frozen=frozen)
+        assert ran(grad_fn, "TransitionNode"), f"{name}: the node did not run"
+        with module_nodes.composed():
+            ref_out, ref_grads, ref_fn = step(module, [x], mask, frozen=frozen)
+        assert not ran(ref_fn, "TransitionNode")
+        assert_bitwise([out, *grads], [ref_out, *ref_grads], f"{name} frozen {frozen}")
+    with torch.no_grad():
+        out = module(x, mask)
+        with module_nodes.composed():
+            ref = module(x, mask)
+    assert_bitwise([out], [ref], f"{name} no_grad")
+
+
+BLOCK_SIZES = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
+                   no_heads_msa=4, no_heads_pair=2, msa_dropout=0.0, pair_dropout=0.0)
+BLOCKS = {
+    "EvoformerBlock": (partial(eb.EvoformerBlock, **BLOCK_SIZES), 32),
+    "PairformerBlock": (partial(eb.PairformerBlock, c_s=32, c_z=16, c_hidden_pair_bias=8, no_heads_pair_bias=4,
+                                c_hidden_mul=16, c_hidden_pair_att=8, no_heads_pair=2, pair_dropout=0.0), 32),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_block_equals_the_composed_block(name):
+    make, width = BLOCKS[name]
+    block = randomize(make()).to("cuda", torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    first = (torch.randn(6, 21, width, generator=gen) if name == "EvoformerBlock"
+             else torch.randn(21, width, generator=gen)).to("cuda", torch.bfloat16)
+    z = torch.randn(21, 21, 16, generator=gen).to("cuda", torch.bfloat16)
+    first_mask = (torch.rand(first.shape[:-1], generator=gen) > 0.1).to("cuda", torch.bfloat16)
+    pair_mask = (torch.rand(21, 21, generator=gen) > 0.1).to("cuda", torch.bfloat16)
+
+    def run():
+        leaves = [first.clone().requires_grad_(True), z.clone().requires_grad_(True)]
+        outs = block(*leaves, first_mask, pair_mask)
+        loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1], device="cuda")).sum() for o in outs)
+        return [*outs, *torch.autograd.grad(loss, leaves + list(block.parameters()))]
+
+    results = run()
+    with module_nodes.composed():
+        reference = run()
+    assert_bitwise(results, reference, name)
