@@ -105,6 +105,8 @@ def gated_attention(
     q, k, v, g = projections
     if k.bias is not None or v.bias is not None:
         return None
+    if any(getattr(layer, "backend", backend) != backend for layer in (q, k, v, g, output)):
+        return None  # (a layer given a backend of its own: the composed path honours it)
     parameters = (q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias, head_weight)
     if not _same_kind(x, parameters) or not _same_kind(x, (pair_bias,)):
         return None
