@@ -99,6 +99,17 @@ inline at::Tensor raw_reshape(const at::Tensor& base, at::IntArrayRef sizes) {
   return raw_view(base, sizes, strides, base.storage_offset());
 }
 
+// t with other sizes, its elements in the same order: raw_reshape where t is contiguous, else
+// t.reshape (a view where the strides allow one, else a copy).
+inline at::Tensor reshaped(const at::Tensor& t, at::IntArrayRef sizes) {
+  return t.is_contiguous() ? raw_reshape(t, sizes) : t.reshape(sizes);
+}
+
+// x [..., C] as its rows [M, C] (reshaped).
+inline at::Tensor flat_rows(const at::Tensor& x, int64_t C) {
+  return C > 0 ? reshaped(x, {x.numel() / C, C}) : x.reshape({-1, C});
+}
+
 // `t` in `dtype`: t itself where it has that dtype (Tensor::to would return it too, after a call
 // through the dispatcher).
 inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {

@@ -69,7 +69,7 @@ inline bool aligned_rows(const at::Tensor& rows) {
 
 // x as [M, C] rows with C contiguous and 16-byte aligned rows (a copy only when the layout is not).
 inline at::Tensor as_rows(const at::Tensor& x, int64_t C) {
-  at::Tensor rows = x.is_contiguous() && C > 0 ? raw_reshape(x, {x.numel() / C, C}) : x.reshape({-1, C});
+  at::Tensor rows = flat_rows(x, C);
   if (!aligned_rows(rows)) rows = rows.contiguous();
   return rows;
 }

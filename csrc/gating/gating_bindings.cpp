@@ -233,9 +233,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   if (need_dx) dx = as_dtype(raw_reshape(at::mm(dy, as_dtype(weight, dy.scalar_type())), x.sizes()), x.scalar_type());  // [..., in]
   if (need_dw) {
     const at::Tensor dy_t = raw_view(dy, {C, dy.size(0)}, {dy.stride(1), dy.stride(0)}, dy.storage_offset());  // dy^T
-    const int64_t in = x.size(-1);
-    const at::Tensor rows = x.is_contiguous() && in > 0 ? raw_reshape(x, {x.numel() / in, in}) : x.reshape({-1, in});
-    dw = as_dtype(at::mm(dy_t, as_dtype(rows, dy.scalar_type())), weight.scalar_type());  // [out, in]
+    const at::Tensor rows = as_dtype(flat_rows(x, x.size(-1)), dy.scalar_type());  // [rows, in]
+    dw = as_dtype(at::mm(dy_t, rows), weight.scalar_type());  // [out, in]
   }
   // an op returns tensors: a new [0] one for each gradient not wanted (outputs must not alias)
   const auto wanted = [&](bool need, const at::Tensor& t) { return need ? t : new_empty({0}, dy_in.options()); };

@@ -55,6 +55,9 @@ enum Input : int { kX, kMask, kPair, kWq, kWk, kWv, kWg, kBq, kBg, kWo, kBo, kWh
 enum Saved : int { sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo };
 
 at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
 
 // The attention's ops, called through the dispatcher (a few microseconds more than calling the
 // functions), so that profiles and dispatch modes see them by name, as when the composed path calls
@@ -135,10 +138,9 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     std::optional<at::Tensor> mask;
     if (mask_bias.has_value())
       mask = mask_bias->reshape({-1, mask_bias->size(-2), 1, 1, mask_bias->size(-1)});  // [B, N, 1, 1, L]
-    std::optional<at::Tensor> pair_opt;
-    if (pair.defined()) pair_opt = pair;
     auto [y, out, stats, mask_prepared, pair_prepared] =
-        attention_forward_op().call(qkvg, mask, pair_opt, heads, transposed, scale, family);  // y [B, A, A', H D]
+        attention_forward_op().call(qkvg, mask, optional_of(pair), heads, transposed, scale,
+                                    family);  // y [B, A, A', H D]
     const at::Tensor result = at::linear(y, w_o, b_o);  // [B, A, A', c_out]
 
     ctx->save_for_backward({x, stacked, value_or_undefined(w_head), qkvg, out, stats, mask_prepared, pair,
@@ -155,12 +157,10 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     }
     // autograd numbers the node's inputs by the tensors passed (an absent optional is none): the
     // edge of each argument, -1 for an absent one
+    const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+    const bool present[kWhead + 1] = {true, given(mask_bias), given(pair_bias), true, true, true, true,
+                                      given(b_q), given(b_g), true, given(b_o), given(w_head)};  // in Input order
     std::vector<int64_t> edges(kInputs, -1);
-    const std::optional<at::Tensor>* optionals[] = {&mask_bias, &pair_bias, &b_q, &b_g, &b_o, &w_head};
-    const Input optional_inputs[] = {kMask, kPair, kBq, kBg, kBo, kWhead};
-    std::vector<bool> present(kInputs, false);
-    for (Input i : {kX, kWq, kWk, kWv, kWg, kWo}) present[i] = true;
-    for (int i = 0; i < 6; ++i) present[optional_inputs[i]] = optionals[i]->has_value() && (*optionals[i])->defined();
     for (int i = 0, edge = 0; i <= kWhead; ++i)
       if (present[i]) edges[i] = edge++;
     ctx->saved_data["edges"] = edges;
@@ -186,8 +186,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
 
     variable_list result(kInputs);
     const at::Tensor& grad = grads[0];  // [*, A, A', c_out]
-    const std::vector<int64_t> res_sizes = {x.size(0), x.size(1), x.size(2), grad.size(-1)};
-    const at::Tensor dres = grad.is_contiguous() ? raw_reshape(grad, res_sizes) : grad.reshape(res_sizes);
+    const at::Tensor dres = reshaped(grad, {x.size(0), x.size(1), x.size(2), grad.size(-1)});  // [B, A, A', c_out]
     const bool has_head = w_head.defined();
     const bool need_weights = need(kWq) || need(kWk) || need(kWv) || need(kWg);
     const bool need_biases = need(kBq) || need(kBg);
@@ -203,13 +202,11 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     if (!need_dy) return result;
 
     // the gated attention (its gate's and attention's backward write the gradient of qkvg)
-    std::optional<at::Tensor> pair_opt;
-    if (pair.defined()) pair_opt = pair;
     std::optional<at::ScalarType> dmask_dtype;
     if (need_dmask) dmask_dtype = data.at("mask_dtype").toScalarType();
     auto [dqkvg, dmask, dpair] = attention_backward_op().call(
-        dy, qkvg, saved[sOut], saved[sStats], saved[sMaskPrepared], pair_opt, saved[sPairPrepared], heads, transposed,
-        data.at("scale").toDouble(), data.at("family").toStringRef(), dmask_dtype, need_dpair);
+        dy, qkvg, saved[sOut], saved[sStats], saved[sMaskPrepared], optional_of(pair), saved[sPairPrepared], heads,
+        transposed, data.at("scale").toDouble(), data.at("family").toStringRef(), dmask_dtype, need_dpair);
     if (need_dmask) result[kMask] = dmask.reshape(data.at("mask_sizes").toIntVector());
     if (need_dpair && !has_head) result[kPair] = dpair;
 
@@ -260,8 +257,7 @@ struct TransitionNode : public torch::autograd::Function<TransitionNode> {
     std::vector<int64_t> hidden_sizes(x.sizes().begin(), x.sizes().end());
     hidden_sizes.back() = w1.size(0);
     // relu(x W1^T + b1) in the GEMM's epilogue [rows, n c], seen as [*, n c]
-    const int64_t c = x.size(-1);
-    const at::Tensor rows = x.is_contiguous() && c > 0 ? raw_reshape(x, {x.numel() / c, c}) : x.reshape({-1, c});
+    const at::Tensor rows = flat_rows(x, x.size(-1));  // [rows, c]
     const at::Tensor w1_t = raw_view(w1, {w1.size(1), w1.size(0)}, {w1.stride(1), w1.stride(0)}, w1.storage_offset());
     const at::Tensor h = raw_reshape(at::_addmm_activation(b1, rows, w1_t), hidden_sizes);
     const at::Tensor out = at::linear(h, w2, b2);  // [*, c_out]

@@ -60,6 +60,13 @@ def _meta(t: Optional[Tensor]):
     return None if t is None else (t.shape, t.dtype, t.device)
 
 
+def _eligible(x: Tensor) -> bool:
+    """Whether a node may run on input ``x`` at all: outside :func:`composed`, not compiling, on a
+    CUDA tensor, autocast off."""
+    return not (_composed or torch.compiler.is_compiling() or not x.is_cuda
+                or torch.is_autocast_enabled(x.device.type))
+
+
 def _same_kind(x: Tensor, tensors) -> bool:
     """Every tensor given (None skipped) has x's dtype and device."""
     dtype, device = x.dtype, x.device
@@ -98,22 +105,21 @@ def gated_attention(
     Returns:
         ``[*, A, A', c_out]`` or None.
     """
-    if _composed or torch.compiler.is_compiling() or not x.is_cuda or _keep.keeps(GATED_FORWARD_OP):
-        return None
-    if torch.is_autocast_enabled(x.device.type):
+    if not _eligible(x) or _keep.keeps(GATED_FORWARD_OP):
         return None
     q, k, v, g = projections
     if k.bias is not None or v.bias is not None:
         return None
     if any(getattr(layer, "backend", backend) != backend for layer in (q, k, v, g, output)):
         return None  # (a layer given a backend of its own: the composed path honours it)
-    parameters = (q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias, head_weight)
-    if not _same_kind(x, parameters) or not _same_kind(x, (pair_bias,)):
+    tensors = (q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias, head_weight,
+               pair_bias)
+    if not _same_kind(x, tensors):
         return None
+    # (the name in effect is the same for every op; selection checks that each op has that backend)
     registry = _dispatch.REGISTRY
-    names = (registry.resolve(ATTENTION_OP, backend), registry.resolve(GATE_OP, backend),
-             registry.resolve(LINEAR_OP, backend))
-    key = ("gated_attention", names, _meta(x), heads, transposed, _meta(mask_bias), _meta(pair_bias),
+    key = ("gated_attention", registry.resolve(ATTENTION_OP, backend), _meta(x), heads, transposed, _meta(mask_bias),
+           _meta(pair_bias),
            q.bias is not None, g.bias is not None, output.bias is not None, head_weight is not None, q.weight.shape,
            output.weight.shape)
     if not registry.decision(key, lambda: _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed,
@@ -164,7 +170,7 @@ def transition(x: Tensor, linear_1: torch.nn.Linear, linear_2: torch.nn.Linear) 
     ``x [*, c]``, as one node, or None where the node cannot stand for the composed ops
     (``ops.linear`` with ``activation="relu"``, then ``ops.linear``; see the module docstring). Both
     layers need biases and one backend setting."""
-    if _composed or torch.compiler.is_compiling() or not x.is_cuda or torch.is_autocast_enabled(x.device.type):
+    if not _eligible(x):
         return None
     b1, b2 = linear_1.bias, linear_2.bias
     if b1 is None or b2 is None or not _same_kind(x, (linear_1.weight, b1, linear_2.weight, b2)):
