@@ -3,7 +3,9 @@ for (GPU only): outputs and every gradient equal bit for bit, for each gated att
 variant, dtype, batch shape, with and without a mask, with frozen parameters and without grad, and
 for the AF2 transitions; the node runs where it should and the composed path everywhere else
 (autocast, the eager backend, a recompute policy keeping the attention); whole blocks equal either
-way.
+way. The layer norms' C++ nodes (``ops.add_layer_norm``, ``ops.layer_norm_keeping_input``) against
+their Python-level nodes the same way, for each dtype, parameter dtype, residual scale and set of
+outputs used.
 """
 
 from __future__ import annotations
@@ -240,3 +242,86 @@ def test_block_equals_the_composed_block(name):
     with module_nodes.composed():
         reference = run()
     assert_bitwise(results, reference, name)
+
+
+NORM_NODE = "AddLayerNormNode"  # (the C++ node of ops.add_layer_norm and ops.layer_norm_keeping_input)
+
+
+def _norm_parameters(kind: str, width: int, dtype, gen):
+    """(weight, bias) of a layer norm: in x's dtype, in float32, weight only, none."""
+    if kind == "none":
+        return None, None
+    pdtype = torch.float32 if kind == "float32" else dtype
+    weight = (1 + 0.1 * torch.randn(width, generator=gen)).to("cuda", pdtype)
+    bias = None if kind == "weight_only" else (0.1 * torch.randn(width, generator=gen)).to("cuda", pdtype)
+    return weight, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("params", ["same", "float32", "weight_only", "none"])
+@pytest.mark.parametrize("scale", [None, "row_mask", "dropout", "scale_grad"])
+@pytest.mark.parametrize("outputs", ["both", "y_only"])
+def test_add_layer_norm_node_equals_the_function(dtype, params, scale, outputs):
+    # ops.add_layer_norm on the cutlass backend: the C++ node against the Python Function (inside
+    # module_nodes.composed()), sum, y and every gradient bitwise
+    gen = torch.Generator().manual_seed(11)
+    shape = (2, 9, 24, 64)
+    x, residual = (torch.randn(shape, generator=gen).to("cuda", dtype) for _ in range(2))
+    weight, bias = _norm_parameters(params, shape[-1], dtype, gen)
+    residual_scale = {
+        None: None,
+        "row_mask": (torch.rand(*shape[:-1], 1, generator=gen) > 0.3).to("cuda", dtype),
+        "dropout": ((torch.rand(shape[0], 1, *shape[2:], generator=gen) > 0.25).float() / 0.75).to("cuda", dtype),
+        "scale_grad": torch.rand(*shape[:-1], 1, generator=gen).to("cuda", dtype),
+    }[scale]
+    weights = [torch.randn(shape, generator=gen).to("cuda") for _ in range(2)]
+
+    def run():
+        leaves = [x.clone().requires_grad_(True), residual.clone().requires_grad_(True)]
+        leaves += [p.clone().requires_grad_(True) for p in (weight, bias) if p is not None]
+        scale_in = residual_scale
+        if scale == "scale_grad":
+            scale_in = residual_scale.clone().requires_grad_(True)
+            leaves.append(scale_in)
+        w_in, b_in = (leaves[2] if weight is not None else None,
+                      leaves[3] if bias is not None else None)
+        s, y = eb.ops.add_layer_norm(leaves[0], leaves[1], w_in, b_in, 1e-5, residual_scale=scale_in,
+                                     backend="cutlass")
+        loss = (y.float() * weights[1]).sum()
+        if outputs == "both":
+            loss = loss + (s.float() * weights[0]).sum()
+        return [s, y, *torch.autograd.grad(loss, leaves)], y.grad_fn
+
+    results, grad_fn = run()
+    assert ran(grad_fn, NORM_NODE), "the node did not run"
+    with module_nodes.composed():
+        reference, ref_fn = run()
+    assert not ran(ref_fn, NORM_NODE)
+    assert_bitwise(results, reference, f"add_layer_norm {params} {scale} {outputs}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("params", ["same", "float32", "none"])
+@pytest.mark.parametrize("outputs", ["both", "y_only", "x_only"])
+def test_layer_norm_keeping_input_node_equals_the_function(dtype, params, outputs):
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 17, 128, generator=gen).to("cuda", dtype)
+    weight, bias = _norm_parameters(params, 128, dtype, gen)
+    weights = [torch.randn(x.shape, generator=gen).to("cuda") for _ in range(2)]
+
+    def run():
+        leaves = [x.clone().requires_grad_(True)] + [p.clone().requires_grad_(True) for p in (weight, bias)
+                                                     if p is not None]
+        kept, y = eb.ops.layer_norm_keeping_input(leaves[0], *(leaves[1:] or (None, None)), backend="cutlass")
+        assert kept.data_ptr() == leaves[0].data_ptr() and torch.equal(kept, leaves[0])
+        loss = {"both": lambda: (kept.float() * weights[0]).sum() + (y.float() * weights[1]).sum(),
+                "y_only": lambda: (y.float() * weights[1]).sum(),
+                "x_only": lambda: (kept.float() * weights[0]).sum() + 0 * y.float().sum()}[outputs]()
+        return [kept, y, *torch.autograd.grad(loss, leaves)], y.grad_fn
+
+    results, grad_fn = run()
+    assert ran(grad_fn, NORM_NODE)
+    with module_nodes.composed():
+        reference, ref_fn = run()
+    assert not ran(ref_fn, NORM_NODE)
+    assert_bitwise(results, reference, f"layer_norm_keeping_input {params} {outputs}")

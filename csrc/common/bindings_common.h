@@ -7,14 +7,18 @@
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/kernel_limits.h"
@@ -99,6 +103,15 @@ inline at::Tensor raw_reshape(const at::Tensor& base, at::IntArrayRef sizes) {
   return raw_view(base, sizes, strides, base.storage_offset());
 }
 
+// `t` with its last two dims swapped (at::transpose(-2, -1)'s view, raw_view's way).
+inline at::Tensor raw_transpose(const at::Tensor& t) {
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
+  const size_t d = sizes.size();
+  std::swap(sizes[d - 1], sizes[d - 2]);
+  std::swap(strides[d - 1], strides[d - 2]);
+  return raw_view(t, sizes, strides, t.storage_offset());
+}
+
 // t with other sizes, its elements in the same order: raw_reshape where t is contiguous, else
 // t.reshape (a view where the strides allow one, else a copy).
 inline at::Tensor reshaped(const at::Tensor& t, at::IntArrayRef sizes) {
@@ -108,6 +121,23 @@ inline at::Tensor reshaped(const at::Tensor& t, at::IntArrayRef sizes) {
 // x [..., C] as its rows [M, C] (reshaped).
 inline at::Tensor flat_rows(const at::Tensor& x, int64_t C) {
   return C > 0 ? reshaped(x, {x.numel() / C, C}) : x.reshape({-1, C});
+}
+
+// Zeros [n] of `options`' dtype and CUDA device, made once per (device, dtype, n) and then shared:
+// callers only read them (a concatenation copies them), as primitives._zeros's are on the Python
+// side. A new one while the current stream captures a CUDA graph (its memory and fill would belong
+// to the graph). The cache is never freed (nor torn down at exit, after the allocator).
+inline at::Tensor cached_zeros(int64_t n, const at::TensorOptions& options) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+    return at::zeros({n}, options);
+  using Key = std::tuple<int, int, int64_t>;  // device index, dtype, n
+  static std::mutex mutex;
+  static auto* cache = new std::map<Key, at::Tensor>();
+  const Key key{options.device().index(), static_cast<int>(c10::typeMetaToScalarType(options.dtype())), n};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache->find(key);
+  if (found == cache->end()) found = cache->emplace(key, at::zeros({n}, options)).first;
+  return found->second;
 }
 
 // `t` in `dtype`: t itself where it has that dtype (Tensor::to would return it too, after a call

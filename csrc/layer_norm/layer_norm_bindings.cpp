@@ -152,16 +152,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
   return {dx, affine, dresidual};
 }
 
-namespace {
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x,
                                                               const std::optional<at::Tensor>& weight,
                                                               const std::optional<at::Tensor>& bias, double eps) {
   check_cuda(x, "x", "layer norm");
   const c10::cuda::CUDAGuard guard(x.device());
   auto [y, mean, rstd] = norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps);
-  return {y.view(x.sizes()), mean, rstd};
+  return {raw_reshape(y, x.sizes()), mean, rstd};
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                   const std::optional<at::Tensor>& weight, const at::Tensor& mean,
@@ -177,8 +177,10 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
   const c10::cuda::CUDAGuard guard(x.device());
   auto [dx, affine, unused] =
       norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine, affine_dtype);
-  return {dx.view(x.sizes()), affine};
+  return {raw_reshape(dx, x.sizes()), affine};
 }
+
+}  // namespace
 
 // sum = x + residual (residual * residual_scale with a scale) and layer_norm(sum), in one pass over
 // the rows (the residual add of a block, its update's mask or dropout, and the layer norm of the
@@ -195,7 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
   auto [y, mean, rstd] =
       norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps, &residual, &sum,
                 residual_scale);
-  return {sum.view(x.sizes()), y.view(x.sizes()), mean, rstd};
+  return {raw_reshape(sum, x.sizes()), raw_reshape(y, x.sizes()), mean, rstd};
 }
 
 // The backward of add_layer_norm_fwd: dx = dsum + the layer norm's input gradient (the gradient of
@@ -216,11 +218,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
   const c10::cuda::CUDAGuard guard(sum.device());
   auto [dx, affine, dresidual] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd,
                                                     need_affine, affine_dtype, &dsum, residual_scale);
-  return {dx.view(sum.sizes()), affine,
-          dresidual.defined() ? dresidual.view(sum.sizes()) : at::empty({0}, sum.options())};
+  return {raw_reshape(dx, sum.sizes()), affine,
+          dresidual.defined() ? raw_reshape(dresidual, sum.sizes()) : new_empty({0}, sum.options())};
 }
 
-}  // namespace
 }  // namespace block
 }  // namespace evoformer
 

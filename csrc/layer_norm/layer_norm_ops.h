@@ -32,5 +32,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
     const at::Tensor& rstd, bool affine_grad, at::ScalarType affine_dtype = at::kFloat,
     const at::Tensor* dsum_in = nullptr, const std::optional<at::Tensor>& residual_scale = {});
 
+// The ops layer_norm_fwd, add_layer_norm_fwd and add_layer_norm_bwd (schemas: evoformer_blocks/ops/_fused.py;
+// the layer-norm nodes of csrc/modules call them through the dispatcher, typed by these declarations).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                              const std::optional<at::Tensor>& bias, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
+    const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, const std::optional<at::Tensor>& residual_scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
+    const at::Tensor& dsum, const at::Tensor& dy, const at::Tensor& sum, const std::optional<at::Tensor>& weight,
+    const at::Tensor& mean, const at::Tensor& rstd, bool need_affine, at::ScalarType affine_dtype,
+    const std::optional<at::Tensor>& residual_scale);
+
 }  // namespace block
 }  // namespace evoformer

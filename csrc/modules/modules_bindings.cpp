@@ -41,6 +41,7 @@
 #include "attention/attention_ops.h"
 #include "common/bindings_common.h"
 #include "gating/gating_ops.h"
+#include "layer_norm/layer_norm_ops.h"
 
 namespace evoformer {
 namespace modules {
@@ -55,33 +56,43 @@ enum Input : int { kX, kMask, kPair, kWq, kWk, kWv, kWg, kBq, kBg, kWo, kBo, kWh
 enum Saved : int { sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo };
 
 at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Autograd numbers a node's inputs by the tensors passed (an absent optional is none): the edge of
+// each argument in `present` (whether it was given, in argument order), -1 for an absent one.
+std::vector<int64_t> edge_table(std::initializer_list<bool> present) {
+  std::vector<int64_t> edges;
+  int64_t edge = 0;
+  for (const bool p : present) edges.push_back(p ? edge++ : -1);
+  return edges;
+}
 std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// The attention's ops, called through the dispatcher (a few microseconds more than calling the
-// functions), so that profiles and dispatch modes see them by name, as when the composed path calls
-// them (a recompute test counts them).
-const auto& attention_forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("evoformer_blocks_cuda::gated_attention_fwd", "")
-                             .typed<decltype(gated_attention_fwd)>();
-  return op;
-}
-const auto& attention_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("evoformer_blocks_cuda::gated_attention_bwd", "")
-                             .typed<decltype(gated_attention_bwd)>();
-  return op;
-}
+// The extension's ops that the nodes run, called through the dispatcher (a few microseconds more than
+// calling the functions), so that profiles and dispatch modes see them by name, as when the composed
+// path calls them (a recompute test counts them), and see none of their inner calls.
+#define EVO_OP_HANDLE(handle, name, function)                                                                \
+  const auto& handle() {                                                                                     \
+    static const auto op =                                                                                   \
+        c10::Dispatcher::singleton().findSchemaOrThrow("evoformer_blocks_cuda::" name, "").typed<decltype(function)>(); \
+    return op;                                                                                               \
+  }
+EVO_OP_HANDLE(attention_forward_op, "gated_attention_fwd", gated_attention_fwd)
+EVO_OP_HANDLE(attention_backward_op, "gated_attention_bwd", gated_attention_bwd)
+EVO_OP_HANDLE(layer_norm_forward_op, "layer_norm_fwd", block::layer_norm_fwd)
+EVO_OP_HANDLE(add_layer_norm_forward_op, "add_layer_norm_fwd", block::add_layer_norm_fwd)
+EVO_OP_HANDLE(add_layer_norm_backward_op, "add_layer_norm_bwd", block::add_layer_norm_bwd)
+#undef EVO_OP_HANDLE
 
 // x [B, L, L, c] -> [B, 1, H, L, L]: [b, 0, h, i, j] = x[b, i, j] . weight[h], head-major as weight @ x^T
 // (primitives._head_major's calls).
 at::Tensor head_major(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t batch = x.size(0), length = x.size(2), c = x.size(3);
-  at::Tensor out = batch == 1 ? at::mm(weight, x.reshape({length * length, c}).t())                      // [H, L L]
-                              : at::matmul(weight, x.reshape({batch, length * length, c}).transpose(1, 2));  // [B, H, L L]
-  return out.view({batch, 1, weight.size(0), length, length});
+  at::Tensor out = batch == 1 ? at::mm(weight, raw_transpose(reshaped(x, {length * length, c})))  // [H, L L]
+                              : at::matmul(weight, raw_transpose(reshaped(x, {batch, length * length, c})));  // [B, H, L L]
+  return reshaped(out, {batch, 1, weight.size(0), length, length});
 }
 
 // The head-major projection's gradients (primitives._head_major_grads): dh^T . weight added into dx
@@ -89,18 +100,18 @@ at::Tensor head_major(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor head_major_grads(at::Tensor& dx, const at::Tensor& dh, const at::Tensor& x, const at::Tensor& weight,
                             bool need_dx, bool need_dw) {
   const int64_t batch = x.size(0), heads = weight.size(0), c = x.size(3), positions = x.size(1) * x.size(2);
-  const at::Tensor dh3 = dh.reshape({batch, heads, positions});  // [B, H, L L]
-  if (need_dx) {
-    at::Tensor dx3 = dx.view({batch, positions, c});  // [B, L L, c]
+  // (batch 1: the same GEMMs on [H, L L] and [L L, c] matrices)
+  const at::Tensor dh3 = batch == 1 ? reshaped(dh, {heads, positions}) : reshaped(dh, {batch, heads, positions});
+  if (need_dx) {  // (dx: linear_bwd's new contiguous [B, A, A', c])
     if (batch == 1) {
-      dx3.select(0, 0).addmm_(dh3.select(0, 0).t(), weight);
+      raw_reshape(dx, {positions, c}).addmm_(raw_transpose(dh3), weight);
     } else {
-      dx3.baddbmm_(dh3.transpose(1, 2), weight.expand({batch, heads, c}));
+      raw_reshape(dx, {batch, positions, c}).baddbmm_(raw_transpose(dh3), weight.expand({batch, heads, c}));
     }
   }
   if (!need_dw) return at::Tensor();
-  const at::Tensor x3 = x.reshape({batch, positions, c});  // [B, L L, c]
-  return batch == 1 ? at::mm(dh3.select(0, 0), x3.select(0, 0)) : at::bmm(dh3, x3).sum(0);  // [H, c]
+  return batch == 1 ? at::mm(dh3, reshaped(x, {positions, c}))
+                    : at::bmm(dh3, reshaped(x, {batch, positions, c})).sum(0);  // [H, c]
 }
 
 struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode> {
@@ -115,54 +126,52 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     EVO_CHECK(!(pair_bias.has_value() && w_head.has_value()),
               "gated attention module: pass `pair_bias` or `w_head`, not both");
     const int64_t a = x_in.size(-3), a2 = x_in.size(-2), c = x_in.size(-1);
-    // x [B, A, A', c_in]: the batch dims flattened (a view where they allow one)
-    const at::Tensor x = x_in.dim() == 4 ? x_in : x_in.reshape({-1, a, a2, c});
+    // x [B, A, A', c_in]: the batch dims flattened (a view where they allow one; x_in is what the
+    // node saves, so that autograd sees in-place changes to it)
+    const at::Tensor x = x_in.dim() == 4 ? x_in : reshaped(x_in, {x_in.numel() / (a * a2 * c), a, a2, c});
     const at::Tensor stacked = at::cat({w_q, w_k, w_v, w_g});  // [4 H D, c_in]
     std::optional<at::Tensor> stacked_bias;
     if (b_q.has_value() || b_g.has_value()) {
-      // (primitives.stacked_projection's: each bias, or zeros of the first bias's dtype where none)
+      // (primitives.stacked_projection's: each bias, zeros of the first bias's dtype where none; the
+      // zeros of consecutive projections as one cached block)
       const at::TensorOptions options = (b_q.has_value() ? *b_q : *b_g).options();
-      const auto bias_or_zeros = [&](const std::optional<at::Tensor>& b, const at::Tensor& w) {
-        return b.has_value() ? *b : at::zeros({w.size(0)}, options);
-      };
-      const std::optional<at::Tensor> none;
-      stacked_bias = at::cat({bias_or_zeros(b_q, w_q), bias_or_zeros(none, w_k), bias_or_zeros(none, w_v),
-                              bias_or_zeros(b_g, w_g)});  // [4 H D]
+      const int64_t width = w_q.size(0);
+      std::vector<at::Tensor> parts;
+      if (b_q.has_value()) parts.push_back(*b_q);
+      parts.push_back(cached_zeros((b_q.has_value() ? 2 : 3) * width, options));  // k, v (and q)
+      parts.push_back(b_g.has_value() ? *b_g : cached_zeros(width, options));
+      stacked_bias = at::cat(parts);  // [4 H D]
     }
     const at::Tensor qkvg = at::linear(x, stacked, stacked_bias);  // [B, A, A', 4 H D]
     at::Tensor pair = value_or_undefined(pair_bias);  // [B, 1, H, L, L]
     if (w_head.has_value()) {
       pair = head_major(x, *w_head);  // [B, 1, H, A, A']
-      if (transpose_head) pair = pair.transpose(-1, -2).contiguous();  // [B, 1, H, A', A]
+      if (transpose_head) pair = raw_transpose(pair).contiguous();  // [B, 1, H, A', A]
     }
     std::optional<at::Tensor> mask;
-    if (mask_bias.has_value())
-      mask = mask_bias->reshape({-1, mask_bias->size(-2), 1, 1, mask_bias->size(-1)});  // [B, N, 1, 1, L]
+    if (mask_bias.has_value()) {
+      const int64_t n = mask_bias->size(-2), l = mask_bias->size(-1);
+      mask = reshaped(*mask_bias, {mask_bias->numel() / (n * l), n, 1, 1, l});  // [B, N, 1, 1, L]
+    }
     auto [y, out, stats, mask_prepared, pair_prepared] =
         attention_forward_op().call(qkvg, mask, optional_of(pair), heads, transposed, scale,
                                     family);  // y [B, A, A', H D]
     const at::Tensor result = at::linear(y, w_o, b_o);  // [B, A, A', c_out]
 
-    ctx->save_for_backward({x, stacked, value_or_undefined(w_head), qkvg, out, stats, mask_prepared, pair,
+    ctx->save_for_backward({x_in, stacked, value_or_undefined(w_head), qkvg, out, stats, mask_prepared, pair,
                             pair_prepared, y, w_o});
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["transposed"] = transposed;
     ctx->saved_data["transpose_head"] = transpose_head;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["family"] = family;
-    ctx->saved_data["x_sizes"] = x_in.sizes().vec();
     if (mask_bias.has_value()) {
       ctx->saved_data["mask_sizes"] = mask_bias->sizes().vec();
       ctx->saved_data["mask_dtype"] = mask_bias->scalar_type();
     }
-    // autograd numbers the node's inputs by the tensors passed (an absent optional is none): the
-    // edge of each argument, -1 for an absent one
-    const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-    const bool present[kWhead + 1] = {true, given(mask_bias), given(pair_bias), true, true, true, true,
-                                      given(b_q), given(b_g), true, given(b_o), given(w_head)};  // in Input order
-    std::vector<int64_t> edges(kInputs, -1);
-    for (int i = 0, edge = 0; i <= kWhead; ++i)
-      if (present[i]) edges[i] = edge++;
+    std::vector<int64_t> edges = edge_table({true, given(mask_bias), given(pair_bias), true, true, true, true,
+                                             given(b_q), given(b_g), true, given(b_o), given(w_head)});  // Input order
+    edges.resize(kInputs, -1);
     ctx->saved_data["edges"] = edges;
     ctx->saved_data["width_q"] = w_q.size(0);
     ctx->saved_data["bias_dtype"] = b_q.has_value() ? b_q->scalar_type() : b_g.has_value() ? b_g->scalar_type()
@@ -176,7 +185,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[sX], &stacked = saved[sStacked], &w_head = saved[sWhead], &qkvg = saved[sQkvg];
+    const at::Tensor &x_in = saved[sX], &stacked = saved[sStacked], &w_head = saved[sWhead], &qkvg = saved[sQkvg];
     const at::Tensor &y = saved[sY], &w_o = saved[sWo], &pair = saved[sPair];
     const auto& data = ctx->saved_data;
     const std::vector<int64_t> edges = data.at("edges").toIntVector();
@@ -185,6 +194,8 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     const int64_t heads = data.at("heads").toInt(), width = data.at("width_q").toInt();
 
     variable_list result(kInputs);
+    const int64_t a = x_in.size(-3), a2 = x_in.size(-2), c = x_in.size(-1);
+    const at::Tensor x = x_in.dim() == 4 ? x_in : reshaped(x_in, {x_in.numel() / (a * a2 * c), a, a2, c});
     const at::Tensor& grad = grads[0];  // [*, A, A', c_out]
     const at::Tensor dres = reshaped(grad, {x.size(0), x.size(1), x.size(2), grad.size(-1)});  // [B, A, A', c_out]
     const bool has_head = w_head.defined();
@@ -207,7 +218,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     auto [dqkvg, dmask, dpair] = attention_backward_op().call(
         dy, qkvg, saved[sOut], saved[sStats], saved[sMaskPrepared], optional_of(pair), saved[sPairPrepared], heads,
         transposed, data.at("scale").toDouble(), data.at("family").toStringRef(), dmask_dtype, need_dpair);
-    if (need_dmask) result[kMask] = dmask.reshape(data.at("mask_sizes").toIntVector());
+    if (need_dmask) result[kMask] = reshaped(dmask, data.at("mask_sizes").toIntVector());
     if (need_dpair && !has_head) result[kPair] = dpair;
 
     // the stacked projection: dx, the weights' gradient and the bias sums from the first bias wanted on
@@ -216,13 +227,12 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     auto [dx, dw, sums] = block::linear_bwd(dqkvg, x, stacked, std::nullopt, need(kX), need_weights, need_biases,
                                             data.at("bias_dtype").toScalarType(), bias_from);
     if (has_head && need_dpair) {
-      const at::Tensor dh = transpose_head ? dpair.transpose(-1, -2) : dpair;  // [B, 1, H, A, A']
+      const at::Tensor dh = transpose_head ? raw_transpose(dpair) : dpair;  // [B, 1, H, A, A']
       at::Tensor dw_head = head_major_grads(dx, dh, x, w_head, need(kX), need(kWhead));
       if (need(kWhead)) result[kWhead] = dw_head;
     }
-    if (need(kX)) result[kX] = raw_reshape(dx, data.at("x_sizes").toIntVector());
+    if (need(kX)) result[kX] = raw_reshape(dx, x_in.sizes());
     if (need_weights) {  // dw [4 H D, c_in] contiguous: the four weights' gradients as row blocks
-      const int64_t c = dw.size(1);
       for (int i = 0; i < 4; ++i)
         if (need(kWq + i)) result[kWq + i] = raw_view(dw, {width, c}, {c, 1}, dw.storage_offset() + i * width * c);
     }
@@ -293,6 +303,89 @@ at::Tensor transition_module(const at::Tensor& x, const at::Tensor& w1, const at
   return TransitionNode::apply(x, w1, b1, w2, b2);
 }
 
+// ---- the layer norms behind a residual add ----
+// The cutlass backend's add_layer_norm and layer_norm_keeping_input (evoformer_blocks/ops/normalization.py's
+// _FusedAddLayerNormFunction and _LayerNormKeepingInputFunction, whose forward and backward these run
+// with the same extension entry points and ATen calls).
+// Positions of the forward's arguments (after ctx): autograd wants one gradient per argument, an
+// undefined one for eps and for an absent optional.
+enum AddNormInput : int { kNx, kNres, kNw, kNb, kNeps, kNscale, kAddNormInputs };
+enum AddNormSaved : int { nSum, nW, nMean, nRstd, nScale, nResidual };
+
+struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
+  // (sum, y): sum = x + residual (* residual_scale), y = layer_norm(sum); without a residual (keeping
+  // x: layer_norm_keeping_input) sum is x itself and y its layer norm.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                               double eps, const std::optional<at::Tensor>& residual_scale) {
+    at::Tensor sum, y, mean, rstd;
+    if (residual.has_value()) {
+      std::tie(sum, y, mean, rstd) = add_layer_norm_forward_op().call(x, *residual, weight, bias, eps, residual_scale);
+    } else {
+      std::tie(y, mean, rstd) = layer_norm_forward_op().call(x, weight, bias, eps);
+      sum = x;  // (autograd returns the input as a view of itself)
+    }
+    // the residual is kept only for the gradient of a residual_scale that requires one
+    const bool scale_grad = given(residual_scale) && residual_scale->requires_grad();
+    ctx->save_for_backward({residual.has_value() ? sum : x, value_or_undefined(weight), mean, rstd,
+                            value_or_undefined(residual_scale), scale_grad ? *residual : at::Tensor()});
+    std::vector<int64_t> edges =
+        edge_table({true, given(residual), given(weight), given(bias), false, given(residual_scale)});  // AddNormInput
+    ctx->saved_data["edges"] = edges;
+    if (given(bias)) ctx->saved_data["bias_dtype"] = bias->scalar_type();
+    return {sum, y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &sum = saved[nSum], &weight = saved[nW], &scale = saved[nScale];
+    const std::vector<int64_t> edges = ctx->saved_data.at("edges").toIntVector();
+    const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
+    const at::Tensor ds = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum);
+    const at::Tensor dy = grads[1].defined() ? grads[1].contiguous() : at::zeros_like(sum);
+    // the affine gradients wanted and the dtype the kernel rounds both to: the parameters' where they
+    // share it or one is wanted, else float32
+    const bool want_w = weight.defined() && need(kNw), want_b = need(kNb);
+    const at::ScalarType bias_dtype =
+        ctx->saved_data.count("bias_dtype") ? ctx->saved_data.at("bias_dtype").toScalarType() : at::kFloat;
+    at::ScalarType affine_dtype = at::kFloat;
+    if (want_w && want_b) affine_dtype = weight.scalar_type() == bias_dtype ? bias_dtype : at::kFloat;
+    else if (want_w) affine_dtype = weight.scalar_type();
+    else if (want_b) affine_dtype = bias_dtype;
+    auto [dx, affine, dresidual] = add_layer_norm_backward_op().call(ds, dy, sum, optional_of(weight), saved[nMean],
+                                                                     saved[nRstd], want_w || want_b, affine_dtype,
+                                                                     optional_of(scale));
+    variable_list result(kAddNormInputs);
+    result[kNx] = dx;
+    if (edges[kNres] >= 0) result[kNres] = scale.defined() ? dresidual : dx;  // (the add passes dx on)
+    const int64_t C = sum.size(-1);
+    if (want_w) result[kNw] = as_dtype(raw_view(affine, {C}, {1}, affine.storage_offset()), weight.scalar_type());
+    if (want_b) result[kNb] = as_dtype(raw_view(affine, {C}, {1}, affine.storage_offset() + C), bias_dtype);
+    if (scale.defined() && saved[nResidual].defined() && need(kNscale)) {
+      // d(residual * scale) / d scale in float32, summed over the dims the scale broadcasts along
+      result[kNscale] =
+          (dx.to(at::kFloat) * saved[nResidual].to(at::kFloat)).sum_to_size(scale.sizes()).to(scale.scalar_type());
+    }
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> add_layer_norm_node(const at::Tensor& x, const at::Tensor& residual,
+                                                       const std::optional<at::Tensor>& weight,
+                                                       const std::optional<at::Tensor>& bias, double eps,
+                                                       const std::optional<at::Tensor>& residual_scale) {
+  const variable_list out = AddLayerNormNode::apply(x, std::optional<at::Tensor>(residual), weight, bias, eps,
+                                                    residual_scale);
+  return {out[0], out[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_norm_keeping_input_node(const at::Tensor& x,
+                                                                 const std::optional<at::Tensor>& weight,
+                                                                 const std::optional<at::Tensor>& bias, double eps) {
+  const variable_list out = AddLayerNormNode::apply(x, std::nullopt, weight, bias, eps, std::nullopt);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 }  // namespace modules
 }  // namespace evoformer
@@ -302,4 +395,6 @@ at::Tensor transition_module(const at::Tensor& x, const at::Tensor& w1, const at
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CompositeImplicitAutograd, m) {
   m.impl("gated_attention_module", &evoformer::modules::gated_attention_module);
   m.impl("transition_module", &evoformer::modules::transition_module);
+  m.impl("add_layer_norm_node", &evoformer::modules::add_layer_norm_node);
+  m.impl("layer_norm_keeping_input_node", &evoformer::modules::layer_norm_keeping_input_node);
 }

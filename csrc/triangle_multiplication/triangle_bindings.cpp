@@ -78,13 +78,13 @@ at::Tensor flat_mask(const std::optional<at::Tensor>& mask, const at::Tensor& z,
   if (!mask.has_value()) return at::Tensor();
   EVO_CHECK(mask->numel() == M && mask->device() == z.device(),
             "triangle multiplication: `mask` must be [B, N, N] on z's device, got ", mask->sizes());
-  return mask->to(z.scalar_type()).contiguous().view({M});
+  return raw_reshape(as_dtype(*mask, z.scalar_type()).contiguous(), {M});
 }
 
 // The per-channel triangle products of [c * B, N, N] edge stacks (channel-major a and b):
 // outgoing p[i, j] = sum_k a[i, k] b[j, k]; incoming p[i, j] = sum_k a[k, i] b[k, j].
 at::Tensor triangle_product(const at::Tensor& a, const at::Tensor& b, bool outgoing) {
-  return outgoing ? at::bmm(a, b.transpose(1, 2)) : at::bmm(a.transpose(1, 2), b);
+  return outgoing ? at::bmm(a, raw_transpose(b)) : at::bmm(raw_transpose(a), b);
 }
 
 // Whether the fused input kernel takes z: half or bfloat16, c_z <= limits::kTriangleInputMaxK (c_z and c are
@@ -114,7 +114,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   at::Tensor mean_in, rstd_in, g;
   at::Tensor a = output({s.c, s.M}, z.options()), b = output({s.c, s.M}, z.options());
   const auto f32 = z.options().dtype(at::kFloat);
-  const at::Tensor bias = b_ab.to(at::kFloat).contiguous();
+  const at::Tensor bias = as_dtype(b_ab, at::kFloat).contiguous();
   if (triangle_input_fits(z, s)) {
     // one kernel: layer norm, both edges' projections and gates, g's projection (triangle_input.cuh)
     const at::Tensor rows = as_rows(z, s.cz);  // [M, c_z]
@@ -134,20 +134,21 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
     at::Tensor x_hat;
     std::tie(x_hat, mean_in, rstd_in) = norm_rows(z, kNoParam, kNoParam, eps);
     // projections and gates of both edges, channel-major: [4 c, M] = w_ab [4 c, c_z] . x_hat^T
-    at::Tensor ab = at::mm(w_ab, x_hat.t());
+    at::Tensor ab = at::mm(w_ab, raw_transpose(x_hat));
     const GatePackParams gp{ab.data_ptr(), bias.data_ptr<float>(),
                             mask_flat.defined() ? mask_flat.data_ptr() : nullptr, a.data_ptr(), b.data_ptr(), s.M,
                             s.M, s.M, int(s.c), vector_ok(ab, s.M)};
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack<decltype(e)>(gp, stream); });
     ab.reset();
-    g = at::addmm(b_g, x_hat, w_g.t());  // [M, c_z]
+    g = at::addmm(b_g, x_hat, raw_transpose(w_g));  // [M, c_z]
   }
 
   // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
-  const at::Tensor p = triangle_product(a.view({s.c * s.B, s.N, s.N}), b.view({s.c * s.B, s.N, s.N}), outgoing);
+  const at::Tensor p =
+      triangle_product(raw_reshape(a, {s.c * s.B, s.N, s.N}), raw_reshape(b, {s.c * s.B, s.N, s.N}), outgoing);
   const bool fused_output = triangle_output_fits(z, s);
   // n_hat [M, c]: the backward's (and the unfused output half's own intermediate)
-  at::Tensor n_hat = for_backward || !fused_output ? output({s.M, s.c}, z.options()) : at::empty({0}, z.options());
+  at::Tensor n_hat = for_backward || !fused_output ? output({s.M, s.c}, z.options()) : new_empty({0}, z.options());
   at::Tensor rstd_out = output({s.M}, f32);
   at::Tensor out = output({s.M, s.cz}, z.options());
   // With add_input, out = z + update (* update_scale [B, 1, N, c_z]): in the output kernel's stores where z
@@ -174,16 +175,16 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
                                rstd_out.data_ptr<float>(), s.M, s.M, s.c, int(s.c), vector_ok(p, s.M), float(eps)};
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_layer_norm_channels<decltype(e)>(cp, stream); });
     // y = n_hat . w_z^T + b_z, out = sigmoid(g) * y   [M, c_z]
-    const at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
+    const at::Tensor y = at::addmm(b_z, n_hat, raw_transpose(w_z));
     const SigmoidGateParams sp{g.data_ptr(), y.data_ptr(), out.data_ptr(), s.M, s.cz, s.cz, RowMap::strided(s.cz),
                                int(s.cz), vector_ok(g, s.cz) && vector_ok(y, s.cz) && vector_ok(out, s.cz)};
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate<decltype(e)>(sp, stream); });
   }
   if (add_input && !add_in_kernel) {
-    const at::Tensor update = out.view(z.sizes());
+    const at::Tensor update = raw_reshape(out, z.sizes());
     out = update_scale.has_value() ? at::addcmul(z, update, *update_scale) : at::add(z, update);
   }
-  return {out.view(z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g};
+  return {raw_reshape(out, z.sizes()), mean_in, rstd_in, a, b, n_hat, rstd_out, g};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -204,7 +205,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
             op, ": saved tensors do not match z");
   const c10::cuda::CUDAGuard guard(z.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor dout = dout_in.contiguous().view({s.M, s.cz});
+  const at::Tensor dout = flat_rows(dout_in.contiguous(), s.cz);
   const at::Tensor mask_flat = flat_mask(mask, z, s.M);
   const auto f32 = z.options().dtype(at::kFloat);
 
@@ -220,17 +221,17 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     // one kernel: y, the gate's backward, dn_hat = dy . w_z and the channel layer norm's backward
     const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
     PartialSums sums(ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
-    const at::Tensor w_zt = w_z.t().contiguous();  // [c, c_z]
+    const at::Tensor w_zt = raw_transpose(w_z).contiguous();  // [c, c_z]
     TriangleOutputBackwardParams ob{n_hat.data_ptr(), w_z.data_ptr(), w_zt.data_ptr(), b_z.data_ptr(),
                                     g.data_ptr(), dout.data_ptr(), rstd_out.data_ptr<float>(), dg.data_ptr(),
                                     dy.data_ptr(), dp.data_ptr(), sums.data(), sums.data() + ctas * s.cz,
                                     sums.totals, s.M, int(s.c), int(s.cz), vector_ok(dp, s.M)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output_backward<cutlass::half_t>(ob, stream);
     else launch_triangle_output_backward<cutlass::bfloat16_t>(ob, stream);
-    dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
+    dw_z = at::mm(raw_transpose(dy), n_hat);  // [c_z, c]
     dy.reset();
   } else {
-    at::Tensor y = at::addmm(b_z, n_hat, w_z.t());
+    at::Tensor y = at::addmm(b_z, n_hat, raw_transpose(w_z));
     const int gate_threads = row_threads_for(s.cz, z.element_size());
     const int gate_ctas = row_norm_ctas(s.M, gate_threads);
     PartialSums sums(gate_ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
@@ -242,7 +243,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     sp.totals = sums.totals;
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
     y.reset();
-    dw_z = at::mm(dy.t(), n_hat);  // [c_z, c]
+    dw_z = at::mm(raw_transpose(dy), n_hat);  // [c_z, c]
     at::Tensor dn = at::mm(dy, w_z);  // [M, c]
     dy.reset();
     const ChannelNormBackwardParams cp{dn.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), dp.data_ptr(),
@@ -254,31 +255,37 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   at::Tensor x_hat = std::get<0>(norm_rows(z, kNoParam, kNoParam, eps));  // [M, c_z]
   // g = x_hat . w_g^T + b_g
   at::Tensor dx = at::mm(dg, w_g);                           // [M, c_z]
-  at::Tensor dw_g = at::mm(dg.t(), x_hat);  // [c_z, c_z]
+  at::Tensor dw_g = at::mm(raw_transpose(dg), x_hat);  // [c_z, c_z]
   dg.reset();
 
   // The edges, a group of channels at a time so that the [4 * group, M] temporaries stay small:
   // da, db from the triangle products' gradients, then the gates' backward on the recomputed
   // projections, then the projection weights' and x_hat's gradients.
-  const at::Tensor bias = b_ab.to(at::kFloat).contiguous().view({4, s.c});
-  const at::Tensor w4 = w_ab.view({4, s.c, s.cz});
+  const at::Tensor bias = raw_reshape(as_dtype(b_ab, at::kFloat).contiguous(), {4, s.c});
+  const at::Tensor w4 = reshaped(w_ab, {4, s.c, s.cz});
   at::Tensor dw_ab = output({4, s.c, s.cz}, w_ab.options());
   at::Tensor db_ab = s.M > 0 ? output({4, s.c}, f32) : at::zeros({4, s.c}, f32);  // the gate kernels' row sums
   const int64_t group = channel_group(s, z.element_size());
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
-    const auto stack = [&](const at::Tensor& t) { return t.narrow(0, c0, k).view({k * s.B, s.N, s.N}); };
+    // channels [c0, c0 + k) of a contiguous [c, M] tensor as [k B, N, N]
+    const auto stack = [&](const at::Tensor& t) {
+      return t.is_contiguous() ? raw_view(t, {k * s.B, s.N, s.N}, {s.N * s.N, s.N, 1}, t.storage_offset() + c0 * s.M)
+                               : t.narrow(0, c0, k).reshape({k * s.B, s.N, s.N});
+    };
     at::Tensor dpk = stack(dp), ak = stack(a), bk = stack(b);
     // outgoing p = a b^T: da = dp b, db = dp^T a;  incoming p = a^T b: da = b dp^T, db = a dp
-    at::Tensor da = outgoing ? at::bmm(dpk, bk) : at::bmm(bk, dpk.transpose(1, 2));
-    at::Tensor db = outgoing ? at::bmm(dpk.transpose(1, 2), ak) : at::bmm(ak, dpk);
-    at::Tensor wk = w4.narrow(1, c0, k).reshape({4 * k, s.cz});          // rows (ap, ag, bp, bg) of the group
+    at::Tensor da = outgoing ? at::bmm(dpk, bk) : at::bmm(bk, raw_transpose(dpk));
+    at::Tensor db = outgoing ? at::bmm(raw_transpose(dpk), ak) : at::bmm(ak, dpk);
+    // rows (ap, ag, bp, bg) of the group [4 k, c_z] (w_ab itself for one group)
+    at::Tensor wk = k == s.c ? reshaped(w_ab, {4 * k, s.cz}) : w4.narrow(1, c0, k).reshape({4 * k, s.cz});
     at::Tensor dab = output({4 * k, s.M}, z.options());
     if (triangle_input_fits(z, s)) {
       // the projections and gates recomputed from x_hat, their gradients and bias sums in one kernel
       const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
       at::Tensor bias_part = output({ctas, 4 * k}, f32);
-      const TriangleGateBackwardParams tp{x_hat.data_ptr(), w4.narrow(1, c0, k).data_ptr(),
+      const void* const w_group = static_cast<const char*>(w4.data_ptr()) + c0 * w4.stride(1) * w4.element_size();
+      const TriangleGateBackwardParams tp{x_hat.data_ptr(), w_group,
                                           bias.data_ptr<float>() + c0, mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
                                           da.data_ptr(), db.data_ptr(), dab.data_ptr(), bias_part.data_ptr<float>(),
                                           s.M, s.M > 1 ? x_hat.stride(0) : s.cz, int(s.cz), int(k), int(s.c),
@@ -287,10 +294,10 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
       else launch_triangle_gate_backward<cutlass::bfloat16_t>(tp, stream);
       // [4 k] in a fixed order (the column-sum kernel, or torch's sum where a row is too wide for it)
       const at::Tensor sums = row_fits(4 * k, 4) ? column_sum(bias_part, at::kFloat) : bias_part.sum(0);
-      db_ab.narrow(1, c0, k).copy_(sums.view({4, k}));
+      raw_view(db_ab, {4, k}, {s.c, 1}, db_ab.storage_offset() + c0).copy_(raw_reshape(sums.contiguous(), {4, k}));
     } else {
       at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
-      at::Tensor abk = at::mm(wk, x_hat.t());                              // [4 k, M]
+      at::Tensor abk = at::mm(wk, raw_transpose(x_hat));                   // [4 k, M]
       const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
       const int chunks = int(std::max<int64_t>(
           1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * current_sm_count() / (2 * k) + 1)));
@@ -308,19 +315,21 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
       by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
     }
     if (k == s.c) {
-      at::Tensor dw_ab_rows = dw_ab.view({4 * s.c, s.cz});  // one group: straight into dw_ab
+      at::Tensor dw_ab_rows = raw_reshape(dw_ab, {4 * s.c, s.cz});  // one group: straight into dw_ab
       at::mm_out(dw_ab_rows, dab, x_hat);
     } else {
-      dw_ab.narrow(1, c0, k).copy_(at::mm(dab, x_hat).view({4, k, s.cz}));
+      raw_view(dw_ab, {4, k, s.cz}, {s.c * s.cz, s.cz, 1}, dw_ab.storage_offset() + c0 * s.cz)
+          .copy_(raw_reshape(at::mm(dab, x_hat), {4, k, s.cz}));
     }
-    dx.addmm_(dab.t(), wk);
+    dx.addmm_(raw_transpose(dab), wk);
   }
   dp.reset();
 
   // x_hat = normalised z
   at::Tensor dz = std::get<0>(norm_rows_backward(dx, z, kNoParam, mean_in, rstd_in, false, at::kFloat,
                                                  dz_add.has_value() ? &*dz_add : nullptr));
-  return {dz.view(z.sizes()), dw_ab.view({4 * s.c, s.cz}), db_ab.view({4 * s.c}), dw_g, db_g, dw_z, db_z};
+  return {reshaped(dz, z.sizes()), raw_reshape(dw_ab, {4 * s.c, s.cz}), raw_reshape(db_ab, {4 * s.c}), dw_g, db_g, dw_z,
+          db_z};
 }
 
 // The parameters of the triangle op, in the schema's order: layer norm in (weight, bias), the
@@ -400,7 +409,7 @@ triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>
       triangle_forward_folded(z, mask, f.w_ab, f.b_ab, f.w_g, f.b_g, f.w_z, f.b_z, eps, outgoing, hopper, for_backward,
                               add_input, update_scale);
   // n_hat only for the backward (without it, [0] whether or not the output half used one)
-  if (!for_backward) n_hat = at::empty({0}, z.options());
+  if (!for_backward) n_hat = new_empty({0}, z.options());
   return {out, mean_in, rstd_in, a, b, n_hat, rstd_out, g, f.w_ab, f.b_ab, f.w_g, f.w_z, f.b_z};
 }
 

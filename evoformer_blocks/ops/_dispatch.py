@@ -403,6 +403,17 @@ def backend(name: str) -> contextlib.AbstractContextManager:
     return REGISTRY.use(name)
 
 
+_composing = 0  # open evoformer_blocks.ops.module_nodes.composed() blocks
+
+
+def nodes_allowed() -> bool:
+    """Whether an op may record one of the extension's C++ autograd nodes (the modules' and the layer
+    norms', csrc/modules) instead of composing its Python-level nodes: not under torch.compile (the
+    compiled graph traces the composed ops, whose fakes it knows) and not inside
+    :func:`~evoformer_blocks.ops.module_nodes.composed` (A/B comparisons)."""
+    return not (_composing or torch.compiler.is_compiling())
+
+
 def select(op: str, inputs: OpInputs, requested: Optional[str]) -> Backend:
     """The backend of ``op`` that runs ``inputs`` (see :meth:`Registry.select`)."""
     return REGISTRY.select(op, inputs, requested)

@@ -63,6 +63,9 @@ SCHEMAS = (
     "Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head, int heads, bool transposed, "
     "bool transpose_head, float scale, str family) -> Tensor",
     "transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor",
+    "add_layer_norm_node(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
+    "Tensor? residual_scale=None) -> (Tensor, Tensor)",
+    "layer_norm_keeping_input_node(Tensor(a) x, Tensor? weight, Tensor? bias, float eps) -> (Tensor(a), Tensor)",
 )
 
 _LIBRARY = torch.library.Library(_build.OP_NAMESPACE, "DEF")

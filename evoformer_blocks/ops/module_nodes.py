@@ -41,19 +41,19 @@ from .gating import GATE_OP, LINEAR_OP, fused_bias_gradient, validate_gate, vali
 
 Tensor = torch.Tensor
 _CUTLASS = "cutlass"  # the backend whose kernels the nodes call
-_composed = 0  # open composed() blocks
 
 
 @contextlib.contextmanager
 def composed():
-    """Inside the block the modules compose their ops instead of calling the nodes (the same results:
-    for A/B timings and the tests that compare the two)."""
-    global _composed
-    _composed += 1
+    """Inside the block the modules compose their ops instead of calling the nodes, and the layer
+    norms behind a residual add (``ops.add_layer_norm``, ``ops.layer_norm_keeping_input``) record
+    their Python-level nodes instead of their C++ ones (the same results: for A/B timings and the
+    tests that compare the two)."""
+    _dispatch._composing += 1
     try:
         yield
     finally:
-        _composed -= 1
+        _dispatch._composing -= 1
 
 
 def _meta(t: Optional[Tensor]):
@@ -63,8 +63,7 @@ def _meta(t: Optional[Tensor]):
 def _eligible(x: Tensor) -> bool:
     """Whether a node may run on input ``x`` at all: outside :func:`composed`, not compiling, on a
     CUDA tensor, autocast off."""
-    return not (_composed or torch.compiler.is_compiling() or not x.is_cuda
-                or torch.is_autocast_enabled(x.device.type))
+    return _dispatch.nodes_allowed() and x.is_cuda and not torch.is_autocast_enabled(x.device.type)
 
 
 def _same_kind(x: Tensor, tensors) -> bool:

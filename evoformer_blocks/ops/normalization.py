@@ -249,7 +249,10 @@ def layer_norm_keeping_input(
         not isinstance(impl, CutlassLayerNorm) or not torch.is_grad_enabled() or not x.is_contiguous()
     ):
         return x, impl.forward(inputs, None)
-    return _LayerNormKeepingInputFunction.apply(x, *impl.kernel_parameters(inputs), eps)
+    weight, bias = impl.kernel_parameters(inputs)
+    if _dispatch.nodes_allowed():  # one C++ node (csrc/modules), the same calls as the Function's
+        return tuple(_fused.kernels().layer_norm_keeping_input_node(x, weight, bias, eps))
+    return _LayerNormKeepingInputFunction.apply(x, weight, bias, eps)
 
 
 _dispatch.register(CutlassLayerNorm(), auto_priority=10)
@@ -419,6 +422,9 @@ class CutlassAddLayerNorm(_CutlassRowNorm):
 
     def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
         weight, bias = self.kernel_parameters(inputs)
+        if _dispatch.nodes_allowed():  # one C++ node (csrc/modules), the same calls as the Function's
+            return tuple(_fused.kernels().add_layer_norm_node(
+                inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale))
         return _FusedAddLayerNormFunction.apply(
             inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale)
 
