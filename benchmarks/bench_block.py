@@ -34,8 +34,8 @@ With --host, the host (CPU) time of the default EvoformerBlock with the GPU idle
 N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the block call and around
 `torch.autograd.grad` (no synchronisation inside an iteration), the median over five rounds of 20
 iterations after warm-up (instead of the block cases unless --shapes is given too), twice in one
-process, rounds alternating: with the modules calling their one-node C++ entries
-(`evoformer_blocks.ops.module_nodes`, the default) and with the modules composing their ops
+process, rounds alternating: with the modules and the residual add + layer norms calling their
+one-node C++ entries (`evoformer_blocks.ops.module_nodes`, the default) and composing their ops
 (`module_nodes.composed()`), the A/B of those nodes. Host time is
 what bounds the block at small sizes without CUDA graphs. It also counts, for the nodes, per forward and per
 backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
@@ -600,7 +600,7 @@ def main() -> None:
     results = []
     if args.host:
         host = host_ms()
-        for what, h in (("the modules' nodes", host), ("the modules composing their ops", host["composed"])):
+        for what, h in (("the C++ nodes", host), ("composing the ops", host["composed"])):
             rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in h["rounds"])
             print(f"\n## host time, {h['case']}, GPU idle, {what}: forward {h['fwd_ms']:.2f} ms, backward "
                   f"{h['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds}); ATen calls "

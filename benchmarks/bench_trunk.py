@@ -26,8 +26,9 @@ from bench_block.pairformer_block_flops.
 
 Implementations:
     plain        the stacks as ``from_config`` builds them
-    plain-composed  the same with every module composing its ops instead of calling its one-node
-                 C++ entry (``evoformer_blocks.ops.module_nodes.composed``: the A/B of those nodes)
+    plain-composed  the same with every module and residual add + layer norm composing its ops
+                 instead of calling its one-node C++ entry (``evoformer_blocks.ops.module_nodes.composed``:
+                 the A/B of those nodes)
     graphs       the same stacks with ``cuda_graphs=True`` (the first step runs plain, the second
                  captures; the warm-up covers both)
     peer         the same trunk in plain PyTorch on cuEquivariance's fused triangle multiplication
