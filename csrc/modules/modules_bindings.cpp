@@ -6,7 +6,9 @@
 // ops.linear on the cutlass backend): results and gradients are equal bit for bit
 // (tests/test_module_nodes_cuda.py). evoformer_blocks/ops/module_nodes.py decides when a node may run
 // (the cutlass backend selected for every op it stands for, no autocast, one dtype, not compiling, no
-// recompute policy keeping the attention).
+// recompute policy keeping the attention). The residual add + layer norm of the blocks is one such
+// node too (ops.add_layer_norm and ops.layer_norm_keeping_input record it on the cutlass backend,
+// except under torch.compile and inside module_nodes.composed()).
 //
 // Ops (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), composite (each
 // records its own node where autograd needs one):
@@ -26,6 +28,13 @@
 //     w2 [c_out, n c], b2 [c_out] -> [*, c_out]; the ReLU in cuBLASLt's epilogue (ops.linear with
 //     activation="relu"), each backward linear_bwd (the ReLU's backward and the bias sums in one
 //     column-sum pass).
+//   add_layer_norm_node(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps,
+//                       Tensor? residual_scale=None) -> (Tensor, Tensor)
+//     (sum = x + residual (* residual_scale), layer_norm(sum)) by add_layer_norm_fwd, backward by
+//     add_layer_norm_bwd (x's and the residual's gradients in one pass).
+//   layer_norm_keeping_input_node(Tensor(a) x, Tensor? weight, Tensor? bias, float eps) -> (Tensor(a), Tensor)
+//     (x itself, layer_norm(x)) by layer_norm_fwd; the backward adds the returned x's gradient to the
+//     layer norm's input gradient in add_layer_norm_bwd's one pass.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
