@@ -95,6 +95,13 @@ EVO_OP_HANDLE(add_layer_norm_forward_op, "add_layer_norm_fwd", block::add_layer_
 EVO_OP_HANDLE(add_layer_norm_backward_op, "add_layer_norm_bwd", block::add_layer_norm_bwd)
 #undef EVO_OP_HANDLE
 
+// x [*, A, A', c] as [B, A, A', c], its batch dims flattened (a view where they allow one).
+at::Tensor batch_flat(const at::Tensor& x) {
+  if (x.dim() == 4) return x;
+  const int64_t a = x.size(-3), a2 = x.size(-2), c = x.size(-1);
+  return reshaped(x, {x.numel() / (a * a2 * c), a, a2, c});
+}
+
 // x [B, L, L, c] -> [B, 1, H, L, L]: [b, 0, h, i, j] = x[b, i, j] . weight[h], head-major as weight @ x^T
 // (primitives._head_major's calls).
 at::Tensor head_major(const at::Tensor& x, const at::Tensor& weight) {
@@ -134,10 +141,8 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     EVO_CHECK(x_in.dim() >= 3, "gated attention module: `x` must be [*, A, A', c_in], got ", x_in.sizes());
     EVO_CHECK(!(pair_bias.has_value() && w_head.has_value()),
               "gated attention module: pass `pair_bias` or `w_head`, not both");
-    const int64_t a = x_in.size(-3), a2 = x_in.size(-2), c = x_in.size(-1);
-    // x [B, A, A', c_in]: the batch dims flattened (a view where they allow one; x_in is what the
-    // node saves, so that autograd sees in-place changes to it)
-    const at::Tensor x = x_in.dim() == 4 ? x_in : reshaped(x_in, {x_in.numel() / (a * a2 * c), a, a2, c});
+    // x [B, A, A', c_in] (x_in is what the node saves, so that autograd sees in-place changes to it)
+    const at::Tensor x = batch_flat(x_in);
     const at::Tensor stacked = at::cat({w_q, w_k, w_v, w_g});  // [4 H D, c_in]
     std::optional<at::Tensor> stacked_bias;
     if (b_q.has_value() || b_g.has_value()) {
@@ -203,8 +208,8 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     const int64_t heads = data.at("heads").toInt(), width = data.at("width_q").toInt();
 
     variable_list result(kInputs);
-    const int64_t a = x_in.size(-3), a2 = x_in.size(-2), c = x_in.size(-1);
-    const at::Tensor x = x_in.dim() == 4 ? x_in : reshaped(x_in, {x_in.numel() / (a * a2 * c), a, a2, c});
+    const int64_t c = x_in.size(-1);
+    const at::Tensor x = batch_flat(x_in);  // [B, A, A', c_in]
     const at::Tensor& grad = grads[0];  // [*, A, A', c_out]
     const at::Tensor dres = reshaped(grad, {x.size(0), x.size(1), x.size(2), grad.size(-1)});  // [B, A, A', c_out]
     const bool has_head = w_head.defined();
@@ -336,7 +341,7 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
     }
     // the residual is kept only for the gradient of a residual_scale that requires one
     const bool scale_grad = given(residual_scale) && residual_scale->requires_grad();
-    ctx->save_for_backward({residual.has_value() ? sum : x, value_or_undefined(weight), mean, rstd,
+    ctx->save_for_backward({sum, value_or_undefined(weight), mean, rstd,
                             value_or_undefined(residual_scale), scale_grad ? *residual : at::Tensor()});
     std::vector<int64_t> edges =
         edge_table({true, given(residual), given(weight), given(bias), false, given(residual_scale)});  // AddNormInput
