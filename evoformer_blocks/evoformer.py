@@ -11,6 +11,7 @@ given to the constructor (None: the ops' default, see :func:`evoformer_blocks.op
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from typing import Optional, Union
@@ -32,7 +33,7 @@ from .outer_product_mean import OuterProductMean
 from .ops import add_layer_norm, get_default_backend, layer_norm_keeping_input
 from .ops.cutlass import KERNELS_ENV
 from .primitives import LayerNorm, Linear
-from .recompute import Plan, check_recompute
+from .recompute import Plan, check_recompute, recomputed
 from .transitions import MSATransition, PairTransition, SwiGLUTransition
 from .triangle_multiplication import (
     FusedTriangleMultiplicationIncoming,
@@ -487,10 +488,18 @@ class _Stack(nn.Module):
             if not plan.checkpointed_group(index):  # checkpoint_last_group=False: the last one
                 m, z = self._run_group(start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps)
                 continue
-            m, z = checkpoint(
-                self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps,
-                use_reentrant=False, preserve_rng_state=False, **plan.checkpoint_kwargs(index),
-            )
+            kwargs = plan.checkpoint_kwargs(index)
+            if kwargs or torch.compiler.is_compiling():  # a policy keeps outputs; or traced
+                m, z = checkpoint(
+                    self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps,
+                    use_reentrant=False, preserve_rng_state=False, **kwargs,
+                )
+            else:  # full recomputation: one node, its forward unrecorded
+                parameters = [p for block in self.blocks[start:stop] for p in block.parameters()]
+                m, z = recomputed(
+                    functools.partial(self._run_group, start, stop), (m, z, msa_mask, pair_mask, chunk_size, keeps),
+                    parameters,
+                )
             plan.ran(index)
         return m, z
 
@@ -541,7 +550,7 @@ class EvoformerStack(_Stack):
 
     Args: as :class:`EvoformerBlock`, plus ``c_s`` (single channels), ``no_blocks`` and
     ``blocks_per_ckpt``: while gradients are enabled, every group of that many blocks runs under
-    ``torch.utils.checkpoint`` (non-reentrant), storing only the group's inputs; None: no
+    checkpointing, storing only the group's inputs (see :mod:`evoformer_blocks.recompute`); None: no
     checkpointing; ``recompute`` (``"full"``, the default, ``"attention"`` or
     ``"attention+triangle"``: which op outputs the checkpointed groups keep from their forward
     instead of recomputing them), ``recompute_budget_gib`` (None: every checkpointed group keeps

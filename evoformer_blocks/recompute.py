@@ -3,12 +3,17 @@
 :class:`~evoformer_blocks.ExtraMSAStack`, :class:`~evoformer_blocks.PairformerStack`,
 :class:`~evoformer_blocks.MSAModule`).
 
-With ``blocks_per_ckpt`` a stack runs each group of that many blocks under
-``torch.utils.checkpoint`` (non-reentrant): the forward keeps the group's inputs only, and the
-backward runs the group's forward again for the tensors its gradients need. A policy other than
-``"full"`` keeps some of the forward's op outputs: the recomputation takes those from the forward
-instead of running the ops again, and recomputes the rest (selective activation checkpointing; the
-checkpoint's ``context_fn``). Uncompiled, only the kept ops' call sites take part
+With ``blocks_per_ckpt`` a stack checkpoints each group of that many blocks: the forward keeps the
+group's inputs only, and the backward runs the group's forward again for the tensors its gradients
+need. A group that recomputes in full is one autograd node (:func:`recomputed`): its forward runs
+the blocks without recording a graph (the ops take their inference paths: no autograd nodes, no
+tensors saved, no pack hooks), and its backward runs them again with gradients recorded and
+differentiates that run, returning the gradients of the group's inputs and of the parameters. A
+group under a policy other than ``"full"``, and every group under torch.compile, runs under
+``torch.utils.checkpoint`` (non-reentrant), which the policies hook into: they keep some of the
+forward's op outputs, and the recomputation takes those from the forward instead of running the ops
+again, and recomputes the rest (selective activation checkpointing; the checkpoint's
+``context_fn``). Uncompiled, only the kept ops' call sites take part
 (:mod:`evoformer_blocks.ops._keep`): the other ops run as under full recomputation, with no
 per-op host work added. Under torch.compile the same policy goes to PyTorch's
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (:attr:`Policy.keeps`), which
@@ -56,22 +61,28 @@ between the stack's forward and its backward (another stack, a structure module,
 with those activations resident, though: the extra-MSA stack, followed by the whole Evoformer
 stack, would add them to the Evoformer stack's peak. Hence the default, True: each stack as before.
 
-Gradients. Kept outputs are the forward's own tensors, and recomputed ones equal them bit for bit
-(the ops are deterministic and the dropout masks are drawn before the group and passed in), so
-every policy, budget and ``checkpoint_last_group`` gives the outputs and gradients of full
-recomputation, bit for bit. With a policy, a second backward through one call of the stack
-(``retain_graph=True``) raises: the recomputation hands the kept outputs over once (so that they
-are freed with the group's backward), as PyTorch's selective checkpointing does.
-"""
+Gradients. A group that recomputes in full gives, in its forward, the outputs the recorded run gives
+(every op's inference path computes what its training path computes, bit for bit), and its gradients
+are those of the recorded run. (Its backward holds the gradients of the group's outputs through the
+rerun: one m and one z more than torch.utils.checkpoint holds.) Kept outputs are the forward's own
+tensors, and recomputed ones equal them bit for bit (the ops are deterministic and the dropout masks
+are drawn before the group and passed in), so every policy, budget and ``checkpoint_last_group``
+gives the outputs and gradients of full recomputation, bit for bit. With a policy, a second backward
+through one call of the stack (``retain_graph=True``) raises: the recomputation hands the kept
+outputs over once (so that they are freed with the group's backward), as PyTorch's selective
+checkpointing does. A group that recomputes in full reruns its blocks again for a second backward."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 from typing import Callable, Optional
 
 import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .ops import _keep
@@ -220,3 +231,71 @@ class Plan:
             type(stack).__name__, stack.recompute, per_block / 2**20, stack.recompute_budget_gib,
             sum(self.sizes[first:self.checkpointed]), sum(self.sizes[:self.checkpointed]),
         )
+
+
+# ---- full recomputation: one autograd node per group -----------------------------------------------
+
+
+def recomputed(run: Callable, args: tuple, parameters: list[torch.Tensor]):
+    """``run(*args)`` (a checkpointed group's blocks; returns a tuple of tensors) as one autograd node
+    that keeps ``args``' tensors only: the forward runs ``run`` without recording, the backward runs
+    it again with gradients recorded and differentiates that run with respect to ``args``' tensors
+    and ``parameters`` (the tensors ``run`` reads besides its arguments: the blocks' parameters).
+    ``args`` may nest tensors in tuples and lists (the dropout masks); its other leaves are passed as
+    they are. The autocast state of the call is that of the recomputation."""
+    leaves, spec = tree_flatten(args)
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in where]
+    device = next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu")
+    autocast = {
+        kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        for kind in dict.fromkeys((device, "cpu"))
+    }
+    # (the layout holds no tensor: the group's inputs go with its saved tensors, freed by its backward)
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    layout = (run, spec, template, where, autocast, torch.is_autocast_cache_enabled())
+    return _RecomputedGroup.apply(layout, len(tensors), *tensors, *parameters)
+
+
+def _arguments(layout, tensors) -> tuple:
+    """The group's arguments with ``tensors`` in the places of the call's tensors."""
+    _, spec, leaves, where, _, _ = layout
+    leaves = list(leaves)
+    for i, t in zip(where, tensors):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+class _RecomputedGroup(torch.autograd.Function):
+    """See :func:`recomputed`. Inputs: the layout (the group's function, where its tensors go, the
+    autocast state), how many of the tensors that follow are the group's arguments, those tensors,
+    then the parameters."""
+
+    @staticmethod
+    def forward(ctx, layout, n_args, *tensors):
+        ctx.layout, ctx.parameters = layout, tensors[n_args:]
+        ctx.save_for_backward(*tensors[:n_args])
+        ctx.set_materialize_grads(False)  # (an output without a gradient is skipped, not zero-filled)
+        return tuple(layout[0](*_arguments(layout, tensors[:n_args])))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[2:]
+        args = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        run, _, _, _, autocast, cache = ctx.layout
+        with torch.enable_grad(), contextlib.ExitStack() as states:
+            for kind, (enabled, dtype) in autocast.items():
+                states.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            outputs = run(*_arguments(ctx.layout, args))
+        # The outputs' graph edges, not the outputs: their memory goes now (unless the graph saved
+        # them), as it would had the rerun stopped at the last tensor the backward reads.
+        pairs = [(get_gradient_edge(o), g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        del outputs
+        wrt = [t for t, need in zip((*args, *ctx.parameters), needs) if need]
+        if pairs and wrt:
+            edges, grad_outs = zip(*pairs)
+            found = iter(torch.autograd.grad(edges, wrt, grad_outs, allow_unused=True))
+        else:
+            found = iter([None] * len(wrt))
+        return (None, None, *(next(found) if need else None for need in needs))

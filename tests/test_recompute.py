@@ -1,10 +1,12 @@
-"""The stacks' recompute options (evoformer_blocks.recompute) on CPU, eager backend: every policy,
-budget and ``checkpoint_last_group`` gives the outputs and gradients of full recomputation bit for
-bit (float32 and float64, dropout on and off, all four stacks, autocast); the kept matrix products
-are really not recomputed (the ops the backward runs, counted); the budget goes to the last groups
-and bounds the memory kept (live bytes of the ops' outputs, tracked); the last group without
-checkpointing leaves a stack's own peak as it was but raises a trunk's when another stack follows;
-the settings' checks, presets, copies and pickles, and torch.compile."""
+"""The stacks' recompute options (evoformer_blocks.recompute) on CPU, eager backend: full recomputation
+gives the stack without checkpointing (its forward unrecorded, each backward a recorded rerun, also
+a second one and one for a few leaves), and every policy, budget and ``checkpoint_last_group`` gives
+the outputs and gradients of full recomputation bit for bit (float32 and float64, dropout on and
+off, all four stacks, autocast); the kept matrix products are really not recomputed (the ops the
+backward runs, counted); the budget goes to the last groups and bounds the memory kept (live bytes
+of the ops' outputs, tracked); the last group without checkpointing leaves a stack's own peak as it
+was but raises a trunk's when another stack follows; the settings' checks, presets, copies and
+pickles, and torch.compile."""
 
 from __future__ import annotations
 
@@ -131,6 +133,41 @@ def test_autocast_gives_the_gradients_of_full_recomputation():
     assert_bitwise(*results)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_recomputation_gives_the_stack_without_checkpointing(kind):
+    # A fully recomputed group's forward runs unrecorded and its backward differentiates a recorded
+    # rerun: the outputs and gradients of the stack without checkpointing, bit for bit (dropout on;
+    # groups of 1, 2 and 3 of 4 blocks)
+    stack = make(kind, blocks_per_ckpt=None).train()
+    reference = step(stack, kind)
+    for group in (1, 2, 3):
+        stack.blocks_per_ckpt = group
+        assert_bitwise(step(stack, kind), reference, f"blocks_per_ckpt={group}")
+
+
+def test_a_recomputed_group_records_nothing_until_its_backward():
+    # the forward runs the blocks without gradients (no graph, nothing saved but the group's inputs);
+    # each backward reruns them with gradients, also a second one (retain_graph) and one asking for a
+    # few leaves only
+    stack = make("evoformer", no_blocks=2, blocks_per_ckpt=None).train()
+    x, z, x_mask, pair_mask = make_inputs("evoformer")
+    torch.manual_seed(7)
+    reference = torch.autograd.grad(loss_of(stack(x, z, x_mask, pair_mask)), [z, *stack.parameters()])
+    stack.blocks_per_ckpt = 1
+    seen = []
+    stack.blocks[0].outer_product_mean.linear_out.register_forward_hook(
+        lambda *args: seen.append(torch.is_grad_enabled()))
+    torch.manual_seed(7)
+    out = stack(x, z, x_mask, pair_mask)
+    assert seen == [False]
+    assert all(type(o.grad_fn).__name__ == "_RecomputedGroupBackward" for o in out[:2])
+    loss = loss_of(out)
+    assert_bitwise(torch.autograd.grad(loss, [z], retain_graph=True), reference[:1], "z only")
+    assert seen == [False, True]
+    assert_bitwise(torch.autograd.grad(loss, [z, *stack.parameters()]), reference, "second backward")
+    assert seen == [False, True, True]
+
+
 # --------------------------------------------------------------------------------------------
 # What the backward recomputes
 
@@ -176,8 +213,13 @@ def test_the_kept_products_are_not_recomputed(kind):
     assert products(counts["attention"], triangle) == products(counts["full"], triangle)
     # "attention+triangle" keeps both
     assert products(counts["attention+triangle"], attention) == 0 == products(counts["attention+triangle"], triangle)
+    # (full recomputation differentiates a recorded rerun of the group, the policies run under
+    # torch.utils.checkpoint, whose hooks add detaches: their totals compare among themselves, and
+    # every policy runs fewer matrix products than full recomputation)
     totals = {policy: sum(c.values()) for policy, c in counts.items()}
-    assert totals["full"] > totals["attention"] > totals["attention+triangle"]
+    assert totals["attention"] > totals["attention+triangle"]
+    matrix = {policy: products(c, None) + products(c, attention) + products(c, triangle) for policy, c in counts.items()}
+    assert matrix["full"] > matrix["attention"] > matrix["attention+triangle"]
     # Without checkpointing the last group, its block is not recomputed at all: a third less (the
     # MSA module's last block does less than the others: less)
     stack.recompute, stack.checkpoint_last_group = "full", False
@@ -312,24 +354,29 @@ def test_the_last_group_without_checkpointing_before_another_stack_raises_the_pe
     assert peak_bytes(extra, evoformer) > checkpointed
 
 
+SIZES = dict(n_seq=24, n_res=32)
+
+
 def test_the_budget_bounds_the_memory_kept():
     stack = make("evoformer", no_blocks=6, blocks_per_ckpt=1).train()
-    full = peak_bytes(stack)
+    # (sizes where the activations, not the parameters' gradients, set the peak: at the first
+    # backward, not the last)
+    full = peak_bytes(stack, **SIZES)
     stack.recompute = "attention+triangle"
     stack.recompute_budget_gib = 1.0
-    peak_bytes(stack)  # measures
+    peak_bytes(stack, **SIZES)  # measures
     budget = 2.5 * per_block(stack)  # two blocks' kept outputs
     stack.recompute_budget_gib = budget / 2**30
-    within_budget = peak_bytes(stack)
+    within_budget = peak_bytes(stack, **SIZES)
     stack.recompute_budget_gib = None
-    every_block = peak_bytes(stack)
+    every_block = peak_bytes(stack, **SIZES)
     assert 0 < within_budget - full <= budget
     assert every_block - full > within_budget - full
     assert every_block - full <= 6 * per_block(stack)
     # The last group's kept outputs cost nothing at the peak: its recomputation would rebuild them
     # right before its backward.
     stack.recompute_budget_gib = 1.5 * per_block(stack) / 2**30  # the last group only
-    assert peak_bytes(stack) <= full
+    assert peak_bytes(stack, **SIZES) <= full
 
 
 # --------------------------------------------------------------------------------------------
