@@ -495,10 +495,9 @@ class _Stack(nn.Module):
                     use_reentrant=False, preserve_rng_state=False, **kwargs,
                 )
             else:  # full recomputation: one node, its forward unrecorded
-                parameters = [p for block in self.blocks[start:stop] for p in block.parameters()]
                 m, z = recomputed(
                     functools.partial(self._run_group, start, stop), (m, z, msa_mask, pair_mask, chunk_size, keeps),
-                    parameters,
+                    self.blocks[start:stop],
                 )
             plan.ran(index)
         return m, z

@@ -236,13 +236,14 @@ class Plan:
 # ---- full recomputation: one autograd node per group -----------------------------------------------
 
 
-def recomputed(run: Callable, args: tuple, parameters: list[torch.Tensor]):
+def recomputed(run: Callable, args: tuple, modules: list[torch.nn.Module]):
     """``run(*args)`` (a checkpointed group's blocks; returns a tuple of tensors) as one autograd node
     that keeps ``args``' tensors only: the forward runs ``run`` without recording, the backward runs
     it again with gradients recorded and differentiates that run with respect to ``args``' tensors
-    and ``parameters`` (the tensors ``run`` reads besides its arguments: the blocks' parameters).
-    ``args`` may nest tensors in tuples and lists (the dropout masks); its other leaves are passed as
-    they are. The autocast state of the call is that of the recomputation."""
+    and the parameters of ``modules`` (the blocks ``run`` reads). ``args`` may nest tensors in tuples
+    and lists (the dropout masks); its other leaves are passed as they are. The recomputation runs
+    under the call's autocast state, on the parameter tensors the forward read (a CUDA graph capture
+    binds views of the parameters in their modules while it runs the forward)."""
     leaves, spec = tree_flatten(args)
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in where]
@@ -251,19 +252,45 @@ def recomputed(run: Callable, args: tuple, parameters: list[torch.Tensor]):
         kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         for kind in dict.fromkeys((device, "cpu"))
     }
+    # Each parameter slot (module, name) and the index of its tensor among the parameters
+    parameters, index, slots = [], {}, []
+    for block in modules:
+        for module in block.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    if id(p) not in index:
+                        index[id(p)] = len(parameters)
+                        parameters.append(p)
+                    slots.append((module, name, index[id(p)]))
     # (the layout holds no tensor: the group's inputs go with its saved tensors, freed by its backward)
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    layout = (run, spec, template, where, autocast, torch.is_autocast_cache_enabled())
+    layout = (run, spec, template, where, autocast, torch.is_autocast_cache_enabled(), slots)
     return _RecomputedGroup.apply(layout, len(tensors), *tensors, *parameters)
 
 
 def _arguments(layout, tensors) -> tuple:
     """The group's arguments with ``tensors`` in the places of the call's tensors."""
-    _, spec, leaves, where, _, _ = layout
+    _, spec, leaves, where = layout[:4]
     leaves = list(leaves)
     for i, t in zip(where, tensors):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
+
+
+@contextlib.contextmanager
+def _bound(slots, parameters):
+    """Inside the block each slot (module, name, index) holds ``parameters[index]``."""
+    swapped = []
+    for module, name, i in slots:
+        held = module._parameters[name]
+        if held is not parameters[i]:
+            swapped.append((module, name, held))
+            module._parameters[name] = parameters[i]
+    try:
+        yield
+    finally:
+        for module, name, held in swapped:
+            module._parameters[name] = held
 
 
 class _RecomputedGroup(torch.autograd.Function):
@@ -283,8 +310,8 @@ class _RecomputedGroup(torch.autograd.Function):
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad[2:]
         args = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-        run, _, _, _, autocast, cache = ctx.layout
-        with torch.enable_grad(), contextlib.ExitStack() as states:
+        run, _, _, _, autocast, cache, slots = ctx.layout
+        with torch.enable_grad(), _bound(slots, ctx.parameters), contextlib.ExitStack() as states:
             for kind, (enabled, dtype) in autocast.items():
                 states.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
             outputs = run(*_arguments(ctx.layout, args))

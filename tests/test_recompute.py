@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from evoformer_blocks import EvoformerStack, ExtraMSAStack, MSAModule, PairformerStack, recompute
+from evoformer_blocks import EvoformerStack, ExtraMSAStack, MSAModule, PairformerStack, cuda_graphs, recompute
 from evoformer_blocks.config import PRESETS, get_config
 from evoformer_blocks.ops import _fused, _keep
 from test_af3 import msa_inputs, msa_module, pairformer, single_inputs
@@ -166,6 +166,22 @@ def test_a_recomputed_group_records_nothing_until_its_backward():
     assert seen == [False, True]
     assert_bitwise(torch.autograd.grad(loss, [z, *stack.parameters()]), reference, "second backward")
     assert seen == [False, True, True]
+
+
+def test_a_recomputed_group_reruns_on_the_parameters_its_forward_read():
+    # (a CUDA graph capture runs the forward with views of the parameters bound in their modules and
+    # differentiates with respect to those views, after putting the parameters back)
+    stack = make("evoformer", no_blocks=2, blocks_per_ckpt=None).train()
+    results = []
+    for group in (None, 1):
+        stack.blocks_per_ckpt = group
+        x, z, x_mask, pair_mask = make_inputs("evoformer")
+        torch.manual_seed(7)
+        with cuda_graphs._parameters_as_views(stack, list(stack.parameters())) as views:
+            out = stack(x, z, x_mask, pair_mask)
+        results.append(torch.autograd.grad(loss_of(out), [z, *views], allow_unused=True))
+    assert all(g is not None for g in results[0])
+    assert_bitwise(results[1], results[0], "views")
 
 
 # --------------------------------------------------------------------------------------------
