@@ -29,6 +29,9 @@ Implementations:
     plain-composed  the same with every module and residual add + layer norm composing its ops
                  instead of calling its one-node C++ entry (``evoformer_blocks.ops.module_nodes.composed``:
                  the A/B of those nodes)
+    plain-torch-checkpoint  the same with every checkpointed group under ``torch.utils.checkpoint``
+                 (non-reentrant), full recomputation included, instead of the stacks' own node for
+                 it (``evoformer_blocks.recompute.through_torch_checkpoint``: the A/B of that node)
     graphs       the same stacks with ``cuda_graphs=True`` (the first step runs plain, the second
                  captures; the warm-up covers both)
     peer         the same trunk in plain PyTorch on cuEquivariance's fused triangle multiplication
@@ -80,6 +83,7 @@ from harness import CommandLine, failure_reason, fmt, markdown_table, optional_i
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
+from evoformer_blocks import recompute  # noqa: E402
 from evoformer_blocks.ops import module_nodes  # noqa: E402
 
 N_EXTRA = 1024
@@ -102,10 +106,10 @@ class TokenCase:
         return f"N_token {self.n_token}"
 
 
-IMPLS = ["plain", "plain-composed", "graphs", "peer", "peer-graphs", "peer-eager"]
+IMPLS = ["plain", "plain-composed", "plain-torch-checkpoint", "graphs", "peer", "peer-graphs", "peer-eager"]
 DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
-WARM_UP = {"plain": 2, "plain-composed": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
-PLAIN = ("plain", "plain-composed", "graphs")  # the library's stacks
+WARM_UP = {"plain": 2, "plain-composed": 2, "plain-torch-checkpoint": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
+PLAIN = ("plain", "plain-composed", "plain-torch-checkpoint", "graphs")  # the library's stacks
 
 
 def peer_compile_mode(impl: str):
@@ -319,6 +323,9 @@ def profile_step(step) -> dict:
 def measure(trunk, impl: str, case, args) -> dict:
     if impl == "plain-composed":  # the modules compose their ops instead of calling their nodes
         with module_nodes.composed():
+            return _measure(trunk, impl, case, args)
+    if impl == "plain-torch-checkpoint":  # full recomputation under torch.utils.checkpoint
+        with recompute.through_torch_checkpoint():
             return _measure(trunk, impl, case, args)
     return _measure(trunk, impl, case, args)
 

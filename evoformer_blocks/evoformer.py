@@ -33,7 +33,7 @@ from .outer_product_mean import OuterProductMean
 from .ops import add_layer_norm, get_default_backend, layer_norm_keeping_input
 from .ops.cutlass import KERNELS_ENV
 from .primitives import LayerNorm, Linear
-from .recompute import Plan, check_recompute, recomputed
+from .recompute import Plan, check_recompute, recomputed, torch_checkpoint_only
 from .transitions import MSATransition, PairTransition, SwiGLUTransition
 from .triangle_multiplication import (
     FusedTriangleMultiplicationIncoming,
@@ -489,7 +489,7 @@ class _Stack(nn.Module):
                 m, z = self._run_group(start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps)
                 continue
             kwargs = plan.checkpoint_kwargs(index)
-            if kwargs or torch.compiler.is_compiling():  # a policy keeps outputs; or traced
+            if kwargs or torch_checkpoint_only():  # a policy keeps outputs; or traced (or an A/B)
                 m, z = checkpoint(
                     self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps,
                     use_reentrant=False, preserve_rng_state=False, **kwargs,

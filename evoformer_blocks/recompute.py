@@ -236,6 +236,28 @@ class Plan:
 # ---- full recomputation: one autograd node per group -----------------------------------------------
 
 
+_through_torch = 0  # open through_torch_checkpoint() blocks
+
+
+@contextlib.contextmanager
+def through_torch_checkpoint():
+    """Inside the block every checkpointed group runs under ``torch.utils.checkpoint``
+    (non-reentrant), full recomputation included, instead of :func:`recomputed` (the same results
+    and memory; for A/B timings)."""
+    global _through_torch
+    _through_torch += 1
+    try:
+        yield
+    finally:
+        _through_torch -= 1
+
+
+def torch_checkpoint_only() -> bool:
+    """Whether a checkpointed group must run under ``torch.utils.checkpoint``: inside
+    :func:`through_torch_checkpoint` or while torch.compile traces."""
+    return bool(_through_torch) or torch.compiler.is_compiling()
+
+
 def recomputed(run: Callable, args: tuple, modules: list[torch.nn.Module]):
     """``run(*args)`` (a checkpointed group's blocks; returns a tuple of tensors) as one autograd node
     that keeps ``args``' tensors only: the forward runs ``run`` without recording, the backward runs

@@ -168,6 +168,18 @@ def test_a_recomputed_group_records_nothing_until_its_backward():
     assert seen == [False, True, True]
 
 
+def test_through_torch_checkpoint_gives_the_same_bits():
+    # the A/B switch: full recomputation under torch.utils.checkpoint (its forward recorded)
+    stack = make("evoformer", blocks_per_ckpt=1).train()
+    reference = step(stack, "evoformer")
+    seen = []
+    stack.blocks[0].outer_product_mean.linear_out.register_forward_hook(
+        lambda *args: seen.append(torch.is_grad_enabled()))
+    with recompute.through_torch_checkpoint():
+        assert_bitwise(step(stack, "evoformer"), reference, "torch.utils.checkpoint")
+    assert seen == [True, True]
+
+
 def test_a_recomputed_group_reruns_on_the_parameters_its_forward_read():
     # (a CUDA graph capture runs the forward with views of the parameters bound in their modules and
     # differentiates with respect to those views, after putting the parameters back)
