@@ -334,8 +334,8 @@ class ExtraMSABlock(_MSABlock):
 OPENFOLD3_IGNORED_KEYS = {
     "clear_cache_between_blocks": "OpenFold3's memory trick (emptying the accelerator's cache between blocks)",
     "tune_chunk_size": "OpenFold3's chunk-size tuner",
-    "use_reentrant": "OpenFold3's choice of checkpoint implementation (checkpointing here is non-reentrant: the "
-                     "same gradients)",
+    "use_reentrant": "OpenFold3's choice of checkpoint implementation (the stacks here choose their own, "
+                     "evoformer_blocks.recompute: the same gradients)",
     "linear_init_params": "OpenFold3's per-layer initialisation settings (the stack initialises its own; loaded "
                           "weights replace them; their bias flags, as OpenFold3 ships them, are AF3's, as here)",
 }
