@@ -168,6 +168,32 @@ def test_a_recomputed_group_records_nothing_until_its_backward():
     assert seen == [False, True, True]
 
 
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_recomputed_groups_under_distributed_data_parallel(tmp_path, find_unused):
+    # The parameters are inputs of each group's node: DistributedDataParallel's reducer sees every
+    # one of them used, once, and its gradients equal the plain module's (one gloo process)
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    stack = make("evoformer", no_blocks=3, blocks_per_ckpt=1).train()
+
+    def grads(module):
+        x, z, x_mask, pair_mask = make_inputs("evoformer")
+        torch.manual_seed(7)
+        stack.zero_grad(set_to_none=True)
+        loss_of(module(x, z, x_mask, pair_mask)).backward()
+        return [p.grad.clone() for p in stack.parameters()]
+
+    reference = grads(stack)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(stack, find_unused_parameters=find_unused)
+        for step in range(2):
+            assert_bitwise(grads(ddp), reference, f"step {step}")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_through_torch_checkpoint_gives_the_same_bits():
     # the A/B switch: full recomputation under torch.utils.checkpoint (its forward recorded)
     stack = make("evoformer", blocks_per_ckpt=1).train()
