@@ -1,12 +1,12 @@
-"""The stacks' recompute options (evoformer_blocks.recompute) on CPU, eager backend: full recomputation
-gives the stack without checkpointing (its forward unrecorded, each backward a recorded rerun, also
-a second one and one for a few leaves, under DistributedDataParallel), and every policy, budget and
-``checkpoint_last_group`` gives the outputs and gradients of full recomputation bit for bit (float32
-and float64, dropout on and off, all four stacks, autocast); the kept matrix products are really not
-recomputed (the ops the backward runs, counted); the budget goes to the last groups and bounds the
-memory kept (live bytes of the ops' outputs, tracked); the last group without checkpointing leaves a
-stack's own peak as it was but raises a trunk's when another stack follows; the settings' checks,
-presets, copies and pickles, and torch.compile."""
+"""The stacks' recompute options (evoformer_blocks.recompute) on CPU, eager backend: full
+recomputation gives the stack without checkpointing (its forward unrecorded, each backward a
+recorded rerun, also a second one and one for a few leaves, under DistributedDataParallel), and
+every policy, budget and ``checkpoint_last_group`` gives the outputs and gradients of full
+recomputation bit for bit (float32 and float64, dropout on and off, all four stacks, autocast); the
+kept matrix products are really not recomputed (the ops the backward runs, counted); the budget goes
+to the last groups and bounds the memory kept (live bytes of the ops' outputs, tracked); the last
+group without checkpointing leaves a stack's own peak as it was but raises a trunk's when another
+stack follows; the settings' checks, presets, copies and pickles, and torch.compile."""
 
 from __future__ import annotations
 

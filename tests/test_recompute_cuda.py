@@ -1,5 +1,5 @@
-"""The stacks' recompute options on a GPU, on the fused kernels (the "auto" backend, cutlass where it
-runs): full recomputation gives the outputs and gradients of the stack without checkpointing, and
+"""The stacks' recompute options on a GPU, on the fused kernels (the "auto" backend, cutlass where
+it runs): full recomputation gives the outputs and gradients of the stack without checkpointing, and
 every policy and ``checkpoint_last_group`` those of full recomputation, bit for bit, for all four
 stacks, with dropout, with both kernel families on Hopper; the kept fused ops do not run in the
 backward (counted); the bytes a block keeps, as measured, are the memory the policy holds after the
