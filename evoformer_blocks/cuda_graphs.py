@@ -53,6 +53,7 @@ from typing import Iterator, Optional
 import torch
 
 from .ops import get_default_backend
+from .recompute import parameters_bound
 
 logger = logging.getLogger("evoformer_blocks")
 
@@ -134,17 +135,10 @@ def _parameters_as_views(stack: torch.nn.Module, params: list) -> Iterator[list]
     alive from an earlier step (a caller's `loss` keeps that step's graph), bound to the stream it
     was made on, and the backward capture would then synchronise with that stream and fail."""
     views = {id(p): p.view_as(p) for p in params if p.requires_grad}
-    swapped = []
-    for module in stack.modules():
-        for name, p in module._parameters.items():
-            if p is not None and id(p) in views:
-                swapped.append((module, name, p))
-                module._parameters[name] = views[id(p)]
-    try:
+    bindings = [(module, name, views[id(p)]) for module in stack.modules()
+                for name, p in module._parameters.items() if p is not None and id(p) in views]
+    with parameters_bound(bindings):
         yield [views[id(p)] for p in params if p.requires_grad]
-    finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
 
 
 class _Replay(torch.autograd.Function):

@@ -78,11 +78,11 @@ import contextlib
 import functools
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .ops import _keep
@@ -286,28 +286,39 @@ def recomputed(run: Callable, args: tuple, modules: list[torch.nn.Module]):
                     slots.append((module, name, index[id(p)]))
     # (the layout holds no tensor: the group's inputs go with its saved tensors, freed by its backward)
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    layout = (run, spec, template, where, autocast, torch.is_autocast_cache_enabled(), slots)
+    layout = _Layout(run, spec, template, where, autocast, torch.is_autocast_cache_enabled(), slots)
     return _RecomputedGroup.apply(layout, len(tensors), *tensors, *parameters)
 
 
-def _arguments(layout, tensors) -> tuple:
-    """The group's arguments with ``tensors`` in the places of the call's tensors."""
-    _, spec, leaves, where = layout[:4]
-    leaves = list(leaves)
-    for i, t in zip(where, tensors):
-        leaves[i] = t
-    return tree_unflatten(leaves, spec)
+class _Layout(NamedTuple):
+    """What a recomputed group's node keeps besides tensors."""
+
+    run: Callable  # the group's blocks
+    spec: TreeSpec  # the structure of its arguments
+    template: list  # their leaves, None in the places of tensors
+    where: list[int]  # the places of the tensors among the leaves
+    autocast: dict  # device type -> (enabled, dtype) at the call
+    autocast_cache: bool
+    slots: list  # (module, name, index among the parameters) per parameter slot
+
+    def arguments(self, tensors) -> tuple:
+        """The group's arguments with ``tensors`` in the places of the call's tensors."""
+        leaves = list(self.template)
+        for i, t in zip(self.where, tensors):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.spec)
 
 
 @contextlib.contextmanager
-def _bound(slots, parameters):
-    """Inside the block each slot (module, name, index) holds ``parameters[index]``."""
+def parameters_bound(bindings):
+    """Inside the block each slot (module, name, tensor) of ``bindings`` holds its tensor as the
+    module's parameter ``name`` (the tensors the modules held are put back after)."""
     swapped = []
-    for module, name, i in slots:
+    for module, name, tensor in bindings:
         held = module._parameters[name]
-        if held is not parameters[i]:
+        if held is not tensor:
             swapped.append((module, name, held))
-            module._parameters[name] = parameters[i]
+            module._parameters[name] = tensor
     try:
         yield
     finally:
@@ -325,18 +336,20 @@ class _RecomputedGroup(torch.autograd.Function):
         ctx.layout, ctx.parameters = layout, tensors[n_args:]
         ctx.save_for_backward(*tensors[:n_args])
         ctx.set_materialize_grads(False)  # (an output without a gradient is skipped, not zero-filled)
-        return tuple(layout[0](*_arguments(layout, tensors[:n_args])))
+        return tuple(layout.run(*layout.arguments(tensors[:n_args])))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad[2:]
         args = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-        run, _, _, _, autocast, cache, slots = ctx.layout
-        with torch.enable_grad(), _bound(slots, ctx.parameters), contextlib.ExitStack() as states:
-            for kind, (enabled, dtype) in autocast.items():
-                states.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
-            outputs = run(*_arguments(ctx.layout, args))
+        layout = ctx.layout
+        bindings = [(module, name, ctx.parameters[i]) for module, name, i in layout.slots]
+        with torch.enable_grad(), parameters_bound(bindings), contextlib.ExitStack() as states:
+            for kind, (enabled, dtype) in layout.autocast.items():
+                states.enter_context(
+                    torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=layout.autocast_cache))
+            outputs = layout.run(*layout.arguments(args))
         # The outputs' graph edges, not the outputs: their memory goes now (unless the graph saved
         # them), as it would had the rerun stopped at the last tensor the backward reads.
         pairs = [(get_gradient_edge(o), g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
