@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
-from .ops import triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual
+from .ops import module_nodes, triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual
 from .primitives import LayerNorm, Linear, bias_or_zeros
 
 
@@ -60,9 +60,25 @@ class TriangleMultiplicativeUpdate(nn.Module):
     def _input_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The op's ``proj_weight [4 * c_hidden, c_z]`` and ``proj_bias [4 * c_hidden]``: the
         projections of a, its gate, b and its gate, stacked in that order (zeros without biases)."""
-        projections = (self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g)
+        projections = self._projection_layers()
         weight = torch.cat([lin.weight for lin in projections])
         return weight, bias_or_zeros(weight, *(lin.bias for lin in projections))
+
+    def _projection_layers(self) -> Optional[tuple[Linear, ...]]:
+        """The four input projections (a, its gate, b, its gate), which the op takes stacked; None where
+        the module holds them otherwise."""
+        return self.linear_a_p, self.linear_a_g, self.linear_b_p, self.linear_b_g
+
+    def _node(self, z: torch.Tensor, mask: Optional[torch.Tensor], **mode):
+        """The op's result as one node (:func:`ops.module_nodes.triangle_multiplication`; ``mode``: its
+        keep_input, add_input, update_scale), or None where the node cannot stand for the op."""
+        projections = self._projection_layers()
+        if projections is None:
+            return None
+        return module_nodes.triangle_multiplication(
+            z, mask, projections, self.linear_g, self.linear_z, self.layer_norm_in, self.layer_norm_out,
+            outgoing=self.outgoing, backend=self.backend, **mode,
+        )
 
     def forward(
         self, z: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None
@@ -75,6 +91,9 @@ class TriangleMultiplicativeUpdate(nn.Module):
             raise ValueError(f"{name}: `z` must be square [*, N_res, N_res, c_z], got {list(z.shape)}")
         if mask is not None:
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
+        out = self._node(z, mask)
+        if out is not None:
+            return out  # [*, N_res, N_res, c_z]
         return triangle_multiplication(z, mask, **self._op_arguments())  # [*, N_res, N_res, c_z]
 
     def _op_arguments(self) -> dict:
@@ -99,6 +118,9 @@ class TriangleMultiplicativeUpdate(nn.Module):
     def _keeping_input(self, z: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(z, self(z, mask))`` from checked inputs, as one node where the op allows
         (:func:`ops.triangle_multiplication_keeping_input`: the block adds the update to z)."""
+        kept = self._node(z, mask, keep_input=True)
+        if kept is not None:
+            return kept
         return triangle_multiplication_keeping_input(z, mask, **self._op_arguments())
 
     def _adding_to_input(
@@ -106,6 +128,9 @@ class TriangleMultiplicativeUpdate(nn.Module):
     ) -> torch.Tensor:
         """``z + self(z, mask) * update_scale`` (``z + self(z, mask)`` without a scale) from checked
         inputs: :func:`ops.triangle_multiplication_residual`, whose fused path adds z as it writes."""
+        out = self._node(z, mask, add_input=True, update_scale=update_scale)
+        if out is not None:
+            return out
         return triangle_multiplication_residual(z, mask, update_scale=update_scale, **self._op_arguments())
 
 
@@ -131,6 +156,9 @@ class _FusedProjections:
     def _add_input_projections(self, c_z: int, c_hidden: int, backend: Optional[str]) -> None:
         self.linear_ab_p = Linear(c_z, 2 * c_hidden, bias=self.bias, backend=backend)
         self.linear_ab_g = Linear(c_z, 2 * c_hidden, bias=self.bias, init="gating", backend=backend)
+
+    def _projection_layers(self) -> None:
+        return None  # (the op takes the stack made below: no node)
 
     def _input_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         # [a_p; b_p] and [a_g; b_g] interleaved into the op's [a_p; a_g; b_p; b_g]: one stack

@@ -3,9 +3,11 @@ for (GPU only): outputs and every gradient equal bit for bit, for each gated att
 variant, dtype, batch shape, with and without a mask, with frozen parameters and without grad, and
 for the AF2 transitions; the node runs where it should and the composed path everywhere else
 (autocast, the eager backend, a recompute policy keeping the attention); whole blocks equal either
-way. The layer norms' C++ nodes (``ops.add_layer_norm``, ``ops.layer_norm_keeping_input``) against
-their Python-level nodes the same way, for each dtype, parameter dtype, residual scale and set of
-outputs used.
+way. The triangle multiplications' node against the op's Python path the same way, for each entry
+point the block uses, with and without biases, frozen parameters and grad; the op runs where the
+node cannot. The layer norms' C++ nodes (``ops.add_layer_norm``, ``ops.layer_norm_keeping_input``)
+against their Python-level nodes the same way, for each dtype, parameter dtype, residual scale and
+set of outputs used.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import evoformer_blocks as eb
 from evoformer_blocks.ops import _keep, module_nodes
 from evoformer_blocks.ops.cutlass import GATED_FORWARD_OP
+from evoformer_blocks.ops.triangle import FUSED_OP as TRIANGLE_FUSED_OP
 from evoformer_blocks.pairformer import AttentionPairBias
 from gpu import kernel_family, requires_sm80  # noqa: F401  (kernel_family: a fixture)
 from test_modules_cuda import randomize
@@ -242,6 +245,122 @@ def test_block_equals_the_composed_block(name):
     with module_nodes.composed():
         reference = run()
     assert_bitwise(results, reference, name)
+
+
+TRIANGLE_NODE = "TriangleNode"
+
+
+def ran_node(names: set, node: str = TRIANGLE_NODE) -> bool:
+    """Whether the autograd node names ``names`` hold ``node``'s (C++ nodes are named by their type)."""
+    return any(node in name for name in names)
+
+TRIANGLE_MULS = {
+    "outgoing": lambda: eb.TriangleMultiplicationOutgoing(C_Z, C),
+    "incoming": lambda: eb.TriangleMultiplicationIncoming(C_Z, C),
+    "outgoing_no_bias": lambda: eb.TriangleMultiplicationOutgoing(C_Z, C, bias=False),
+}
+# what the module returns: its forward (the update); the block's entry points (z, update) and z +
+# update, the latter also with a dropout keep-mask of one row [*, 1, N_res, c_z] as its scale
+TRIANGLE_MODES = ("update", "keeping_input", "adding", "adding_scaled")
+
+
+def triangle_call(module, z, mask, mode: str, scale=None):
+    """The module's result in ``mode`` as a list of tensors."""
+    if mode == "update":
+        return [module(z, mask)]
+    if mode == "keeping_input":
+        return list(module._keeping_input(z, mask))
+    return [module._adding_to_input(z, mask, scale if mode == "adding_scaled" else None)]
+
+
+def triangle_step(module, z, mask, mode, scale=None, *, frozen=(), z_grad=True):
+    """(the outputs, the gradients of z (where it requires grad) and of the parameters requiring grad
+    of a loss of the outputs, the outputs' autograd node names)."""
+    for name, param in module.named_parameters():
+        param.requires_grad_(not any(name.startswith(f) for f in frozen))
+    z = z.detach().clone().requires_grad_(z_grad)
+    outs = triangle_call(module, z, mask, mode, scale)
+    gen = torch.Generator().manual_seed(6)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen).to("cuda")).sum() for o in outs)
+    leaves = ([z] if z_grad else []) + [p for p in module.parameters() if p.requires_grad]
+    names = set().union(*(graph_names(o.grad_fn) for o in outs))
+    return outs + (list(torch.autograd.grad(loss, leaves)) if leaves else []), names
+
+
+def triangle_inputs(batch: tuple, masked: bool, dtype, seed: int = 8):
+    """z [*, N_res, N_res, c_z], its mask or None, a row dropout keep-mask [*, 1, N_res, c_z]."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(*batch, N_RES, N_RES, C_Z, generator=gen).to("cuda", dtype)
+    mask = (torch.rand(*batch, N_RES, N_RES, generator=gen) > 0.2).to("cuda", dtype) if masked else None
+    keep = ((torch.rand(*batch, 1, N_RES, C_Z, generator=gen) > 0.25).float() / 0.75).to("cuda", dtype)
+    return z, mask, keep
+
+
+@pytest.mark.parametrize("name", list(TRIANGLE_MULS))
+@pytest.mark.parametrize("mode", TRIANGLE_MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triangle_node_equals_the_op(name, mode, dtype, kernel_family):
+    # the C++ node (weights stacked in C++) against the op's Python path: outputs and every gradient
+    # bitwise, for batch shapes, masks, frozen parameters
+    module = randomize(TRIANGLE_MULS[name]()).to("cuda", dtype)
+    for batch, masked, frozen in (((), True, ()), ((2,), True, ()), ((2,), False, ()),
+                                  ((), True, ("linear_a_p", "linear_b_g", "layer_norm_out")),
+                                  ((), True, ("linear_", "layer_norm"))):
+        z, mask, keep = triangle_inputs(batch, masked, dtype)
+        results, names = triangle_step(module, z, mask, mode, keep, frozen=frozen)
+        assert ran_node(names), f"{name} {mode}: the node did not run ({names})"
+        with module_nodes.composed():
+            reference, ref_names = triangle_step(module, z, mask, mode, keep, frozen=frozen)
+        assert not ran_node(ref_names)
+        assert_bitwise(results, reference, f"{name} {mode} batch {batch} mask {masked} frozen {frozen}")
+
+
+@pytest.mark.parametrize("mode", TRIANGLE_MODES)
+def test_triangle_node_without_grad(mode):
+    module = randomize(TRIANGLE_MULS["incoming"]()).to("cuda", torch.bfloat16)
+    z, mask, keep = triangle_inputs((2,), True, torch.bfloat16, seed=9)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            out = triangle_call(module, z, mask, mode, keep)
+            with module_nodes.composed():
+                ref = triangle_call(module, z, mask, mode, keep)
+        assert_bitwise(out, ref, f"{mode} {context.__name__}")
+        if mode == "keeping_input":
+            assert out[0] is z
+    # z without grad and every parameter frozen: nothing to record, the forward without a backward
+    results, names = triangle_step(module, z, mask, mode, keep, frozen=("linear_", "layer_norm"), z_grad=False)
+    assert not names and all(r.grad_fn is None for r in results)
+    with module_nodes.composed():
+        reference, _ = triangle_step(module, z, mask, mode, keep, frozen=("linear_", "layer_norm"), z_grad=False)
+    assert_bitwise(results, reference, f"{mode} nothing recorded")
+
+
+def test_triangle_op_runs_where_the_node_cannot():
+    # the same results through the op's Python path: fused input projections (AF2-Multimer), a scale
+    # that is not one row, a z that is not contiguous, autocast, the eager backend, a recompute policy
+    # keeping the op's outputs
+    module = randomize(TRIANGLE_MULS["outgoing"]()).to("cuda", torch.bfloat16)
+    z, mask, keep = triangle_inputs((), True, torch.bfloat16, seed=10)
+    assert ran_node(triangle_step(module, z, mask, "adding_scaled", keep)[1])
+    fused = eb.FusedTriangleMultiplicationOutgoing(C_Z, C).to("cuda", torch.bfloat16)
+    assert not ran_node(triangle_step(fused, z, mask, "keeping_input")[1])
+    column_keep = keep.transpose(-2, -3).contiguous()  # [N_res, 1, c_z]: not one row shared by all rows i
+    results, names = triangle_step(module, z, mask, "adding_scaled", column_keep)
+    assert not ran_node(names)
+    with module_nodes.composed():
+        reference, _ = triangle_step(module, z, mask, "adding_scaled", column_keep)
+    assert_bitwise(results, reference, "column scale")
+    z_t = z.transpose(0, 1)  # not contiguous
+    out = module._keeping_input(z_t, mask)
+    assert not ran_node(graph_names(out[1].grad_fn))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert not ran_node(triangle_step(module, z, mask, "update")[1])
+    with eb.ops.backend("eager"):
+        assert not ran_node(triangle_step(module, z, mask, "update")[1])
+    kept = _keep.Kept(ops=(TRIANGLE_FUSED_OP,), regions=(), count_only=True)
+    with _keep.Keeping(kept):
+        assert not ran_node(triangle_step(module, z, mask, "adding")[1])
+    assert kept.bytes > 0  # the op's call site saw the call
 
 
 NORM_NODE = "AddLayerNormNode"  # (the C++ node of ops.add_layer_norm and ops.layer_norm_keeping_input)

@@ -51,6 +51,7 @@
 #include "common/bindings_common.h"
 #include "gating/gating_ops.h"
 #include "layer_norm/layer_norm_ops.h"
+#include "modules/nodes.h"
 
 namespace evoformer {
 namespace modules {
@@ -64,36 +65,12 @@ enum Input : int { kX, kMask, kPair, kWq, kWk, kWv, kWg, kBq, kBg, kWo, kBo, kWh
 // Positions of the saved tensors.
 enum Saved : int { sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo };
 
-at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
-bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-// Autograd numbers a node's inputs by the tensors passed (an absent optional is none): the edge of
-// each argument in `present` (whether it was given, in argument order), -1 for an absent one.
-std::vector<int64_t> edge_table(std::initializer_list<bool> present) {
-  std::vector<int64_t> edges;
-  int64_t edge = 0;
-  for (const bool p : present) edges.push_back(p ? edge++ : -1);
-  return edges;
-}
-std::optional<at::Tensor> optional_of(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
-// The extension's ops that the nodes run, called through the dispatcher (a few microseconds more than
-// calling the functions), so that profiles and dispatch modes see them by name, as when the composed
-// path calls them (a recompute test counts them), and see none of their inner calls.
-#define EVO_OP_HANDLE(handle, name, function)                                                                \
-  const auto& handle() {                                                                                     \
-    static const auto op =                                                                                   \
-        c10::Dispatcher::singleton().findSchemaOrThrow("evoformer_blocks_cuda::" name, "").typed<decltype(function)>(); \
-    return op;                                                                                               \
-  }
+// (the ops the nodes run: nodes.h's EVO_OP_HANDLE)
 EVO_OP_HANDLE(attention_forward_op, "gated_attention_fwd", gated_attention_fwd)
 EVO_OP_HANDLE(attention_backward_op, "gated_attention_bwd", gated_attention_bwd)
 EVO_OP_HANDLE(layer_norm_forward_op, "layer_norm_fwd", block::layer_norm_fwd)
 EVO_OP_HANDLE(add_layer_norm_forward_op, "add_layer_norm_fwd", block::add_layer_norm_fwd)
 EVO_OP_HANDLE(add_layer_norm_backward_op, "add_layer_norm_bwd", block::add_layer_norm_bwd)
-#undef EVO_OP_HANDLE
 
 // x [*, A, A', c] as [B, A, A', c], its batch dims flattened (a view where they allow one).
 at::Tensor batch_flat(const at::Tensor& x) {

@@ -38,6 +38,7 @@
 #include "layer_norm/layer_norm.h"
 #include "layer_norm/layer_norm_ops.h"
 #include "triangle_multiplication/triangle.h"
+#include "triangle_multiplication/triangle_ops.h"
 
 namespace evoformer {
 namespace block {
@@ -332,11 +333,6 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
           db_z};
 }
 
-// The parameters of the triangle op, in the schema's order: layer norm in (weight, bias), the
-// stacked a/b projections and gates (weight [4 c, c_z], bias), the output gate (weight, bias), layer
-// norm out (weight, bias), the output projection (weight [c_z, c], bias).
-enum TriangleWeight { kNormInW, kNormInB, kProjW, kProjB, kGateW, kGateB, kNormOutW, kNormOutB, kOutW, kOutB, kWeights };
-
 // The projections with the layer norms' affine parameters folded in (launch_fold_affine):
 // LN(x) W^T + c = x_hat (W diag(w))^T + (W b + c), products in float32, rounded to z's dtype (the
 // gates' bias b_ab stays float32: the gate kernel reads it so).
@@ -385,11 +381,12 @@ FoldedWeights fold(at::TensorList w, const at::Tensor& z) {
   return f;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
-                            at::TensorList weights, double eps, bool outgoing, const std::string& family,
-                            bool for_backward, bool add_input, const std::optional<at::Tensor>& update_scale) {
+}  // namespace
+
+TriangleForward triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
+                                            at::TensorList weights, double eps, bool outgoing,
+                                            const std::string& family, bool for_backward, bool add_input,
+                                            const std::optional<at::Tensor>& update_scale) {
   const char* op = "triangle multiplication";
   check_cuda(z, "z", op);
   EVO_CHECK(z.dim() == 4, op, ": `z` must be [B, N, N, c_z], got ", z.sizes());
@@ -464,7 +461,6 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
   return out;
 }
 
-}  // namespace
 }  // namespace block
 }  // namespace evoformer
 

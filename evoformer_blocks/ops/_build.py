@@ -3,7 +3,8 @@
 - Sources: every ``.cpp`` (one bindings file per kernel family) and ``.cu`` under the source
   directory, by family folder: ``attention/`` (with ``attention/instantiations/``, one file per
   kernel instantiation), ``layer_norm/``, ``triangle_multiplication/``, ``outer_product_mean/``,
-  ``gating/``, ``modules/`` (the per-module autograd nodes); ``common/`` holds headers only. An
+  ``gating/``, ``modules/`` (the per-module autograd nodes, one bindings file per node family);
+  ``common/`` holds headers only. An
   installed package (``pip install .`` or a wheel) carries them as package data, ``evoformer_blocks/_csrc`` (pyproject.toml maps the repository's
   ``csrc/`` there); a checkout or an editable install has no such directory and reads the
   checkout's ``csrc/``, so edits there rebuild. Headers include each other by their path from there.

@@ -66,6 +66,14 @@ SCHEMAS = (
     "add_layer_norm_node(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
     "Tensor? residual_scale=None) -> (Tensor, Tensor)",
     "layer_norm_keeping_input_node(Tensor(a) x, Tensor? weight, Tensor? bias, float eps) -> (Tensor(a), Tensor)",
+    "triangle_multiplication_module(Tensor z, Tensor? mask, Tensor norm_in_weight, Tensor norm_in_bias, "
+    "Tensor w_a_p, Tensor w_a_g, Tensor w_b_p, Tensor w_b_g, Tensor? b_a_p, Tensor? b_a_g, Tensor? b_b_p, "
+    "Tensor? b_b_g, Tensor w_g, Tensor? b_g, Tensor norm_out_weight, Tensor norm_out_bias, Tensor w_z, Tensor? b_z, "
+    "float eps, bool outgoing, str family, bool add_input, Tensor? update_scale) -> Tensor",
+    "triangle_multiplication_keeping_input_module(Tensor(a) z, Tensor? mask, Tensor norm_in_weight, "
+    "Tensor norm_in_bias, Tensor w_a_p, Tensor w_a_g, Tensor w_b_p, Tensor w_b_g, Tensor? b_a_p, Tensor? b_a_g, "
+    "Tensor? b_b_p, Tensor? b_b_g, Tensor w_g, Tensor? b_g, Tensor norm_out_weight, Tensor norm_out_bias, "
+    "Tensor w_z, Tensor? b_z, float eps, bool outgoing, str family) -> (Tensor(a), Tensor)",
 )
 
 _LIBRARY = torch.library.Library(_build.OP_NAMESPACE, "DEF")

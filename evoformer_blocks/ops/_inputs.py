@@ -52,14 +52,16 @@ class ValidatedInputs:
         """Everything backend selection may read: each tensor's shape, dtype and device (also of
         the tensors in a dict field) and every other field's value. Backends decide from these alone
         (:class:`~evoformer_blocks.ops._dispatch.Backend`), so selection keeps its answer per key."""
-        return tuple(_metadata(getattr(self, name)) for name in self.__dataclass_fields__)
+        return tuple(metadata(getattr(self, name)) for name in self.__dataclass_fields__)
 
 
-def _metadata(value):
+def metadata(value):
+    """What selection may read of an argument, as a key: a tensor's shape, dtype and device (those of
+    each tensor in a dict), any other value itself."""
     if isinstance(value, torch.Tensor):
         return (value.shape, value.dtype, value.device)
     if isinstance(value, dict):
-        return tuple((name, _metadata(v)) for name, v in value.items())
+        return tuple((name, metadata(v)) for name, v in value.items())
     return value
 
 

@@ -4,8 +4,10 @@ otherwise compose several ops from Python, each with its own validation, backend
 autograd node.
 
 Nodes: :func:`gated_attention` (the gated attention modules after their layer norms: stacked q, k,
-v, g projection, attention and gate, output layer) and :func:`transition` (the AF2 transitions after
-their layer norm: two linear layers with a ReLU between).
+v, g projection, attention and gate, output layer), :func:`transition` (the AF2 transitions after
+their layer norm: two linear layers with a ReLU between) and :func:`triangle_multiplication` (the
+triangle multiplicative updates with four input projections: their weights stacked in C++, the op's
+fused forward and backward; csrc/modules/triangle_node_bindings.cpp).
 
 A node stands for ops the module composes; it runs only where those ops would all run their cutlass
 backend and compute what the node computes, so that results and gradients are the same bit for bit
@@ -35,9 +37,10 @@ import torch
 
 from . import _dispatch, _fused, _keep
 from ._dispatch import ATTENTION_OP
-from ._inputs import validate_gated
+from ._inputs import metadata, validate_gated
 from .cutlass import GATED_FORWARD_OP, _family_of
 from .gating import GATE_OP, LINEAR_OP, fused_bias_gradient, validate_gate, validate_linear
+from . import triangle as _triangle
 
 Tensor = torch.Tensor
 _CUTLASS = "cutlass"  # the backend whose kernels the nodes call
@@ -54,10 +57,6 @@ def composed():
         yield
     finally:
         _dispatch._composing -= 1
-
-
-def _meta(t: Optional[Tensor]):
-    return None if t is None else (t.shape, t.dtype, t.device)
 
 
 def _eligible(x: Tensor) -> bool:
@@ -117,8 +116,8 @@ def gated_attention(
         return None
     # (the name in effect is the same for every op; selection checks that each op has that backend)
     registry = _dispatch.REGISTRY
-    key = ("gated_attention", registry.resolve(ATTENTION_OP, backend), _meta(x), heads, transposed, _meta(mask_bias),
-           _meta(pair_bias),
+    key = ("gated_attention", registry.resolve(ATTENTION_OP, backend), metadata(x), heads, transposed,
+           metadata(mask_bias), metadata(pair_bias),
            q.bias is not None, g.bias is not None, output.bias is not None, head_weight is not None, q.weight.shape,
            output.weight.shape)
     if not registry.decision(key, lambda: _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed,
@@ -178,7 +177,8 @@ def transition(x: Tensor, linear_1: torch.nn.Linear, linear_2: torch.nn.Linear) 
     if linear_2.backend != backend:
         return None
     registry = _dispatch.REGISTRY
-    key = ("transition", registry.resolve(LINEAR_OP, backend), _meta(x), linear_1.weight.shape, linear_2.weight.shape)
+    key = ("transition", registry.resolve(LINEAR_OP, backend), metadata(x), linear_1.weight.shape,
+           linear_2.weight.shape)
     if not registry.decision(key, lambda: _transition_selected(x, linear_1, linear_2, backend)):
         return None
     return _fused.kernels().transition_module(x, linear_1.weight, b1, linear_2.weight, b2)
@@ -196,3 +196,93 @@ def _transition_selected(x: Tensor, linear_1, linear_2, backend) -> bool:
     except ValueError:
         return False
     return first.name == second.name == _CUTLASS
+
+
+def triangle_multiplication(
+    z: Tensor,
+    mask: Optional[Tensor],
+    projections: Sequence[torch.nn.Linear],
+    gate: torch.nn.Linear,
+    output: torch.nn.Linear,
+    norm_in: torch.nn.LayerNorm,
+    norm_out: torch.nn.LayerNorm,
+    *,
+    outgoing: bool,
+    backend: Optional[str] = None,
+    keep_input: bool = False,
+    add_input: bool = False,
+    update_scale: Optional[Tensor] = None,
+):
+    """The triangle multiplicative update as one node, or None where the node cannot stand for the op
+    (see the module docstring; also where z is not contiguous).
+
+    Arguments (those the module passes the op, evoformer_blocks.triangle_multiplication):
+        z: ``[*, N, N, c_z]``. mask: ``[*, N, N]`` or None.
+        projections: the linear layers a_p, a_g, b_p, b_g (``[c, c_z]``; biases all four or none).
+        gate: linear_g ``[c_z, c_z]``. output: linear_z ``[c_z, c]``.
+        norm_in, norm_out: the layer norms of z and of the triangle product (``norm_in.eps`` is both
+            norms' epsilon, as the op takes one).
+        outgoing: Algorithm 11 (else 12). backend: the module's backend setting (None: the global one).
+        keep_input: return ``(z, update)`` (``ops.triangle_multiplication_keeping_input``).
+        add_input: return ``z + update`` (times ``update_scale``, ``[*, 1, N, c_z]``, where given;
+            ``ops.triangle_multiplication_residual``).
+
+    Returns:
+        the update ``[*, N, N, c_z]``, ``(z, update)`` or ``z + update (* update_scale)``; or None.
+    """
+    if not _eligible(z) or _keep.keeps(_triangle.FUSED_OP) or not z.is_contiguous():
+        return None
+    if update_scale is not None and (not add_input or update_scale.requires_grad):
+        return None  # (the composed path raises or adds it in a pass of its own)
+    a_p, a_g, b_p, b_g = projections
+    tensors = (norm_in.weight, norm_in.bias, a_p.weight, a_g.weight, b_p.weight, b_g.weight, a_p.bias, a_g.bias,
+               b_p.bias, b_g.bias, gate.weight, gate.bias, norm_out.weight, norm_out.bias, output.weight, output.bias)
+    eps = norm_in.eps
+    registry = _dispatch.REGISTRY
+    key = ("triangle_multiplication", registry.resolve(_triangle.OP, backend), metadata(z), metadata(mask),
+           metadata(update_scale), outgoing, keep_input, add_input, eps, tuple(map(metadata, tensors)))
+    if not registry.decision(key, lambda: _triangle_selected(z, mask, tensors, eps, outgoing, update_scale, backend)):
+        return None
+    kernels, family = _fused.kernels(), _triangle.kernel_family(z.device)
+    if keep_input:
+        return tuple(kernels.triangle_multiplication_keeping_input_module(z, mask, *tensors, eps, outgoing, family))
+    return kernels.triangle_multiplication_module(z, mask, *tensors, eps, outgoing, family, add_input, update_scale)
+
+
+def _triangle_selected(z: Tensor, mask: Optional[Tensor], tensors: tuple, eps, outgoing: bool,
+                       update_scale: Optional[Tensor], backend) -> bool:
+    """Whether the op, given these parameters as the module passes them (the input projections and
+    their biases stacked, absent biases as zeros), runs its cutlass path, and the node computes what it
+    would: parameters the kernels read as they are (float16, bfloat16 or float32), the four input
+    projections of one dtype, their biases all four or none, a scale the kernels take. Decided on
+    stand-ins of the stacked weights' shapes and dtypes (no memory), as the op's validation sees them."""
+    norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg, w_g, b_g, norm_out_w, norm_out_b, w_z, b_z = \
+        tensors
+    biases = (b_ap, b_ag, b_bp, b_bg)
+    if any(b is None for b in biases) != all(b is None for b in biases):
+        return False
+    if any(t is not None and (not isinstance(t, Tensor) or t.dtype not in _fused.PARAMETER_DTYPES) for t in tensors):
+        return False
+    if len({w.dtype for w in (w_ap, w_ag, w_bp, w_bg)}) != 1 or len({b.dtype for b in biases if b is not None}) > 1:
+        return False
+    if any(w.dim() != 2 or w.shape != w_ap.shape for w in (w_ap, w_ag, w_bp, w_bg)):
+        return False  # (the op's validation sees the stack)
+
+    def stand_in(like: Tensor, *shape) -> Tensor:
+        return like.new_empty(()).expand(*shape)
+
+    c, c_z = w_ap.shape
+    weights = dict(
+        norm_in_weight=norm_in_w, norm_in_bias=norm_in_b, proj_weight=stand_in(w_ap, 4 * c, c_z),
+        proj_bias=stand_in(b_ap if b_ap is not None else w_ap, 4 * c), gate_weight=w_g,
+        gate_bias=b_g if b_g is not None else stand_in(w_g, w_g.shape[0]), norm_out_weight=norm_out_w,
+        norm_out_bias=norm_out_b, out_weight=w_z, out_bias=b_z if b_z is not None else stand_in(w_z, w_z.shape[0]),
+    )
+    try:
+        inputs = _triangle.validate(z, mask, weights, "outgoing" if outgoing else "incoming", eps)
+        if z.numel() == 0 or not isinstance(_dispatch.select(_triangle.OP, inputs, backend),
+                                            _triangle.CutlassTriangleMultiplication):
+            return False
+    except ValueError:
+        return False  # (the composed path raises it)
+    return update_scale is None or _triangle.row_shaped(update_scale, z)

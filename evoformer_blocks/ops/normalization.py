@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from . import _dispatch, _fused
 from ._dispatch import Backend, Capabilities
-from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe
+from ._inputs import FLOAT_DTYPES, ValidatedInputs, as_dtype, describe, metadata
 from .cutlass import MAX_ROW_BYTES, ROW_CHUNK_BYTES
 
 Tensor = torch.Tensor
@@ -241,6 +241,11 @@ def layer_norm_keeping_input(
     the two are one autograd node whose backward adds the gradient of the returned ``x`` to the
     layer norm's input gradient in the same pass (under torch.compile too); otherwise ``x`` is
     returned as it is and autograd adds the two gradients."""
+    if torch.is_grad_enabled() and isinstance(x, Tensor) and x.is_contiguous() and _node_decided(
+        OP, backend, (x, weight, bias), eps, lambda: validate(x, weight, bias, eps), CutlassLayerNorm
+    ):
+        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (weight, bias))
+        return tuple(_fused.kernels().layer_norm_keeping_input_node(x, weight, bias, float(eps)))
     inputs = validate(x, weight, bias, eps)
     if x.numel() == 0:
         return x, _eager(inputs)
@@ -336,10 +341,38 @@ def add_layer_norm(
     Raises:
         ValueError: an argument breaks a rule above, or the requested backend cannot run it.
     """
+    if isinstance(x, Tensor) and _node_decided(
+        ADD_OP, backend, (x, residual, weight, bias, residual_scale), eps,
+        lambda: validate_add(x, residual, weight, bias, eps, residual_scale), CutlassAddLayerNorm,
+    ):
+        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (weight, bias))
+        return tuple(_fused.kernels().add_layer_norm_node(x, residual, weight, bias, float(eps), residual_scale))
     inputs = validate_add(x, residual, weight, bias, eps, residual_scale)
     if x.numel() == 0:
         return _eager_add(inputs)
     return _dispatch.select(ADD_OP, inputs, backend).forward(inputs, None)
+
+
+def _node_decided(op: str, backend: Optional[str], tensors: tuple, eps, validated, cutlass: type) -> bool:
+    """Whether ``op`` (the layer norm of :func:`layer_norm_keeping_input`, or :func:`add_layer_norm`) may
+    call its C++ node at once, skipping validation and selection: where nodes are allowed, on CUDA, and
+    the arguments' shapes, dtypes and devices (``tensors``), ``eps`` and the backend setting are those
+    of a call that validated (``validated()``, which raises ``ValueError`` otherwise) and selected the
+    ``cutlass`` backend class; decided once per such signature (``Registry.decision``)."""
+    if not (_dispatch.nodes_allowed() and tensors[0].is_cuda and isinstance(eps, (int, float))
+            and all(t is None or isinstance(t, Tensor) for t in tensors)):
+        return False  # (the path that validates says what is wrong)
+    registry = _dispatch.REGISTRY
+
+    def decide() -> bool:
+        try:
+            inputs = validated()
+            return inputs.x.numel() > 0 and isinstance(_dispatch.select(op, inputs, backend), cutlass)
+        except ValueError:
+            return False  # (the call raises it on the path that validates)
+
+    key = ("layer_norm_node", op, registry.resolve(op, backend), tuple(map(metadata, tensors)), type(eps), eps)
+    return registry.decision(key, decide)
 
 
 def _eager_add(inputs: AddLayerNormInputs) -> tuple[Tensor, Tensor]:

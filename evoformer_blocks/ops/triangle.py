@@ -375,15 +375,23 @@ def fused_triangle_multiplication(inputs: TriangleInputs, mode: str = _PLAIN, up
     return _result(z, out.reshape(z.shape), mode, update_scale)  # [*, N, N, c_z]
 
 
+def row_shaped(update_scale: Tensor, z: Tensor) -> bool:
+    """Whether the kernels can take ``update_scale``: ``[*, 1, N, c_z]`` (at most z's dims: one row
+    shared by all rows i) in z's dtype, on z's device."""
+    if update_scale.dim() > z.dim() or update_scale.dtype != z.dtype or update_scale.device != z.device:
+        return False
+    shape = (1,) * (z.dim() - update_scale.dim()) + tuple(update_scale.shape)
+    return shape[-3] == 1 and shape[-2:] == z.shape[-2:]
+
+
 def _row_scale(update_scale: Tensor, z: Tensor) -> Optional[Tensor]:
     """``update_scale`` as the kernels take it, ``[B, 1, N, c_z]`` contiguous in z's dtype (B the product
-    of z's batch dims), or None where its shape is not one row shared by all rows i."""
+    of z's batch dims), or None where it is not :func:`row_shaped`. (The triangle node,
+    csrc/modules/triangle_node_bindings.cpp, makes it with the same calls.)"""
+    if not row_shaped(update_scale, z):
+        return None
     *batch, n, _, c_z = z.shape
-    if update_scale.dim() > z.dim() or update_scale.dtype != z.dtype or update_scale.device != z.device:
-        return None
     shape = (1,) * (z.dim() - update_scale.dim()) + tuple(update_scale.shape)
-    if shape[-3] != 1 or shape[-2:] != (n, c_z):
-        return None
     return update_scale.reshape(shape).expand(*batch, 1, n, c_z).reshape(-1, 1, n, c_z).contiguous()
 
 

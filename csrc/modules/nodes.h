@@ -1,0 +1,43 @@
+// What the per-module autograd nodes (modules_bindings.cpp, triangle_node_bindings.cpp) share: optional
+// tensors as autograd's Function sees them, and the extension's ops called through the dispatcher.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <vector>
+
+namespace evoformer {
+namespace modules {
+
+inline at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+inline std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// Autograd numbers a node's inputs by the tensors passed (an absent optional is none): the edge of
+// each argument in `present` (whether it was given, in argument order), -1 for an absent one.
+inline std::vector<int64_t> edge_table(std::initializer_list<bool> present) {
+  std::vector<int64_t> edges;
+  int64_t edge = 0;
+  for (const bool p : present) edges.push_back(p ? edge++ : -1);
+  return edges;
+}
+
+}  // namespace modules
+}  // namespace evoformer
+
+// The extension's ops that the nodes run, called through the dispatcher (a few microseconds more than
+// calling the functions), so that profiles and dispatch modes see them by name, as when the composed
+// path calls them (a recompute test counts them), and see none of their inner calls: `handle()` is
+// the op `name` typed as `function`.
+#define EVO_OP_HANDLE(handle, name, function)                                                                \
+  inline const auto& handle() {                                                                              \
+    static const auto op =                                                                                   \
+        c10::Dispatcher::singleton().findSchemaOrThrow("evoformer_blocks_cuda::" name, "").typed<decltype(function)>(); \
+    return op;                                                                                               \
+  }
