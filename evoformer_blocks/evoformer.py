@@ -160,12 +160,12 @@ class _MSABlock(_PairUpdates):
     ``linear_ab_p`` and ``linear_ab_g``: the same function); :class:`EvoformerBlock`'s
     ``no_column_attention`` leaves the column attention out (``msa_att_col`` is None).
 
-    The block runs the attentions, transitions and outer product mean through their internal
-    entry points (a residual add fused with the next layer norm, mask biases shared), not their
-    ``forward``: forward hooks registered on those sub-modules do not fire inside the block; those
-    on the triangle multiplications do. The dropout modules' forwards do not run either: the block
-    draws their masks with :meth:`dropout_masks` and each mask scales its update inside the
-    residual add (and layer norm) that follows it.
+    The block runs the attentions, transitions, outer product mean and triangle multiplications
+    through their internal entry points (a residual add fused with the next layer norm or into the
+    triangle update's op, mask biases shared), not their ``forward``: forward hooks registered on
+    those sub-modules do not fire inside the block. The dropout modules' forwards do not run
+    either: the block draws their masks with :meth:`dropout_masks` and each mask scales its update
+    inside the residual add (and layer norm) that follows it.
     """
 
     def __init__(
