@@ -110,6 +110,8 @@ OptionalTensor flat_mask(const OptionalTensor& mask) {
 // (ops.triangle's _row_scale: the same calls).
 OptionalTensor row_scale(const OptionalTensor& update_scale, const at::Tensor& z) {
   if (!given(update_scale)) return std::nullopt;
+  EVO_CHECK(update_scale->dim() <= z.dim(), "triangle multiplication module: `update_scale` must have at most z's ",
+            z.dim(), " dims, got ", update_scale->sizes());
   const int64_t n = z.size(-2), c_z = z.size(-1);
   std::vector<int64_t> shape(z.dim() - update_scale->dim(), 1);
   shape.insert(shape.end(), update_scale->sizes().begin(), update_scale->sizes().end());
