@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 
 from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
-from .ops import module_nodes, triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual
+from .ops import (
+    module_nodes, triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual,
+)
 from .primitives import LayerNorm, Linear, bias_or_zeros
 
 

@@ -59,6 +59,12 @@ def composed():
         _dispatch._composing -= 1
 
 
+def _stand_in(like: Tensor, *shape) -> Tensor:
+    """A tensor of ``shape`` with ``like``'s dtype and device and no memory of its own (a broadcast
+    scalar): what validation and selection read of a tensor the node would make."""
+    return like.new_empty(()).expand(*shape)
+
+
 def _eligible(x: Tensor) -> bool:
     """Whether a node may run on input ``x`` at all: outside :func:`composed`, not compiling, on a
     CUDA tensor, autocast off."""
@@ -140,7 +146,7 @@ def _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed: boo
     if heads < 1 or hidden % heads or x.numel() == 0 or x.dim() < 3:
         return False
     batch = math.prod(x.shape[:-3])
-    qkvg = x.new_empty(()).expand(batch, *x.shape[-3:-1], 4 * hidden)  # [B, A, A', 4 H D]
+    qkvg = _stand_in(x, batch, *x.shape[-3:-1], 4 * hidden)  # [B, A, A', 4 H D]
     mask = None if mask_bias is None else mask_bias.reshape(-1, *mask_bias.shape[-2:])[:, :, None, None, :]
     try:
         inputs, gate_rows = validate_gated(qkvg, heads, mask, pair_bias, None, transposed)
@@ -189,7 +195,7 @@ def _transition_selected(x: Tensor, linear_1, linear_2, backend) -> bool:
     activation of x's rows: no memory)."""
     if x.numel() == 0:
         return False
-    hidden = x.new_empty(()).expand(*x.shape[:-1], linear_1.weight.shape[0])  # [*, n c]
+    hidden = _stand_in(x, *x.shape[:-1], linear_1.weight.shape[0])  # [*, n c]
     try:
         first = _dispatch.select(LINEAR_OP, validate_linear(x, linear_1.weight, linear_1.bias, "relu"), backend)
         second = _dispatch.select(LINEAR_OP, validate_linear(hidden, linear_2.weight, linear_2.bias), backend)
@@ -268,15 +274,12 @@ def _triangle_selected(z: Tensor, mask: Optional[Tensor], tensors: tuple, eps, o
     if any(w.dim() != 2 or w.shape != w_ap.shape for w in (w_ap, w_ag, w_bp, w_bg)):
         return False  # (the op's validation sees the stack)
 
-    def stand_in(like: Tensor, *shape) -> Tensor:
-        return like.new_empty(()).expand(*shape)
-
     c, c_z = w_ap.shape
     weights = dict(
-        norm_in_weight=norm_in_w, norm_in_bias=norm_in_b, proj_weight=stand_in(w_ap, 4 * c, c_z),
-        proj_bias=stand_in(b_ap if b_ap is not None else w_ap, 4 * c), gate_weight=w_g,
-        gate_bias=b_g if b_g is not None else stand_in(w_g, w_g.shape[0]), norm_out_weight=norm_out_w,
-        norm_out_bias=norm_out_b, out_weight=w_z, out_bias=b_z if b_z is not None else stand_in(w_z, w_z.shape[0]),
+        norm_in_weight=norm_in_w, norm_in_bias=norm_in_b, proj_weight=_stand_in(w_ap, 4 * c, c_z),
+        proj_bias=_stand_in(b_ap if b_ap is not None else w_ap, 4 * c), gate_weight=w_g,
+        gate_bias=b_g if b_g is not None else _stand_in(w_g, w_g.shape[0]), norm_out_weight=norm_out_w,
+        norm_out_bias=norm_out_b, out_weight=w_z, out_bias=b_z if b_z is not None else _stand_in(w_z, w_z.shape[0]),
     )
     try:
         inputs = _triangle.validate(z, mask, weights, "outgoing" if outgoing else "incoming", eps)

@@ -197,7 +197,12 @@ class _CutlassRowNorm(Backend):
 
     @staticmethod
     def kernel_parameters(inputs) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        return tuple(None if t is None else _fused.kernel_parameter(t) for t in (inputs.weight, inputs.bias))
+        return _kernel_parameters(inputs.weight, inputs.bias)
+
+
+def _kernel_parameters(weight: Optional[Tensor], bias: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The affine parameters as the row kernels read them (``_fused.kernel_parameter``; None stays None)."""
+    return tuple(None if t is None else _fused.kernel_parameter(t) for t in (weight, bias))
 
 
 class CutlassLayerNorm(_CutlassRowNorm):
@@ -244,7 +249,7 @@ def layer_norm_keeping_input(
     if torch.is_grad_enabled() and isinstance(x, Tensor) and x.is_contiguous() and _node_decided(
         OP, backend, (x, weight, bias), eps, lambda: validate(x, weight, bias, eps), CutlassLayerNorm
     ):
-        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (weight, bias))
+        weight, bias = _kernel_parameters(weight, bias)
         return tuple(_fused.kernels().layer_norm_keeping_input_node(x, weight, bias, float(eps)))
     inputs = validate(x, weight, bias, eps)
     if x.numel() == 0:
@@ -345,7 +350,7 @@ def add_layer_norm(
         ADD_OP, backend, (x, residual, weight, bias, residual_scale), eps,
         lambda: validate_add(x, residual, weight, bias, eps, residual_scale), CutlassAddLayerNorm,
     ):
-        weight, bias = (None if t is None else _fused.kernel_parameter(t) for t in (weight, bias))
+        weight, bias = _kernel_parameters(weight, bias)
         return tuple(_fused.kernels().add_layer_norm_node(x, residual, weight, bias, float(eps), residual_scale))
     inputs = validate_add(x, residual, weight, bias, eps, residual_scale)
     if x.numel() == 0:
