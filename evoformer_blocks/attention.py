@@ -141,14 +141,15 @@ class _GatedAttention(nn.Module):
         return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
 
     def _node(self, x, mask_bias, pair_bias, transposed: bool, head_major: Optional[Linear] = None,
-              transpose_head: bool = False) -> Optional[torch.Tensor]:
+              transpose_head: bool = False, pair_source: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """:meth:`_attend`'s result (with ``head_major``, the pair bias from x's own head-major
-        projection, transposed with ``transpose_head``) as one autograd node, or None where the node
-        cannot stand for the composed ops (:func:`evoformer_blocks.ops.module_nodes.gated_attention`)."""
+        projection, transposed with ``transpose_head``, or from ``pair_source``'s) as one autograd
+        node, or None where the node cannot stand for the composed ops
+        (:func:`evoformer_blocks.ops.module_nodes.gated_attention`)."""
         return module_nodes.gated_attention(
             x, self.no_heads, mask_bias, pair_bias, self._qkvg(), self.linear_o,
             head_weight=None if head_major is None else head_major.weight, transpose_head=transpose_head,
-            transposed=transposed, backend=self.backend,
+            pair_source=pair_source, transposed=transposed, backend=self.backend,
         )
 
     def _mask_bias(
@@ -240,6 +241,9 @@ class MSARowAttentionWithPairBias(_GatedAttention):
     ) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` and ``z = layer_norm_z(z)`` (the block normalises
         both with the residual streams kept, :func:`ops.layer_norm_keeping_input`)."""
+        out = self._node(m, mask_bias, None, False, self.linear_z, pair_source=z)  # (the pair bias in the node)
+        if out is not None:
+            return out  # [*, N_seq, N_res, c_m]
         pair_bias = self._pair_bias(z)  # [B, 1, H, N_res, N_res]
         return self._attend(m, mask_bias, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from ._checks import (
     as_mask, check_backend, check_bool, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor,
 )
-from .ops import _fused
+from .ops import _fused, module_nodes
 from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE
 from .ops.gating import bias_gradient, fused_bias_gradient, linear
 from .primitives import LayerNorm, Linear, stacked_projection
@@ -84,6 +84,28 @@ class _OuterProjection(torch.autograd.Function):
         return d_outer, dw, db, None, d_residual
 
 
+class _OuterProduct(torch.autograd.Function):
+    """``a [B, S, I C], b [B, S, J E] -> a^T b [B, I C, J E]``: the sum over the S sequences of the outer
+    products, one batched GEMM. Its backward is two batched GEMMs that write contiguous gradients,
+    ``da = b (d o)^T`` and ``db = a (d o)`` (the module's C++ node, ``outer_product_mean_module``,
+    makes the same calls, so the two paths agree bit for bit)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        outer = torch.bmm(a.transpose(1, 2), b)  # [B, I C, J E]
+        # (under autocast the GEMM ran on its operands cast to outer's dtype: the backward's GEMMs take those)
+        ctx.save_for_backward(a.to(outer.dtype), b.to(outer.dtype))
+        return outer
+
+    @staticmethod
+    def backward(ctx, d_outer):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad
+        da = torch.bmm(b, d_outer.transpose(1, 2)) if need_a else None  # [B, S, I C]
+        db = torch.bmm(a, d_outer) if need_b else None  # [B, S, J E]
+        return da, db
+
+
 def _epilogue_fits(outer: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
     """Whether the fused projection of ``outer [B, I, c, J, c]`` can divide by ``denom [*, I, J, 1]`` and
     add ``residual [*, I, J, Z]`` in its epilogue: both contiguous, in outer's dtype and on its device."""
@@ -152,45 +174,51 @@ class OuterProductMean(nn.Module):
 
     def _divided(self, a, b, denom, residual, bias):
         """``(outer · linear_out.weight^T + bias) / denom`` (``+ residual`` where given)."""
-        c, n_i, n_j = a.shape[-1], a.shape[-2], b.shape[-2]
-        a2 = a.flatten(-2).transpose(-1, -2)  # [*, N_i * c_hidden, N_seq]
-        b2 = b.flatten(-2)  # [*, N_seq, N_j * c_hidden]
+        c, n_seq, n_i, n_j = a.shape[-1], a.shape[-3], a.shape[-2], b.shape[-2]
+        lead = a.shape[:-3]
+        a3 = a.reshape(-1, n_seq, n_i * c)  # [B, N_seq, N_i * c_hidden]
+        b3 = b.reshape(-1, n_seq, n_j * c)  # [B, N_seq, N_j * c_hidden]
         # one GEMM over the sequences; its output is [i, c, j, e] in memory and linear_out wants
         # [i, j, (c e)]: the fused projection reads that layout as it is, else the swap moves whole e-rows
-        outer = torch.matmul(a2, b2).unflatten(-1, (n_j, c)).unflatten(-3, (n_i, c))  # [*, N_i, c, N_j, c]
+        outer = _OuterProduct.apply(a3, b3).view(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
         if self._fused_projection(outer):
-            lead = outer.shape[:-4]
-            outer = outer.reshape(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
             weight = self.linear_out.weight
             if _epilogue_fits(outer, denom, residual):
                 d = denom.reshape(-1, n_i, n_j)  # [B, N_i, N_j]
                 r = None if residual is None else residual.reshape(-1, n_i, n_j, self.c_z)  # [B, N_i, N_j, c_z]
                 return _OuterProjection.apply(outer, weight, bias, d, r).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
-            out = _OuterProjection.apply(outer, weight, bias, None, None).view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
+            out = _OuterProjection.apply(outer, weight, bias, None, None)  # [B, N_i, N_j, c_z]
         else:
-            outer = _SwapMiddle.apply(outer)  # [*, N_i, N_j, c_hidden, c_hidden]
-            outer = outer.flatten(-2)  # [*, N_i, N_j, c_hidden²]
+            outer = _SwapMiddle.apply(outer)  # [B, N_i, N_j, c_hidden, c_hidden]
+            outer = outer.flatten(-2)  # [B, N_i, N_j, c_hidden²]
             if bias is None:  # (mean_first: the bias is added after the division)
-                out = linear(outer, self.linear_out.weight, None, backend=self.linear_out.backend)  # [*, N_i, N_j, c_z]
+                out = linear(outer, self.linear_out.weight, None, backend=self.linear_out.backend)  # [B, N_i, N_j, c_z]
             else:
-                out = self.linear_out(outer)  # [*, N_i, N_j, c_z]
+                out = self.linear_out(outer)  # [B, N_i, N_j, c_z]
+        out = out.view(*lead, n_i, n_j, -1)  # [*, N_i, N_j, c_z]
         if residual is not None:
             return torch.addcdiv(residual, out, denom)  # [*, N_i, N_j, c_z]
         return out / denom  # [*, N_i, N_j, c_z]
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
-        """Whether linear_out runs as the fused projection on ``outer [*, N_i, c, N_j, c]`` (contiguous):
-        CUDA, float16 or bfloat16, c_hidden and c_z those of kernel_table.json's ``outer_product_mean``
-        (c_hidden its ``hidden``; c_z one ``tile``: the forward takes whole tiles, the weight gradient
-        at most one), the linear's fused backend in effect."""
+        """Whether linear_out runs as the fused projection on ``outer [B, N_i, c, N_j, c]``: contiguous
+        and :meth:`_projection_fuses`."""
+        return outer.is_contiguous() and self._projection_fuses(outer, outer.shape[0], outer.shape[1], outer.shape[3])
+
+    def _projection_fuses(self, like: torch.Tensor, batch: int, n_i: int, n_j: int) -> bool:
+        """Whether linear_out runs as the fused projection on a contiguous outer product ``[batch, n_i,
+        c, n_j, c]`` of ``like``'s dtype and device: CUDA, float16 or bfloat16, c_hidden and c_z those
+        of kernel_table.json's ``outer_product_mean`` (c_hidden its ``hidden``; c_z one ``tile``: the
+        forward takes whole tiles, the weight gradient at most one), the linear's fused backend in
+        effect."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
-        if OPM_HIDDEN is None or not (outer.is_cuda and outer.dtype in (torch.float16, torch.bfloat16)
-                                      and self.c_hidden == OPM_HIDDEN and self.c_z == OPM_TILE
-                                      and outer.is_contiguous()):
+        if OPM_HIDDEN is None or not (like.is_cuda and like.dtype in (torch.float16, torch.bfloat16)
+                                      and self.c_hidden == OPM_HIDDEN and self.c_z == OPM_TILE):
             return False
-        if math.prod(outer.shape[:-3]) > OPM_MAX_BATCHES:  # the kernels' grid: one z index per (batch, i)
+        if batch * n_i > OPM_MAX_BATCHES:  # the kernels' grid: one z index per (batch, i)
             return False
-        rows = outer.view(-1, self.c_hidden * self.c_hidden)  # shapes and dtype for the backend's choice
+        # (a stand-in for the rows linear_out reads: shapes and dtype for the backend's choice, no memory)
+        rows = like.new_empty(()).expand(batch * n_i * n_j, self.c_hidden * self.c_hidden)  # [rows, c_hidden²]
         return fused_bias_gradient(rows, weight, bias, self.linear_out.backend)
 
     def forward(
@@ -210,13 +238,17 @@ class OuterProductMean(nn.Module):
         """The update from ``m = layer_norm(m)`` (checked inputs, mask [*, N_seq, N_res]; the block
         passes its fused residual add and layer norm's output here), or with ``residual`` ([*, N_res,
         N_res, c_z]) ``residual + update`` in one elementwise pass."""
+        n_res = m.shape[-2]
+        if chunk_size is None or chunk_size >= n_res:  # the whole update as one node where it can run
+            out = module_nodes.outer_product_mean(self, m, mask, residual)
+            if out is not None:
+                return out  # [*, N_res, N_res, c_z]
         mask_c = mask.unsqueeze(-1)  # [*, N_seq, N_res, 1]
         # linear_1 and linear_2 as one GEMM (m read once, one dm), each half masked into a
         # contiguous tensor (unbind's backward stacks the halves' gradients into one)
         ab = stacked_projection(m, (self.linear_1, self.linear_2))  # [*, N_seq, N_res, 2 c_hidden]
         a, b = ab.unflatten(-1, (2, self.c_hidden)).unbind(-2)  # 2 x [*, N_seq, N_res, c_hidden], strided
         a, b = a * mask_c, b * mask_c  # [*, N_seq, N_res, c_hidden] each, contiguous
-        n_res = m.shape[-2]
         norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
         denom = self.eps + norm  # [*, N_res, N_res, 1]
         if chunk_size is None or chunk_size >= n_res:

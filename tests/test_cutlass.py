@@ -136,8 +136,8 @@ def test_kernel_sources_are_one_translation_unit_per_family_file():
     sources = _build.sources()
     assert [s.relative_to(root).as_posix() for s in sources if s.suffix == ".cpp"] == [
         "attention/attention_bindings.cpp", "gating/gating_bindings.cpp", "layer_norm/layer_norm_bindings.cpp",
-        "modules/modules_bindings.cpp", "modules/triangle_node_bindings.cpp", "outer_product_mean/opm_bindings.cpp",
-        "triangle_multiplication/triangle_bindings.cpp"]
+        "modules/modules_bindings.cpp", "modules/opm_node_bindings.cpp", "modules/triangle_node_bindings.cpp",
+        "outer_product_mean/opm_bindings.cpp", "triangle_multiplication/triangle_bindings.cpp"]
     assert all(s.name.endswith("_bindings.cpp") for s in sources if s.suffix == ".cpp")
     instantiations = [s for s in sources if s.parent.name == "instantiations"]
     assert len(instantiations) == len(list((root / "attention/instantiations").glob("*.cu"))) > 0

@@ -23,7 +23,7 @@ from evoformer_blocks.ops.cutlass import GATED_FORWARD_OP
 from evoformer_blocks.ops.triangle import FUSED_OP as TRIANGLE_FUSED_OP
 from evoformer_blocks.pairformer import AttentionPairBias
 from gpu import kernel_family, requires_sm80  # noqa: F401  (kernel_family: a fixture)
-from test_modules_cuda import randomize
+from test_modules_cuda import randomize, scale_weights
 
 pytestmark = requires_sm80
 
@@ -119,7 +119,7 @@ def assert_bitwise(a_list, b_list, what):
 def test_node_equals_the_composed_ops(name, dtype, kernel_family):
     make, kind = MODULES[name]
     module = randomize(make()).to("cuda", dtype)
-    for batch, masked in (((), True), ((2,), True), ((2,), False)):
+    for batch, masked in (((), True), ((1,), True), ((2,), True), ((2,), False)):
         args, mask = inputs(kind, batch, masked, dtype)
         out, grads, grad_fn = step(module, args, mask)
         assert ran(grad_fn), f"{name}: the node did not run ({node_name(grad_fn)})"
@@ -140,6 +140,30 @@ def test_node_with_frozen_parameters(name, frozen):
     with module_nodes.composed():
         ref_out, ref_grads, _ = step(module, args, mask, frozen=frozen)
     assert_bitwise([out, *grads], [ref_out, *ref_grads], f"{name} frozen {frozen}")
+
+
+@pytest.mark.parametrize("batch", [(), (1,), (2,)], ids=["unbatched", "batch1", "batch2"])
+@pytest.mark.parametrize("frozen", [(), ("linear_z",), ("layer_norm_z", "linear_z"), ("linear_", "layer_norm_m")],
+                         ids=["none", "linear_z", "z-branch", "m-branch"])
+def test_row_attention_pair_bias_in_the_node(batch, frozen):
+    """The MSA row attention of one batch element projects its pair bias inside the node (no separate
+    GEMM node); with more it takes the projected bias: either way equal to the composed ops."""
+    make, kind = MODULES["msa_row"]
+    module = randomize(make()).to("cuda", torch.bfloat16)
+    args, mask = inputs(kind, batch, True, torch.bfloat16, seed=6)
+    out, grads, grad_fn = step(module, args, mask, frozen=frozen)
+    assert ran(grad_fn)
+    assert bool({"MmBackward0", "BmmBackward0"} & graph_names(grad_fn)) == (batch == (2,))
+    with module_nodes.composed():
+        ref_out, ref_grads, _ = step(module, args, mask, frozen=frozen)
+    assert_bitwise([out, *grads], [ref_out, *ref_grads], f"batch {batch} frozen {frozen}")
+    m, z = args  # z without grad, m with
+    with module_nodes.composed():
+        ref = module(m.requires_grad_(True), z, mask=mask)
+        (ref_dm,) = torch.autograd.grad(ref.float().sum(), [m])
+    out = module(m, z, mask=mask)
+    (dm,) = torch.autograd.grad(out.float().sum(), [m])
+    assert_bitwise([out, dm], [ref, ref_dm], f"batch {batch} z without grad")
 
 
 @pytest.mark.parametrize("name", ["msa_row", "triangle_start"])
@@ -217,21 +241,24 @@ def test_transition_node_equals_the_composed_ops(name, dtype):
 
 BLOCK_SIZES = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=8, c_hidden_mul=16, c_hidden_pair_att=8,
                    no_heads_msa=4, no_heads_pair=2, msa_dropout=0.0, pair_dropout=0.0)
+# name -> (the block, its first input's width, c_z); "EvoformerBlock_opm" has the sizes the outer product
+# mean's node takes (c_hidden_opm 32, c_z 128)
 BLOCKS = {
-    "EvoformerBlock": (partial(eb.EvoformerBlock, **BLOCK_SIZES), 32),
+    "EvoformerBlock": (partial(eb.EvoformerBlock, **BLOCK_SIZES), 32, 16),
+    "EvoformerBlock_opm": (partial(eb.EvoformerBlock, **{**BLOCK_SIZES, "c_z": 128, "c_hidden_opm": 32}), 32, 128),
     "PairformerBlock": (partial(eb.PairformerBlock, c_s=32, c_z=16, c_hidden_pair_bias=8, no_heads_pair_bias=4,
-                                c_hidden_mul=16, c_hidden_pair_att=8, no_heads_pair=2, pair_dropout=0.0), 32),
+                                c_hidden_mul=16, c_hidden_pair_att=8, no_heads_pair=2, pair_dropout=0.0), 32, 16),
 }
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_block_equals_the_composed_block(name):
-    make, width = BLOCKS[name]
+    make, width, c_z = BLOCKS[name]
     block = randomize(make()).to("cuda", torch.bfloat16)
     gen = torch.Generator().manual_seed(7)
-    first = (torch.randn(6, 21, width, generator=gen) if name == "EvoformerBlock"
+    first = (torch.randn(6, 21, width, generator=gen) if name.startswith("EvoformerBlock")
              else torch.randn(21, width, generator=gen)).to("cuda", torch.bfloat16)
-    z = torch.randn(21, 21, 16, generator=gen).to("cuda", torch.bfloat16)
+    z = torch.randn(21, 21, c_z, generator=gen).to("cuda", torch.bfloat16)
     first_mask = (torch.rand(first.shape[:-1], generator=gen) > 0.1).to("cuda", torch.bfloat16)
     pair_mask = (torch.rand(21, 21, generator=gen) > 0.1).to("cuda", torch.bfloat16)
 
@@ -245,6 +272,9 @@ def test_block_equals_the_composed_block(name):
     with module_nodes.composed():
         reference = run()
     assert_bitwise(results, reference, name)
+    if name == "EvoformerBlock_opm":
+        leaves = [first.clone().requires_grad_(True), z.clone().requires_grad_(True)]
+        assert ran(block(*leaves, first_mask, pair_mask)[1].grad_fn, OPM_NODE)
 
 
 TRIANGLE_NODE = "TriangleNode"
@@ -444,3 +474,101 @@ def test_layer_norm_keeping_input_node_equals_the_function(dtype, params, output
         reference, ref_fn = run()
     assert not ran(ref_fn, NORM_NODE)
     assert_bitwise(results, reference, f"layer_norm_keeping_input {params} {outputs}")
+
+
+OPM_NODE = "OuterProductMeanNode"
+OPM_C_M, OPM_HIDDEN, OPM_C_Z = 48, 32, 128  # (the node runs where linear_out is the fused projection)
+
+
+def opm_inputs(batch: tuple, dtype, seed: int = 11):
+    """(m [*, S, R, c_m], mask [*, S, R] with a fully masked sequence and residue, residual [*, R, R, c_z])."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(*batch, N_SEQ, N_RES, OPM_C_M, generator=gen).to("cuda", dtype)
+    mask = (torch.rand(*batch, N_SEQ, N_RES, generator=gen) > 0.2).to("cuda", dtype)
+    mask[..., 0, :] = 0.0
+    mask[..., :, 1] = 0.0
+    residual = torch.randn(*batch, N_RES, N_RES, OPM_C_Z, generator=gen).to("cuda", dtype)
+    return m, mask, residual
+
+
+def opm_parameters(module) -> list:
+    """The parameters _normalized uses (not the layer norm's) that require grad."""
+    return [p for name, p in module.named_parameters() if p.requires_grad and not name.startswith("layer_norm")]
+
+
+def opm_step(module, m, mask, residual, *, frozen=(), grad=True):
+    """(output, gradients of m, the residual and every parameter requiring grad, grad_fn) of the
+    block's call (``_normalized`` from the normalised m, with or without the residual)."""
+    for name, param in module.named_parameters():
+        param.requires_grad_(not any(name.startswith(f) for f in frozen))
+    m = m.detach().clone().requires_grad_(grad)
+    residual = None if residual is None else residual.detach().clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = module._normalized(m, mask, None, residual)
+    if not grad:
+        return out, [], None
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
+    leaves = [m] + ([] if residual is None else [residual]) + opm_parameters(module)
+    return out, list(torch.autograd.grad((out.float() * weight).sum(), leaves)), out.grad_fn
+
+
+def opm_module(**kwargs):
+    """An OuterProductMean of the node's sizes with random weights scaled to keep float16 finite."""
+    module = randomize(eb.OuterProductMean(OPM_C_M, OPM_C_Z, OPM_HIDDEN, **kwargs))
+    return scale_weights(module, module.linear_1, module.linear_2, module.linear_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch", [(), (1,), (2,)], ids=["unbatched", "batch1", "batch2"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+def test_opm_node_equals_the_composed_ops(dtype, batch, with_residual):
+    module = opm_module().to("cuda", dtype)
+    m, mask, residual = opm_inputs(batch, dtype)
+    residual = residual if with_residual else None
+    for frozen in ((), ("linear_out",), ("linear_1", "linear_2"), ("linear_1.bias",), ("linear_1.weight",)):
+        out, grads, grad_fn = opm_step(module, m, mask, residual, frozen=frozen)
+        assert ran(grad_fn, OPM_NODE), f"frozen {frozen}: the node did not run"
+        with module_nodes.composed():
+            ref_out, ref_grads, ref_fn = opm_step(module, m, mask, residual, frozen=frozen)
+        assert not ran(ref_fn, OPM_NODE)
+        assert_bitwise([out, *grads], [ref_out, *ref_grads], f"frozen {frozen}")
+    # m without grad (only the parameters' gradients)
+    module.requires_grad_(True)
+    out = module._normalized(m, mask, None, residual)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
+    grads = torch.autograd.grad((out.float() * weight).sum(), opm_parameters(module))
+    with module_nodes.composed():
+        ref_out = module._normalized(m, mask, None, residual)
+        ref_grads = torch.autograd.grad((ref_out.float() * weight).sum(), opm_parameters(module))
+    assert_bitwise([out, *grads], [ref_out, *ref_grads], "m without grad")
+    # the module's own forward (its layer norm, then the node) and no grad at all
+    with torch.no_grad():
+        out = module(m, mask)
+        with module_nodes.composed():
+            ref = module(m, mask)
+    assert_bitwise([out], [ref], "no_grad")
+
+
+def test_opm_composed_path_runs_where_the_node_cannot():
+    module = opm_module().to("cuda", torch.bfloat16)
+    m, mask, residual = opm_inputs((1,), torch.bfloat16)
+    assert ran(opm_step(module, m, mask, residual)[2], OPM_NODE)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert not ran(opm_step(module, m, mask, residual)[2], OPM_NODE)
+    with eb.ops.backend("eager"):
+        assert not ran(opm_step(module, m, mask, residual)[2], OPM_NODE)
+    # a residual that is not contiguous, a mask requiring grad
+    assert not ran(opm_step(module, m, mask, residual.transpose(-2, -3))[2], OPM_NODE)
+    assert not ran(opm_step(module, m, mask.clone().requires_grad_(True), residual)[2], OPM_NODE)
+    # chunked: the composed path (its GEMMs over fewer rows: equal up to rounding)
+    chunked = module._normalized(m, mask, 5, residual)
+    assert not ran(chunked.grad_fn, OPM_NODE)
+    torch.testing.assert_close(chunked.float(), module._normalized(m, mask, None, residual).float(), rtol=2e-2,
+                               atol=2e-2)
+    # AF3's form and sizes the fused projection does not take
+    af3 = opm_module(projection_bias=False, mean_first=True)
+    assert not ran(opm_step(af3.to("cuda", torch.bfloat16), m, mask, residual)[2], OPM_NODE)
+    narrow = randomize(eb.OuterProductMean(OPM_C_M, 64, 16)).to("cuda", torch.bfloat16)
+    assert not ran(opm_step(narrow, m, mask, residual[..., :64].contiguous())[2], OPM_NODE)
+    fp32 = opm_module().to("cuda")
+    assert not ran(opm_step(fp32, m.float(), mask.float(), residual.float())[2], OPM_NODE)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import evoformer_blocks as eb
+from evoformer_blocks.ops import module_nodes
 from gpu import HOPPER, KERNEL_FAMILIES, requires_sm80
 
 pytestmark = requires_sm80
@@ -445,7 +446,20 @@ def test_outer_product_mean_fused_projection(monkeypatch, n_res, chunk_size, bat
     dout = torch.randn(*shape[:-2], n_res, n_res, 128, generator=gen)
     run = partial(run_with_grads, make, module, m, mask, dout, chunk_size=chunk_size)
     labels = ["out", "dm"] + [name for name, _ in module.named_parameters()]
-    check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
+    check_composed_and_node(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
+
+
+def check_composed_and_node(monkeypatch, function, run, labels, dtype):
+    """check_fused_path of the outer product mean's composed path (`function` its projection), and the
+    module's node (ops.module_nodes, where it runs) bitwise equal to it."""
+
+    def composed(dtype, backend, device):
+        with module_nodes.composed():
+            return run(dtype, backend, device)
+
+    check_fused_path(monkeypatch, function, composed, labels, dtype)
+    node, reference = run(dtype, None, "cuda"), composed(dtype, None, "cuda")
+    assert all(torch.equal(a, b) for a, b in zip(node, reference)), "the node differs from the composed path"
 
 
 @pytest.mark.parametrize("n_res, dtype", [(37, torch.bfloat16), (130, torch.float16)])
@@ -480,7 +494,7 @@ def test_outer_product_mean_residual_in_the_projection_epilogue(monkeypatch, n_r
     monkeypatch.setattr(opm_module._OuterProjection, "apply",
                         lambda *a: epilogue.append(a[3] is not None and a[4] is not None) or apply(*a))
     labels = ["out", "dm", "dz"] + [name for name, _ in module.named_parameters()]
-    check_fused_path(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
+    check_composed_and_node(monkeypatch, opm_module._OuterProjection, run, labels, dtype)
     assert epilogue and all(epilogue), "the projection did not take the division and the residual"
 
 

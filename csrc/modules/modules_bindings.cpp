@@ -14,14 +14,18 @@
 // records its own node where autograd needs one):
 //   gated_attention_module(Tensor x, Tensor? mask_bias, Tensor? pair_bias, Tensor w_q, Tensor w_k, Tensor w_v,
 //                          Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head,
-//                          int heads, bool transposed, bool transpose_head, float scale, str family) -> Tensor
+//                          Tensor? pair_source, int heads, bool transposed, bool transpose_head, float scale,
+//                          str family) -> Tensor
 //     the gated attention modules (MSA row and column attention, the triangle attentions, AF3's
 //     attention with pair bias): x [*, A, A', c_in] (normalised); q, k, v, g = x W^T (+ b) side by side
 //     in one GEMM ([B, A, A', 4 H D], B the batch dims flattened); the attention runs along A' (row
 //     n = a) or, transposed, along A, with mask_bias [*, N, L] (in the attention's orientation, any
 //     strides) and the pair bias pair_bias [B, 1, H, L, L], or, with w_head [H, c_in], the head-major
 //     projection of x itself (triangle attention: [b, 0, h, i, j] = x[b, i, j] . w_head[h];
-//     transpose_head: its transpose over (i, j), the ending node's); returns
+//     transpose_head: its transpose over (i, j), the ending node's), or with pair_source [*, L, L, c_z]
+//     (one batch element) and w_head [H, c_z] that of pair_source (the MSA row attention's pair bias
+//     from the normalised pair representation, as primitives._head_major computes it for one batch
+//     element: one GEMM, its gradients as autograd's for it); returns
 //     linear_o(sigmoid(g) * attention) [*, A, A', c_out].
 //   transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor
 //     the AF2 transitions: relu(x W1^T + b1) W2^T + b2 for x [*, c] (normalised), w1 [n c, c], b1 [n c],
@@ -38,7 +42,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -57,13 +60,10 @@ namespace evoformer {
 namespace modules {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 // Positions of the forward's arguments (after ctx) in needs_input_grad and in the gradients returned.
-enum Input : int { kX, kMask, kPair, kWq, kWk, kWv, kWg, kBq, kBg, kWo, kBo, kWhead, kInputs = 17 };
+enum Input : int { kX, kMask, kPair, kWq, kWk, kWv, kWg, kBq, kBg, kWo, kBo, kWhead, kSource, kInputs = 18 };
 // Positions of the saved tensors.
-enum Saved : int { sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo };
+enum Saved : int { sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo, sSource };
 
 // (the ops the nodes run: nodes.h's EVO_OP_HANDLE)
 EVO_OP_HANDLE(attention_forward_op, "gated_attention_fwd", gated_attention_fwd)
@@ -113,11 +113,13 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
                             const at::Tensor& w_v, const at::Tensor& w_g, const std::optional<at::Tensor>& b_q,
                             const std::optional<at::Tensor>& b_g, const at::Tensor& w_o,
                             const std::optional<at::Tensor>& b_o, const std::optional<at::Tensor>& w_head,
-                            int64_t heads, bool transposed, bool transpose_head, double scale,
-                            const std::string& family) {
+                            const std::optional<at::Tensor>& pair_source, int64_t heads, bool transposed,
+                            bool transpose_head, double scale, const std::string& family) {
     EVO_CHECK(x_in.dim() >= 3, "gated attention module: `x` must be [*, A, A', c_in], got ", x_in.sizes());
     EVO_CHECK(!(pair_bias.has_value() && w_head.has_value()),
               "gated attention module: pass `pair_bias` or `w_head`, not both");
+    EVO_CHECK(!pair_source.has_value() || (w_head.has_value() && !transpose_head),
+              "gated attention module: `pair_source` needs `w_head` and no `transpose_head`");
     // x [B, A, A', c_in] (x_in is what the node saves, so that autograd sees in-place changes to it)
     const at::Tensor x = batch_flat(x_in);
     const at::Tensor stacked = at::cat({w_q, w_k, w_v, w_g});  // [4 H D, c_in]
@@ -135,7 +137,13 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     }
     const at::Tensor qkvg = at::linear(x, stacked, stacked_bias);  // [B, A, A', 4 H D]
     at::Tensor pair = value_or_undefined(pair_bias);  // [B, 1, H, L, L]
-    if (w_head.has_value()) {
+    if (pair_source.has_value()) {
+      const at::Tensor source = batch_flat(*pair_source);  // [1, L, L, c_z]
+      EVO_CHECK(source.size(0) == 1 && source.size(1) == source.size(2) && source.size(3) == w_head->size(1),
+                "gated attention module: `pair_source` must be one [L, L, c_z] batch element for `w_head` [H, c_z], "
+                "got ", pair_source->sizes(), " and ", w_head->sizes());
+      pair = head_major(source, *w_head);  // [1, 1, H, L, L]
+    } else if (w_head.has_value()) {
       pair = head_major(x, *w_head);  // [B, 1, H, A, A']
       if (transpose_head) pair = raw_transpose(pair).contiguous();  // [B, 1, H, A', A]
     }
@@ -150,7 +158,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     const at::Tensor result = at::linear(y, w_o, b_o);  // [B, A, A', c_out]
 
     ctx->save_for_backward({x_in, stacked, value_or_undefined(w_head), qkvg, out, stats, mask_prepared, pair,
-                            pair_prepared, y, w_o});
+                            pair_prepared, y, w_o, value_or_undefined(pair_source)});
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["transposed"] = transposed;
     ctx->saved_data["transpose_head"] = transpose_head;
@@ -160,10 +168,10 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
       ctx->saved_data["mask_sizes"] = mask_bias->sizes().vec();
       ctx->saved_data["mask_dtype"] = mask_bias->scalar_type();
     }
-    std::vector<int64_t> edges = edge_table({true, given(mask_bias), given(pair_bias), true, true, true, true,
-                                             given(b_q), given(b_g), true, given(b_o), given(w_head)});  // Input order
-    edges.resize(kInputs, -1);
-    ctx->saved_data["edges"] = edges;
+    save_edges(ctx,
+               {true, given(mask_bias), given(pair_bias), true, true, true, true, given(b_q), given(b_g), true,
+                given(b_o), given(w_head), given(pair_source)},
+               kInputs);  // Input order
     ctx->saved_data["width_q"] = w_q.size(0);
     ctx->saved_data["bias_dtype"] = b_q.has_value() ? b_q->scalar_type() : b_g.has_value() ? b_g->scalar_type()
                                                                                            : x.scalar_type();
@@ -177,10 +185,9 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x_in = saved[sX], &stacked = saved[sStacked], &w_head = saved[sWhead], &qkvg = saved[sQkvg];
-    const at::Tensor &y = saved[sY], &w_o = saved[sWo], &pair = saved[sPair];
+    const at::Tensor &y = saved[sY], &w_o = saved[sWo], &pair = saved[sPair], &source = saved[sSource];
     const auto& data = ctx->saved_data;
-    const std::vector<int64_t> edges = data.at("edges").toIntVector();
-    const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
+    const Needs need(ctx);
     const bool transposed = data.at("transposed").toBool(), transpose_head = data.at("transpose_head").toBool();
     const int64_t heads = data.at("heads").toInt(), width = data.at("width_q").toInt();
 
@@ -189,11 +196,12 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     const at::Tensor x = batch_flat(x_in);  // [B, A, A', c_in]
     const at::Tensor& grad = grads[0];  // [*, A, A', c_out]
     const at::Tensor dres = reshaped(grad, {x.size(0), x.size(1), x.size(2), grad.size(-1)});  // [B, A, A', c_out]
-    const bool has_head = w_head.defined();
+    const bool has_head = w_head.defined(), from_source = source.defined();
     const bool need_weights = need(kWq) || need(kWk) || need(kWv) || need(kWg);
     const bool need_biases = need(kBq) || need(kBg);
     const bool need_dmask = need(kMask);
-    const bool need_dpair = pair.defined() && (has_head ? need(kX) || need(kWhead) : need(kPair));
+    const bool need_dpair =
+        pair.defined() && (has_head ? need(from_source ? kSource : kX) || need(kWhead) : need(kPair));
     const bool need_dy = need(kX) || need_weights || need_biases || need_dmask || need_dpair;
 
     // the output projection (ops.linear: linear_bwd; without a bias, the same two GEMMs)
@@ -217,7 +225,14 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     const int64_t bias_from = need_bq ? 0 : 3 * width;
     auto [dx, dw, sums] = block::linear_bwd(dqkvg, x, stacked, std::nullopt, need(kX), need_weights, need_biases,
                                             data.at("bias_dtype").toScalarType(), bias_from);
-    if (has_head && need_dpair) {
+    if (from_source && need_dpair) {
+      // (autograd's for primitives._head_major's mm(w_head, source^T) of one batch element: the source
+      // column-major, so its gradient is (dh^T w_head)^T^T)
+      const int64_t positions = source.numel() / source.size(-1);
+      const at::Tensor dh = reshaped(dpair, {w_head.size(0), positions});  // [H, L L]
+      if (need(kSource)) result[kSource] = raw_reshape(at::mm(raw_transpose(dh), w_head), source.sizes());
+      if (need(kWhead)) result[kWhead] = at::mm(dh, reshaped(source, {positions, source.size(-1)}));  // [H, c_z]
+    } else if (has_head && need_dpair) {
       const at::Tensor dh = transpose_head ? raw_transpose(dpair) : dpair;  // [B, 1, H, A, A']
       at::Tensor dw_head = head_major_grads(dx, dh, x, w_head, need(kX), need(kWhead));
       if (need(kWhead)) result[kWhead] = dw_head;
@@ -240,10 +255,11 @@ at::Tensor gated_attention_module(const at::Tensor& x, const std::optional<at::T
                                   const at::Tensor& w_k, const at::Tensor& w_v, const at::Tensor& w_g,
                                   const std::optional<at::Tensor>& b_q, const std::optional<at::Tensor>& b_g,
                                   const at::Tensor& w_o, const std::optional<at::Tensor>& b_o,
-                                  const std::optional<at::Tensor>& w_head, int64_t heads, bool transposed,
-                                  bool transpose_head, double scale, const std::string& family) {
-  return GatedAttentionNode::apply(x, mask_bias, pair_bias, w_q, w_k, w_v, w_g, b_q, b_g, w_o, b_o, w_head, heads,
-                                   transposed, transpose_head, scale, family);
+                                  const std::optional<at::Tensor>& w_head, const std::optional<at::Tensor>& pair_source,
+                                  int64_t heads, bool transposed, bool transpose_head, double scale,
+                                  const std::string& family) {
+  return GatedAttentionNode::apply(x, mask_bias, pair_bias, w_q, w_k, w_v, w_g, b_q, b_g, w_o, b_o, w_head,
+                                   pair_source, heads, transposed, transpose_head, scale, family);
 }
 
 // ---- the transition ----
@@ -320,9 +336,8 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
     const bool scale_grad = given(residual_scale) && residual_scale->requires_grad();
     ctx->save_for_backward({sum, value_or_undefined(weight), mean, rstd,
                             value_or_undefined(residual_scale), scale_grad ? *residual : at::Tensor()});
-    std::vector<int64_t> edges =
-        edge_table({true, given(residual), given(weight), given(bias), false, given(residual_scale)});  // AddNormInput
-    ctx->saved_data["edges"] = edges;
+    save_edges(ctx, {true, given(residual), given(weight), given(bias), false, given(residual_scale)},
+               kAddNormInputs);  // AddNormInput order
     if (given(bias)) ctx->saved_data["bias_dtype"] = bias->scalar_type();
     return {sum, y};
   }
@@ -330,8 +345,7 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &sum = saved[nSum], &weight = saved[nW], &scale = saved[nScale];
-    const std::vector<int64_t> edges = ctx->saved_data.at("edges").toIntVector();
-    const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
+    const Needs need(ctx);
     const at::Tensor ds = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum);
     const at::Tensor dy = grads[1].defined() ? grads[1].contiguous() : at::zeros_like(sum);
     // the affine gradients wanted and the dtype the kernel rounds both to: the parameters' where they
@@ -348,7 +362,7 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
                                                                      optional_of(scale));
     variable_list result(kAddNormInputs);
     result[kNx] = dx;
-    if (edges[kNres] >= 0) result[kNres] = scale.defined() ? dresidual : dx;  // (the add passes dx on)
+    if (need.given(kNres)) result[kNres] = scale.defined() ? dresidual : dx;  // (the add passes dx on)
     const int64_t C = sum.size(-1);
     if (want_w) result[kNw] = as_dtype(raw_view(affine, {C}, {1}, affine.storage_offset()), weight.scalar_type());
     if (want_b) result[kNb] = as_dtype(raw_view(affine, {C}, {1}, affine.storage_offset() + C), bias_dtype);

@@ -1,9 +1,11 @@
-// What the per-module autograd nodes (modules_bindings.cpp, triangle_node_bindings.cpp) share: optional
-// tensors as autograd's Function sees them, and the extension's ops called through the dispatcher.
+// What the per-module autograd nodes (modules_bindings.cpp, opm_node_bindings.cpp,
+// triangle_node_bindings.cpp) share: optional tensors as autograd's Function sees them, which gradients
+// a backward must return, and the extension's ops called through the dispatcher.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -12,6 +14,10 @@
 
 namespace evoformer {
 namespace modules {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptionalTensor = std::optional<at::Tensor>;
 
 inline at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -27,6 +33,27 @@ inline std::vector<int64_t> edge_table(std::initializer_list<bool> present) {
   for (const bool p : present) edges.push_back(p ? edge++ : -1);
   return edges;
 }
+
+// Keeps in ctx the edge table of the forward's arguments: `present` for the first ones, absent for
+// the rest up to `arguments` (non-tensor arguments at the end).
+inline void save_edges(AutogradContext* ctx, std::initializer_list<bool> present, int64_t arguments) {
+  std::vector<int64_t> edges = edge_table(present);
+  edges.resize(arguments, -1);
+  ctx->saved_data["edges"] = edges;
+}
+
+// In a backward: whether argument i was a tensor (`given`) and whether its gradient is wanted
+// (`operator()`), from the table save_edges kept.
+class Needs {
+ public:
+  explicit Needs(AutogradContext* ctx) : ctx_(ctx), edges_(ctx->saved_data.at("edges").toIntVector()) {}
+  bool given(int i) const { return edges_[i] >= 0; }
+  bool operator()(int i) const { return given(i) && ctx_->needs_input_grad(edges_[i]); }
+
+ private:
+  AutogradContext* ctx_;
+  std::vector<int64_t> edges_;
+};
 
 }  // namespace modules
 }  // namespace evoformer

@@ -27,7 +27,6 @@
 // reads (for_backward=false), and no node.
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -43,10 +42,6 @@
 namespace evoformer {
 namespace modules {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-using OptionalTensor = std::optional<at::Tensor>;
 
 EVO_OP_HANDLE(triangle_forward_op, "triangle_multiplication_fwd", block::triangle_multiplication_fwd)
 EVO_OP_HANDLE(triangle_backward_op, "triangle_multiplication_bwd", block::triangle_multiplication_bwd)
@@ -143,11 +138,11 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
     std::apply([&](const at::Tensor&, const auto&... rest) { (saved.push_back(rest), ...); }, forward);
     saved.push_back(value_or_undefined(scale));
     ctx->save_for_backward(saved);
-    std::vector<int64_t> edges =
-        edge_table({true, given(mask), true, true, true, true, true, true, given(b_ap), given(b_ag), given(b_bp),
-                    given(b_bg), true, given(b_g), true, true, true, given(b_z), false, false, false, false,
-                    given(update_scale)});  // Input order
-    ctx->saved_data["edges"] = edges;
+    save_edges(ctx,
+               {true, given(mask), true, true, true, true, true, true, given(b_ap), given(b_ag), given(b_bp),
+                given(b_bg), true, given(b_g), true, true, true, given(b_z), false, false, false, false,
+                given(update_scale)},
+               kInputs);  // Input order
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["outgoing"] = outgoing;
     ctx->saved_data["mode"] = mode;
@@ -158,8 +153,7 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const auto& data = ctx->saved_data;
-    const std::vector<int64_t> edges = data.at("edges").toIntVector();
-    const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
+    const Needs need(ctx);
     const at::Tensor& z_in = saved[0];
     const at::Tensor z = flat_z(z_in);
     const at::Tensor& scale = saved[kSavedScale];

@@ -21,6 +21,7 @@
 
 #include "common/block_bindings.h"
 #include "outer_product_mean/opm_gemm.h"
+#include "outer_product_mean/opm_ops.h"
 
 namespace evoformer {
 namespace block {
@@ -53,6 +54,8 @@ void by_half_dtype(at::ScalarType dtype, Fn&& fn) {
   if (dtype == at::kHalf) fn(cutlass::half_t{});
   else fn(cutlass::bfloat16_t{});
 }
+
+}  // namespace
 
 at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
                        const std::optional<at::Tensor>& denom_in, const std::optional<at::Tensor>& residual_in) {
@@ -161,7 +164,6 @@ at::Tensor opm_project_weight_grad(const at::Tensor& dout, const at::Tensor& out
   return partial.sum(0).to(weight_dtype);  // [Z, C C], partials added in a fixed order
 }
 
-}  // namespace
 }  // namespace block
 }  // namespace evoformer
 

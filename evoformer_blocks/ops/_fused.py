@@ -60,8 +60,8 @@ SCHEMAS = (
     "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)",
     # per-module autograd nodes (modules/): composite, each records its own node
     "gated_attention_module(Tensor x, Tensor? mask_bias, Tensor? pair_bias, Tensor w_q, Tensor w_k, Tensor w_v, "
-    "Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head, int heads, bool transposed, "
-    "bool transpose_head, float scale, str family) -> Tensor",
+    "Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head, Tensor? pair_source, int heads, "
+    "bool transposed, bool transpose_head, float scale, str family) -> Tensor",
     "transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor",
     "add_layer_norm_node(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
     "Tensor? residual_scale=None) -> (Tensor, Tensor)",
@@ -74,6 +74,8 @@ SCHEMAS = (
     "Tensor norm_in_bias, Tensor w_a_p, Tensor w_a_g, Tensor w_b_p, Tensor w_b_g, Tensor? b_a_p, Tensor? b_a_g, "
     "Tensor? b_b_p, Tensor? b_b_g, Tensor w_g, Tensor? b_g, Tensor norm_out_weight, Tensor norm_out_bias, "
     "Tensor w_z, Tensor? b_z, float eps, bool outgoing, str family) -> (Tensor(a), Tensor)",
+    "outer_product_mean_module(Tensor m, Tensor mask, Tensor? residual, Tensor w_1, Tensor b_1, Tensor w_2, "
+    "Tensor b_2, Tensor w_out, Tensor? b_out, float eps) -> Tensor",
 )
 
 _LIBRARY = torch.library.Library(_build.OP_NAMESPACE, "DEF")

@@ -209,11 +209,16 @@ def _(x, dtype):
 def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
     """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
     kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
-    fits = dy.dtype in ROW_KERNEL_DTYPES and dtype in ROW_KERNEL_DTYPES and not row_reasons(
-        dy.shape[-1], dy.element_size(), "out")
-    if dy.is_cuda and fits:
+    if column_sum_runs(dy, dtype):
         return _fused.kernels().column_sum(dy, dtype)
     return dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(dtype)
+
+
+def column_sum_runs(dy: Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`bias_gradient` sums ``dy`` into ``dtype`` on the column-sum kernel (from dy's shape,
+    dtype and device alone)."""
+    return (dy.is_cuda and dy.dtype in ROW_KERNEL_DTYPES and dtype in ROW_KERNEL_DTYPES
+            and not row_reasons(dy.shape[-1], dy.element_size(), "out"))
 
 
 def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Optional[str] = None) -> bool:

@@ -5,9 +5,12 @@ autograd node.
 
 Nodes: :func:`gated_attention` (the gated attention modules after their layer norms: stacked q, k,
 v, g projection, attention and gate, output layer), :func:`transition` (the AF2 transitions after
-their layer norm: two linear layers with a ReLU between) and :func:`triangle_multiplication` (the
+their layer norm: two linear layers with a ReLU between), :func:`triangle_multiplication` (the
 triangle multiplicative updates with four input projections: their weights stacked in C++, the op's
-fused forward and backward; csrc/modules/triangle_node_bindings.cpp).
+fused forward and backward; csrc/modules/triangle_node_bindings.cpp) and :func:`outer_product_mean`
+(AF2's outer product mean after its layer norm: the two projections as one GEMM, the mask, the
+outer product's batched GEMM and the fused ``linear_out`` with the mean's division and the residual
+add; csrc/modules/opm_node_bindings.cpp).
 
 A node stands for ops the module composes; it runs only where those ops would all run their cutlass
 backend and compute what the node computes, so that results and gradients are the same bit for bit
@@ -39,7 +42,7 @@ from . import _dispatch, _fused, _keep
 from ._dispatch import ATTENTION_OP
 from ._inputs import metadata, validate_gated
 from .cutlass import GATED_FORWARD_OP, _family_of
-from .gating import GATE_OP, LINEAR_OP, fused_bias_gradient, validate_gate, validate_linear
+from .gating import GATE_OP, LINEAR_OP, column_sum_runs, fused_bias_gradient, validate_gate, validate_linear
 from . import triangle as _triangle
 
 Tensor = torch.Tensor
@@ -87,6 +90,7 @@ def gated_attention(
     *,
     head_weight: Optional[Tensor] = None,
     transpose_head: bool = False,
+    pair_source: Optional[Tensor] = None,
     transposed: bool = False,
     backend: Optional[str] = None,
 ) -> Optional[Tensor]:
@@ -102,7 +106,11 @@ def gated_attention(
         projections: the linear layers q, k, v, g (``[H D, c_in]`` each; k and v without bias).
         output: the output layer ``[c_out, H D]``.
         head_weight: ``[H, c_in]``: the pair bias is x's own head-major projection (triangle
-            attention), transposed over its last two dims with ``transpose_head`` (the ending node).
+            attention), transposed over its last two dims with ``transpose_head`` (the ending node);
+            or, with ``pair_source``, ``[H, c_z]``: the projection of that instead.
+        pair_source: ``[*, L, L, c_z]``, one batch element (the row attention's normalised pair
+            representation, whose head-major projection by ``head_weight`` is the pair bias: the
+            composed path's ``_head_major``, in the node) or None.
         transposed: attention along dim -3 instead of -2 (column attention, the ending node).
         backend: the module's backend setting (None: the global one).
 
@@ -114,26 +122,40 @@ def gated_attention(
     q, k, v, g = projections
     if k.bias is not None or v.bias is not None:
         return None
+    if pair_source is not None and (head_weight is None or pair_bias is not None or transpose_head
+                                    or not _one_pair_source(pair_source, head_weight)):
+        return None  # (one batch element: the node replays the composed path's single GEMM)
     if any(getattr(layer, "backend", backend) != backend for layer in (q, k, v, g, output)):
         return None  # (a layer given a backend of its own: the composed path honours it)
     tensors = (q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias, head_weight,
-               pair_bias)
+               pair_bias, pair_source)
     if not _same_kind(x, tensors):
         return None
     # (the name in effect is the same for every op; selection checks that each op has that backend)
     registry = _dispatch.REGISTRY
     key = ("gated_attention", registry.resolve(ATTENTION_OP, backend), metadata(x), heads, transposed,
-           metadata(mask_bias), metadata(pair_bias),
+           metadata(mask_bias), metadata(pair_bias), metadata(pair_source),
            q.bias is not None, g.bias is not None, output.bias is not None, head_weight is not None, q.weight.shape,
            output.weight.shape)
-    if not registry.decision(key, lambda: _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed,
-                                                          backend)):
+    if pair_source is not None:  # (the composed path's pair bias: [1, 1, H, L, L] in the source's dtype)
+        length = pair_source.shape[-2]
+        selected_pair = _stand_in(pair_source, 1, 1, head_weight.shape[0], length, length)
+    else:
+        selected_pair = pair_bias
+    if not registry.decision(key, lambda: _node_selected(x, heads, mask_bias, selected_pair, q, g, output,
+                                                          transposed, backend)):
         return None
     head_dim = q.weight.shape[0] // heads
     return _fused.kernels().gated_attention_module(
         x, mask_bias, pair_bias, q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias,
-        head_weight, heads, transposed, transpose_head, 1.0 / math.sqrt(head_dim), _family_of(x),
+        head_weight, pair_source, heads, transposed, transpose_head, 1.0 / math.sqrt(head_dim), _family_of(x),
     )
+
+
+def _one_pair_source(source: Tensor, head_weight: Tensor) -> bool:
+    """Whether ``source`` is one ``[*, L, L, c_z]`` batch element that ``head_weight [H, c_z]`` projects."""
+    return (source.dim() >= 3 and source.shape[-3] == source.shape[-2] and head_weight.dim() == 2
+            and source.shape[-1] == head_weight.shape[1] and math.prod(source.shape[:-3]) == 1)
 
 
 def _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed: bool, backend) -> bool:
@@ -289,3 +311,59 @@ def _triangle_selected(z: Tensor, mask: Optional[Tensor], tensors: tuple, eps, o
     except ValueError:
         return False  # (the composed path raises it)
     return update_scale is None or _triangle.row_shaped(update_scale, z)
+
+
+def outer_product_mean(module, m: Tensor, mask: Tensor, residual: Optional[Tensor]) -> Optional[Tensor]:
+    """AF2's outer product mean from its normalised input as one node, or None where the node cannot
+    stand for the composed ops (see the module docstring; also AF3's form, ``mean_first`` or
+    projections without biases, and a residual that is not contiguous).
+
+    Arguments (those of the composed path, evoformer_blocks.outer_product_mean.OuterProductMean._normalized
+    without chunking): module: the OuterProductMean. m: ``[*, N_seq, N_res, c_m]``, normalised. mask:
+    ``[*, N_seq, N_res]``, 0/1 in m's dtype. residual: ``[*, N_res, N_res, c_z]`` or None.
+
+    Returns:
+        ``residual + update`` (the update without a residual), ``[*, N_res, N_res, c_z]``; or None.
+    """
+    if not _eligible(m) or module.mean_first or mask.requires_grad:
+        return None
+    first, second, out = module.linear_1, module.linear_2, module.linear_out
+    params = (first.weight, first.bias, second.weight, second.bias, out.weight, out.bias)
+    backend = first.backend
+    if first.bias is None or second.bias is None or second.backend != backend or out.backend != backend:
+        return None
+    if not _same_kind(m, (mask, residual, *params)) or (residual is not None and not residual.is_contiguous()):
+        return None
+    registry = _dispatch.REGISTRY
+    key = ("outer_product_mean", registry.resolve(LINEAR_OP, backend), metadata(m), metadata(mask),
+           metadata(residual), module.eps, tuple(map(metadata, params)))
+    if not registry.decision(key, lambda: _outer_product_mean_selected(module, m, mask, residual, backend)):
+        return None
+    return _fused.kernels().outer_product_mean_module(m, mask, residual, *params, module.eps)
+
+
+def _outer_product_mean_selected(module, m: Tensor, mask: Tensor, residual: Optional[Tensor], backend) -> bool:
+    """Whether the composed path would take the steps the node takes: the two projections' stacked
+    node with the column-sum kernel for their biases, linear_out as the fused projection with the
+    division (and the residual add) in its epilogue, and linear_out's bias gradient on the column-sum
+    kernel (from stand-ins: no memory)."""
+    if m.dim() < 3:
+        return False
+    n_res = m.shape[-2]
+    if m.numel() == 0 or mask.shape != m.shape[:-1] or (
+            residual is not None and residual.shape != (*m.shape[:-3], n_res, n_res, module.c_z)):
+        return False  # (the composed path raises or broadcasts)
+    batch = math.prod(m.shape[:-3])
+    try:
+        if not fused_bias_gradient(m, module.linear_1.weight, module.linear_1.bias, backend):
+            return False
+        if not module._projection_fuses(m, batch, n_res, n_res):
+            return False
+    except ValueError:
+        return False  # (the composed path raises it)
+    # the mean's denominator: the composed path fuses its division where it is contiguous, as the
+    # einsum of the mask lays it out (checked on the real mask once per signature)
+    if not torch.einsum("...si,...sj->...ij", mask, mask).is_contiguous():
+        return False
+    bias = module.linear_out.bias
+    return bias is None or column_sum_runs(_stand_in(m, batch * n_res * n_res, module.c_z), bias.dtype)

@@ -1,0 +1,149 @@
+// AF2's outer product mean as a per-module node (what a node is: modules_bindings.cpp's header): after
+// the module's layer norm, the two projections as one GEMM, the mask, the outer product's batched GEMM
+// and linear_out as the fused projection with the mean's division and the residual add in its
+// epilogue, as ONE autograd node whose backward runs in C++. The module's Python path
+// (evoformer_blocks/outer_product_mean.py: OuterProductMean._normalized) records six nodes for these
+// steps (the stacked projection, the unbind, two mask multiplies, the outer product, the projection)
+// and its backward runs two of them in Python. The same ATen calls and extension entry points with
+// the same arguments as that path on the cutlass backend: results and gradients are equal bit for bit
+// (tests/test_module_nodes_cuda.py). evoformer_blocks/ops/module_nodes.py decides when the node may run
+// (the fused projection and the column-sum kernels selected, one dtype, no autocast, not compiling).
+//
+// Op (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), composite (it
+// records its node where autograd needs one):
+//   outer_product_mean_module(Tensor m, Tensor mask, Tensor? residual, Tensor w_1, Tensor b_1, Tensor w_2,
+//       Tensor b_2, Tensor w_out, Tensor? b_out, float eps) -> Tensor
+//     m [*, S, R, c_m] (normalised), mask [*, S, R] (0/1, m's dtype), residual [*, R, R, c_z]
+//     (contiguous) or None; OpenFold's linear_1, linear_2 ([c, c_m], c the kernels' c_hidden) and
+//     linear_out ([c_z, c c]). a, b = (m W_1^T + b_1) * mask, (m W_2^T + b_2) * mask; returns
+//     residual + linear_out(sum_s a[s, i] (x) b[s, j]) / (eps + sum_s mask[s, i] mask[s, j]) (without
+//     the residual where None).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "common/bindings_common.h"
+#include "gating/gating_ops.h"
+#include "modules/nodes.h"
+#include "outer_product_mean/opm_ops.h"
+
+namespace evoformer {
+namespace modules {
+namespace {
+
+EVO_OP_HANDLE(opm_project_op, "opm_project", block::opm_project)
+EVO_OP_HANDLE(opm_input_grad_op, "opm_project_input_grad", block::opm_project_input_grad)
+EVO_OP_HANDLE(opm_weight_grad_op, "opm_project_weight_grad", block::opm_project_weight_grad)
+
+// Positions of the forward's arguments (after ctx): autograd wants one gradient per argument.
+enum Input : int { kM, kMask, kResidual, kW1, kB1, kW2, kB2, kWout, kBout, kEps, kInputs };
+// Positions of the saved tensors.
+enum Saved : int { sM, sMask, sStacked, sA, sB, sOuter, sDenom, sWout };
+
+struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& m, const at::Tensor& mask,
+                            const OptionalTensor& residual, const at::Tensor& w_1, const at::Tensor& b_1,
+                            const at::Tensor& w_2, const at::Tensor& b_2, const at::Tensor& w_out,
+                            const OptionalTensor& b_out, double eps) {
+    EVO_CHECK(m.dim() >= 3 && mask.dim() == m.dim() - 1 && w_1.dim() == 2 && w_1.sizes() == w_2.sizes() &&
+                  w_1.size(1) == m.size(-1) && w_out.dim() == 2 && w_out.size(1) == w_1.size(0) * w_1.size(0),
+              "outer product mean module: `m` [*, S, R, c_m], `mask` [*, S, R], `w_1`, `w_2` [c, c_m] and `w_out` "
+              "[c_z, c c] do not fit: ",
+              m.sizes(), ", ", mask.sizes(), ", ", w_1.sizes(), ", ", w_2.sizes(), ", ", w_out.sizes());
+    EVO_CHECK(m.numel() > 0 && mask.sizes() == m.sizes().slice(0, m.dim() - 1),
+              "outer product mean module: `m` must be non-empty and `mask` its shape without c_m, got ", m.sizes(),
+              ", ", mask.sizes());
+    const int64_t c = w_1.size(0), seqs = m.size(-3), res = m.size(-2), c_z = w_out.size(0);
+    const int64_t batch = m.numel() / (seqs * res * m.size(-1));
+    // the two projections side by side (primitives.stacked_projection), each half masked into a
+    // contiguous tensor
+    const at::Tensor stacked = at::cat({w_1, w_2});  // [2 c, c_m]
+    const at::Tensor ab = at::linear(m, stacked, at::cat({b_1, b_2}));  // [*, S, R, 2 c]
+    const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
+    const at::Tensor a = at::mul(ab.narrow(-1, 0, c), mask_c);  // [*, S, R, c]
+    const at::Tensor b = at::mul(ab.narrow(-1, c, c), mask_c);  // [*, S, R, c]
+    // the mean's denominator eps + (pairs of residues both unmasked in a sequence)
+    const at::Tensor denom = at::add(at::einsum("...si,...sj->...ij", {mask, mask}), eps);  // [*, R, R]
+    EVO_CHECK(denom.is_contiguous(), "outer product mean module: the mask's pair counts are not contiguous");
+    // the outer products summed over the sequences: one batched GEMM, [i, c, j, e] in memory
+    const at::Tensor a3 = reshaped(a, {batch, seqs, res * c}), b3 = reshaped(b, {batch, seqs, res * c});
+    const at::Tensor outer = raw_reshape(at::bmm(raw_transpose(a3), b3), {batch, res, c, res, c});
+    const at::Tensor d = raw_reshape(denom, {batch, res, res});  // [B, R, R]
+    OptionalTensor r;
+    if (residual.has_value()) r = reshaped(*residual, {batch, res, res, c_z});  // [B, R, R, c_z]
+    const at::Tensor out = opm_project_op().call(outer, w_out, b_out, d, r);  // [B, R, R, c_z]
+
+    ctx->save_for_backward({m, mask, stacked, a3, b3, outer, d, w_out});
+    save_edges(ctx, {true, true, given(residual), true, true, true, true, true, given(b_out)}, kInputs);  // Input order
+    ctx->saved_data["bias_dtype"] = b_1.scalar_type();
+    ctx->saved_data["b_out_dtype"] = b_out.has_value() ? b_out->scalar_type() : w_out.scalar_type();
+    if (residual.has_value()) ctx->saved_data["residual_sizes"] = residual->sizes().vec();
+    std::vector<int64_t> sizes(m.sizes().begin(), m.sizes().end() - 3);
+    sizes.insert(sizes.end(), {res, res, c_z});
+    return raw_reshape(out, sizes);  // [*, R, R, c_z]
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &m = saved[sM], &mask = saved[sMask], &stacked = saved[sStacked], &a3 = saved[sA];
+    const at::Tensor &b3 = saved[sB], &outer = saved[sOuter], &d = saved[sDenom], &w_out = saved[sWout];
+    const auto& data = ctx->saved_data;
+    const Needs need(ctx);
+    variable_list result(kInputs);
+
+    // linear_out's backward (_OuterProjection's): the residual's gradient is the output's; the
+    // projection's is dout / denom
+    const int64_t batch = outer.size(0), res = outer.size(1), c = outer.size(2);
+    const at::Tensor dout = reshaped(grads[0], {batch, res, res, w_out.size(0)});  // [B, R, R, c_z]
+    if (need(kResidual)) result[kResidual] = reshaped(dout, data.at("residual_sizes").toIntVector());
+    const at::Tensor dout_div = at::div(dout, d.unsqueeze(-1)).contiguous();  // [B, R, R, c_z]
+    if (need(kWout)) result[kWout] = opm_weight_grad_op().call(dout_div, outer, w_out.scalar_type());
+    if (need(kBout)) result[kBout] = block::column_sum(dout_div, data.at("b_out_dtype").toScalarType());
+    const bool need_weights = need(kW1) || need(kW2), need_biases = need(kB1) || need(kB2);
+    if (!(need(kM) || need_weights || need_biases)) return result;
+
+    // the outer product's (_OuterProduct's), then the masks' and the unbind's (a stack)
+    const at::Tensor d_outer = raw_reshape(opm_input_grad_op().call(dout_div, w_out), {batch, res * c, res * c});
+    const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
+    std::vector<int64_t> half_sizes(m.sizes().begin(), m.sizes().end());
+    half_sizes.back() = c;  // [*, S, R, c]
+    const at::Tensor da = at::mul(raw_reshape(at::bmm(b3, raw_transpose(d_outer)), half_sizes), mask_c);
+    const at::Tensor db = at::mul(raw_reshape(at::bmm(a3, d_outer), half_sizes), mask_c);
+    std::vector<int64_t> ab_sizes = half_sizes;
+    ab_sizes.back() = 2 * c;  // [*, S, R, 2 c]
+    const at::Tensor d_ab = raw_reshape(at::stack({da, db}, -2), ab_sizes);
+
+    // the stacked projection's (linear_bwd: the bias sums from the first bias wanted on, then the GEMMs)
+    const int64_t bias_from = need(kB1) || !need_biases ? 0 : c;  // (the first column whose sum is wanted)
+    auto [dm, dw, sums] = block::linear_bwd(d_ab, m, stacked, std::nullopt, need(kM), need_weights, need_biases,
+                                            data.at("bias_dtype").toScalarType(), bias_from);
+    if (need(kM)) result[kM] = dm;
+    const int64_t c_m = stacked.size(1);
+    if (need(kW1)) result[kW1] = raw_view(dw, {c, c_m}, {c_m, 1}, dw.storage_offset());
+    if (need(kW2)) result[kW2] = raw_view(dw, {c, c_m}, {c_m, 1}, dw.storage_offset() + c * c_m);
+    if (need(kB1)) result[kB1] = raw_view(sums, {c}, {1}, sums.storage_offset());
+    if (need(kB2)) result[kB2] = raw_view(sums, {c}, {1}, sums.storage_offset() + sums.size(0) - c);
+    return result;
+  }
+};
+
+at::Tensor outer_product_mean_module(const at::Tensor& m, const at::Tensor& mask, const OptionalTensor& residual,
+                                     const at::Tensor& w_1, const at::Tensor& b_1, const at::Tensor& w_2,
+                                     const at::Tensor& b_2, const at::Tensor& w_out, const OptionalTensor& b_out,
+                                     double eps) {
+  return OuterProductMeanNode::apply(m, mask, residual, w_1, b_1, w_2, b_2, w_out, b_out, eps);
+}
+
+}  // namespace
+}  // namespace modules
+}  // namespace evoformer
+
+// (schema: evoformer_blocks/ops/_fused.py) One kernel for every dispatch key: the node records itself
+// where autograd needs it.
+TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CompositeImplicitAutograd, m) {
+  m.impl("outer_product_mean_module", &evoformer::modules::outer_product_mean_module);
+}
