@@ -202,23 +202,24 @@ class OuterProductMean(nn.Module):
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [B, N_i, c, N_j, c]``: contiguous
-        and :meth:`_projection_fuses`."""
-        return outer.is_contiguous() and self._projection_fuses(outer, outer.shape[0], outer.shape[1], outer.shape[3])
+        and :meth:`_projection_fuses` on its rows."""
+        return outer.is_contiguous() and self._projection_fuses(
+            outer.view(-1, self.c_hidden * self.c_hidden), outer.shape[0] * outer.shape[1]
+        )
 
-    def _projection_fuses(self, like: torch.Tensor, batch: int, n_i: int, n_j: int) -> bool:
-        """Whether linear_out runs as the fused projection on a contiguous outer product ``[batch, n_i,
-        c, n_j, c]`` of ``like``'s dtype and device: CUDA, float16 or bfloat16, c_hidden and c_z those
-        of kernel_table.json's ``outer_product_mean`` (c_hidden its ``hidden``; c_z one ``tile``: the
+    def _projection_fuses(self, rows: torch.Tensor, groups: int) -> bool:
+        """Whether linear_out runs as the fused projection on the rows ``[B N_i N_j, c_hidden²]`` of a
+        contiguous outer product (or a stand-in with their shape, dtype and device: the backend's choice
+        reads no more), ``groups`` = B N_i: CUDA, float16 or bfloat16, c_hidden and c_z those of
+        kernel_table.json's ``outer_product_mean`` (c_hidden its ``hidden``; c_z one ``tile``: the
         forward takes whole tiles, the weight gradient at most one), the linear's fused backend in
         effect."""
         weight, bias = self.linear_out.weight, self.linear_out.bias
-        if OPM_HIDDEN is None or not (like.is_cuda and like.dtype in (torch.float16, torch.bfloat16)
+        if OPM_HIDDEN is None or not (rows.is_cuda and rows.dtype in (torch.float16, torch.bfloat16)
                                       and self.c_hidden == OPM_HIDDEN and self.c_z == OPM_TILE):
             return False
-        if batch * n_i > OPM_MAX_BATCHES:  # the kernels' grid: one z index per (batch, i)
+        if groups > OPM_MAX_BATCHES:  # the kernels' grid: one z index per (batch, i)
             return False
-        # (a stand-in for the rows linear_out reads: shapes and dtype for the backend's choice, no memory)
-        rows = like.new_empty(()).expand(batch * n_i * n_j, self.c_hidden * self.c_hidden)  # [rows, c_hidden²]
         return fused_bias_gradient(rows, weight, bias, self.linear_out.backend)
 
     def forward(

@@ -137,13 +137,15 @@ def gated_attention(
            metadata(mask_bias), metadata(pair_bias), metadata(pair_source),
            q.bias is not None, g.bias is not None, output.bias is not None, head_weight is not None, q.weight.shape,
            output.weight.shape)
-    if pair_source is not None:  # (the composed path's pair bias: [1, 1, H, L, L] in the source's dtype)
-        length = pair_source.shape[-2]
-        selected_pair = _stand_in(pair_source, 1, 1, head_weight.shape[0], length, length)
-    else:
-        selected_pair = pair_bias
-    if not registry.decision(key, lambda: _node_selected(x, heads, mask_bias, selected_pair, q, g, output,
-                                                          transposed, backend)):
+
+    def decide() -> bool:
+        pair = pair_bias
+        if pair_source is not None:  # (the composed path's pair bias: [1, 1, H, L, L] in the source's dtype)
+            length = pair_source.shape[-2]
+            pair = _stand_in(pair_source, 1, 1, head_weight.shape[0], length, length)
+        return _node_selected(x, heads, mask_bias, pair, q, g, output, transposed, backend)
+
+    if not registry.decision(key, decide):
         return None
     head_dim = q.weight.shape[0] // heads
     return _fused.kernels().gated_attention_module(
@@ -357,7 +359,7 @@ def _outer_product_mean_selected(module, m: Tensor, mask: Tensor, residual: Opti
     try:
         if not fused_bias_gradient(m, module.linear_1.weight, module.linear_1.bias, backend):
             return False
-        if not module._projection_fuses(m, batch, n_res, n_res):
+        if not module._projection_fuses(_stand_in(m, batch * n_res * n_res, module.c_hidden ** 2), batch * n_res):
             return False
     except ValueError:
         return False  # (the composed path raises it)
