@@ -47,8 +47,7 @@ inline void launch_on_row_tiles(void (*kernel)(AttentionParams, RowTileGrid, Ext
                                 int length, int threads, int smem_bytes, cudaStream_t stream, const char* name,
                                 const Extra&... extra) {
   static_assert(kTileRows >= limits::kRowTile, "the host's grid limits assume tiles of at least kRowTile rows");
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
-    check_launch((std::string(name) + " (shared-memory attribute)").c_str());
+  allow_dynamic_smem(kernel, smem_bytes, name);
   const RowTileGrid grid(p.B, p.N, (length + kTileRows - 1) / kTileRows);
   kernel<<<grid.dims(p.H), threads, smem_bytes, stream>>>(p, grid, extra...);
   check_launch(name);
@@ -79,8 +78,7 @@ struct PairGradTile {
 template <typename... Extra>
 inline void launch_pair_grad(void (*kernel)(AttentionParams, Extra...), const AttentionParams& p, int threads,
                              int smem_bytes, cudaStream_t stream, const char* name, const Extra&... extra) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
-    check_launch((std::string(name) + " (shared-memory attribute)").c_str());
+  allow_dynamic_smem(kernel, smem_bytes, name);
   const int64_t tiles = int64_t((p.Lq + PairGradTile::kQueries - 1) / PairGradTile::kQueries) *
                         ((p.Lk + PairGradTile::kKeys - 1) / PairGradTile::kKeys);
   kernel<<<dim3(unsigned(int64_t(p.B) * p.n_chunks * tiles), unsigned(p.H)), threads, smem_bytes, stream>>>(p, extra...);
@@ -99,8 +97,8 @@ int resident_ctas_per_sm(int threads, int smem_bytes, const char* name) {
     if (const int c = cached[device].load(std::memory_order_relaxed)) return c - 1;
   }
   int blocks = 0;
-  if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
+  allow_dynamic_smem(kKernel, smem_bytes, name);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
     check_launch(name);
   if (device < kCachedDevices) cached[device].store(blocks + 1, std::memory_order_relaxed);
   return blocks;

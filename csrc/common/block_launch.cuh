@@ -28,9 +28,7 @@ int chunks_per_lane(int C, int row_threads) {
 template <typename Params>
 void launch_rows(void (*kernel)(Params), const Params& p, int n_ctas, int smem_bytes, cudaStream_t stream,
                  const char* name) {
-  if (smem_bytes > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
-    check_launch(name);
+  if (smem_bytes > 48 * 1024) allow_dynamic_smem(kernel, smem_bytes, name);
   kernel<<<unsigned(n_ctas), kBlockOpThreads, smem_bytes, stream>>>(p);
   check_launch(name);
 }

@@ -1,8 +1,12 @@
-// The launch check every kernel family's launchers use.
+// The launch check every kernel family's launchers use, and the shared-memory allowance they raise
+// before a launch.
 #pragma once
 
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -13,6 +17,29 @@ inline void check_launch(const char* kernel_name) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     throw std::runtime_error(std::string(kernel_name) + ": CUDA error: " + cudaGetErrorString(err));
+}
+
+// Allows `kernel` up to smem_bytes of dynamic shared memory on the current device
+// (cudaFuncAttributeMaxDynamicSharedMemorySize), asking the driver only when no earlier call
+// allowed that much on this device: the attribute call costs host time comparable to a launch and
+// every launch would otherwise repeat it. The attribute is an allowance (occupancy follows the
+// launch's own size), so a larger one set before serves smaller launches. A failure names `name`.
+inline void allow_dynamic_smem(const void* kernel, int smem_bytes, const char* name) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
+  static std::mutex mutex;
+  static auto* allowed = new std::map<std::pair<const void*, int>, int>();  // (kernel, device) -> bytes
+  std::lock_guard<std::mutex> lock(mutex);
+  int& bytes = (*allowed)[{kernel, device}];
+  if (bytes >= smem_bytes) return;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+    check_launch((std::string(name) + " (shared-memory attribute)").c_str());
+  bytes = smem_bytes;
+}
+
+template <typename... Args>
+inline void allow_dynamic_smem(void (*kernel)(Args...), int smem_bytes, const char* name) {
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_bytes, name);
 }
 
 }  // namespace evoformer

@@ -13,9 +13,7 @@ template <typename Params>
 void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_bytes, cudaStream_t stream,
                            const char* name) {
   if (p.M == 0) return;
-  if (smem_bytes > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
-    check_launch(name);
+  if (smem_bytes > 48 * 1024) allow_dynamic_smem(kernel, smem_bytes, name);
   kernel<<<unsigned((p.M + kChannelTile - 1) / kChannelTile), kBlockOpThreads, smem_bytes, stream>>>(p);
   check_launch(name);
 }

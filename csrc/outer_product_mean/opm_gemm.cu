@@ -10,8 +10,7 @@ namespace {
 template <typename Params>
 void launch_with_smem(void (*kernel)(Params), dim3 grid, int smem, cudaStream_t stream, const char* name,
                       const Params& params) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-    check_launch(name);
+  allow_dynamic_smem(kernel, smem, name);
   kernel<<<grid, kOpmThreads, smem, stream>>>(params);
   check_launch(name);
 }

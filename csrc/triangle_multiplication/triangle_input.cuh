@@ -288,8 +288,7 @@ __device__ __forceinline__ void triangle_row_masks(float (&mask)[2][2], const vo
 template <typename Params>
 inline void launch_on_position_tiles(void (*kernel)(Params), const Params& p, int64_t M, int smem_bytes,
                                      cudaStream_t stream, const char* name) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
-    check_launch(name);
+  allow_dynamic_smem(kernel, smem_bytes, name);
   kernel<<<unsigned((M + kTriInRows - 1) / kTriInRows), kTriInThreads, smem_bytes, stream>>>(p);
   check_launch(name);
 }
