@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import OrderedDict
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -83,10 +83,46 @@ def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, block: nn.M
     return msa_mask, pair_mask  # [*, N_seq, N_res], [*, N_res, N_res]
 
 
+class MaskBiases(NamedTuple):
+    """A block's mask biases (``mask_to_bias`` of its masks: what its attentions add to their logits),
+    made once per stack call by the first block and passed to every block (:meth:`_PairUpdates.mask_biases`)."""
+
+    first: Optional[torch.Tensor]  # of the first representation's mask (m's [*, N_seq, N_res], s's [*, N_token])
+    pair: Optional[torch.Tensor]  # of the pair mask [*, N_res, N_res] or None
+    infs: tuple  # the infs they were made with (a block with other infs makes its own)
+
+
 class _PairUpdates(nn.Module):
     """The pair side shared by the blocks (Evoformer, extra-MSA, AF3's Pairformer and MSA module):
     ``tri_mul_out``, ``tri_mul_in``, ``tri_att_start``, ``tri_att_end``, ``pair_transition`` and the
     pair dropouts, run by :meth:`_pair_updates` on checked inputs."""
+
+    # The attention of the first representation whose mask bias the block computes once and shares
+    # (None: the block has none; see mask_biases)
+    def _first_bias_owner(self) -> Optional[nn.Module]:
+        return None
+
+    def _bias_infs(self) -> tuple:
+        owner = self._first_bias_owner()
+        return (None if owner is None else owner.inf, self.tri_att_start.inf)
+
+    def mask_biases(self, first: torch.Tensor, z: torch.Tensor, first_mask, pair_mask) -> MaskBiases:
+        """The mask biases this block's update computes from checked masks (0/1 tensors of ``first``'s
+        and ``z``'s dtypes), for every block of a stack to share: the masks and the representations'
+        dtypes stay the same through a stack, so a stack makes them once per call (and its
+        checkpointed groups keep them for the recomputation) instead of once per block."""
+        owner = self._first_bias_owner()
+        return MaskBiases(
+            None if owner is None else owner._mask_bias(first_mask, first),
+            self.tri_att_start._mask_bias(pair_mask, z), self._bias_infs(),
+        )
+
+    def _given_biases(self, biases: Optional[MaskBiases]) -> tuple:
+        """(first, pair) of ``biases`` where they were made with this block's infs, else (None, None):
+        the block computes its own."""
+        if biases is None or biases.infs != self._bias_infs():
+            return None, None
+        return biases.first, biases.pair
 
     def _add_pair_stack(
         self, c_z, c_hidden_mul, c_hidden_pair_att, no_heads_pair, transition_n, pair_dropout, inf, backend,
@@ -114,15 +150,15 @@ class _PairUpdates(nn.Module):
         self.pair_dropout_row = DropoutRowwise(pair_dropout)
         self.pair_dropout_col = DropoutColumnwise(pair_dropout)
 
-    def _pair_updates(self, z, pair_mask, chunk_size, keep):
+    def _pair_updates(self, z, pair_mask, chunk_size, keep, pair_bias=None):
         """z after the pair updates (both triangle multiplications, both triangle attentions, the
         pair transition; ``keep``: their four dropout keep-masks, None where off) from checked
-        inputs."""
+        inputs; ``pair_bias``: the pair mask's bias where the caller made it already."""
         keep_out, keep_in, keep_start, keep_end = keep
         z = self.tri_mul_out._adding_to_input(z, pair_mask, keep_out)
         z, update = self.tri_mul_in._keeping_input(z, pair_mask)
         z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
-        pair_bias = self.tri_att_start._mask_bias(pair_mask, z)  # [*, N_res, N_res]
+        pair_bias = self.tri_att_start._mask_bias(pair_mask, z, pair_bias)  # [*, N_res, N_res]
         update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
         z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
         update = self.tri_att_end._normalized(
@@ -214,6 +250,9 @@ class _MSABlock(_PairUpdates):
     def _column_attention(self, c_m, c_hidden, no_heads, inf, backend, **kwargs) -> nn.Module:
         raise NotImplementedError("subclasses choose the MSA column attention")
 
+    def _first_bias_owner(self) -> nn.Module:
+        return self.msa_att_row
+
     def forward(
         self,
         m: torch.Tensor,
@@ -244,8 +283,9 @@ class _MSABlock(_PairUpdates):
         (msa_row,) = self.msa_dropout_row.keep_masks(m, 1)
         return (msa_row, *self.pair_dropout_masks(z))
 
-    def _update(self, m, z, msa_mask, pair_mask, chunk_size, keep=None):
-        # Masks are already checked 0/1 tensors: [*, N_seq, N_res] and [*, N_res, N_res].
+    def _update(self, m, z, msa_mask, pair_mask, chunk_size, keep=None, biases=None):
+        # Masks are already checked 0/1 tensors: [*, N_seq, N_res] and [*, N_res, N_res]; `biases`:
+        # their MaskBiases where a stack made them (else the block makes them).
         # `keep`: the five dropout masks of dropout_masks (drawn here when None). A checkpointed
         # stack draws them before the group runs and passes them in, so that the recomputation in
         # the backward pass applies the same masks without restoring the RNG state.
@@ -269,7 +309,8 @@ class _MSABlock(_PairUpdates):
         if self.opm_first:  # AF2-Multimer: the outer product mean of the block's input MSA first
             m, m_ln = keep_and_norm(m, opm.layer_norm)
             z = opm._normalized(m_ln, msa_mask, chunk_size, residual=z)
-        msa_bias = self.msa_att_row._mask_bias(msa_mask, m)  # [*, N_seq, N_res]
+        msa_bias, pair_bias = self._given_biases(biases)
+        msa_bias = self.msa_att_row._mask_bias(msa_mask, m, msa_bias)  # [*, N_seq, N_res]
         m, m_ln = keep_and_norm(m, self.msa_att_row.layer_norm_m)
         z, z_ln = keep_and_norm(z, self.msa_att_row.layer_norm_z)
         update = self.msa_att_row._normalized(m_ln, z_ln, msa_bias, chunk_size)
@@ -288,7 +329,7 @@ class _MSABlock(_PairUpdates):
             update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
             m, m_ln = add_and_norm(m, opm.layer_norm, update, msa_mask.unsqueeze(-1))
             z = opm._normalized(m_ln, msa_mask, chunk_size, residual=z)
-        z = self._pair_updates(z, pair_mask, chunk_size, (keep_out, keep_in, keep_start, keep_end))
+        z = self._pair_updates(z, pair_mask, chunk_size, (keep_out, keep_in, keep_start, keep_end), pair_bias)
         return m, z
 
 class EvoformerBlock(_MSABlock):
@@ -464,16 +505,18 @@ class _Stack(nn.Module):
     def _outputs(self, m: torch.Tensor, z: torch.Tensor):
         raise NotImplementedError
 
-    def _run_group(self, start: int, stop: int, m, z, msa_mask, pair_mask, chunk_size, keeps=None):
+    def _run_group(self, start: int, stop: int, m, z, msa_mask, pair_mask, chunk_size, keeps=None, biases=None):
         for i, block in enumerate(self.blocks[start:stop]):
-            m, z = block._update(m, z, msa_mask, pair_mask, chunk_size, None if keeps is None else keeps[i])
+            m, z = block._update(m, z, msa_mask, pair_mask, chunk_size, None if keeps is None else keeps[i], biases)
         return m, z
 
     def _run_blocks(self, m, z, msa_mask, pair_mask, chunk_size):
         n = len(self.blocks)
         group = self.blocks_per_ckpt if torch.is_grad_enabled() else None
+        # the masks' biases, once for every block (MaskBiases)
+        biases = self.blocks[0].mask_biases(m, z, msa_mask, pair_mask)
         if group is None:
-            return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size)
+            return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size, None, biases)
         starts = range(0, n, group)
         sizes = [min(start + group, n) - start for start in starts]
         plan = Plan(self, sizes, lambda: (*self._computation_key(m, z, chunk_size), self.recompute, self.training))
@@ -486,18 +529,18 @@ class _Stack(nn.Module):
             # drawn from the group's inputs.)
             keeps = [block.dropout_masks(m, z) for block in self.blocks[start:stop]]
             if not plan.checkpointed_group(index):  # checkpoint_last_group=False: the last one
-                m, z = self._run_group(start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps)
+                m, z = self._run_group(start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps, biases)
                 continue
             kwargs = plan.checkpoint_kwargs(index)
             if kwargs or torch_checkpoint_only():  # a policy keeps outputs; or traced (or an A/B)
                 m, z = checkpoint(
-                    self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps,
+                    self._run_group, start, stop, m, z, msa_mask, pair_mask, chunk_size, keeps, biases,
                     use_reentrant=False, preserve_rng_state=False, **kwargs,
                 )
             else:  # full recomputation: one node, its forward unrecorded
                 m, z = recomputed(
-                    functools.partial(self._run_group, start, stop), (m, z, msa_mask, pair_mask, chunk_size, keeps),
-                    self.blocks[start:stop],
+                    functools.partial(self._run_group, start, stop),
+                    (m, z, msa_mask, pair_mask, chunk_size, keeps, biases), self.blocks[start:stop],
                 )
             plan.ran(index)
         return m, z

@@ -226,7 +226,8 @@ class MSAModuleBlock(_PairUpdates):
         (msa_row,) = self.msa_dropout_row.keep_masks(m, 1)
         return (msa_row, *self.pair_dropout_masks(z))
 
-    def _update(self, m, z, msa_mask, pair_mask, chunk_size, keep=None):
+    def _update(self, m, z, msa_mask, pair_mask, chunk_size, keep=None, biases=None):
+        # `keep` and `biases` as for the Evoformer block (the pair mask's bias only)
         keep_msa, *keep_pair = self.dropout_masks(m, z) if keep is None else keep
         opm = self.outer_product_mean
         update_msa = self.pair_weighted_averaging is not None and self.msa_output_used
@@ -242,7 +243,7 @@ class MSAModuleBlock(_PairUpdates):
             update = averaging._normalized(m_ln, z_ln, pair_mask, chunk_size)
             m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update, keep_msa)
             m = self.msa_transition._normalized(m_ln, msa_mask, chunk_size, residual=m)
-        z = self._pair_updates(z, pair_mask, chunk_size, keep_pair)
+        z = self._pair_updates(z, pair_mask, chunk_size, keep_pair, self._given_biases(biases)[1])
         return m, z
 
 

@@ -174,13 +174,18 @@ class PairformerBlock(_PairUpdates):
         the single representation has no dropout."""
         return self.pair_dropout_masks(z)
 
-    def _update(self, s, z, single_mask, pair_mask, chunk_size, keep=None):
-        # masks already checked 0/1 tensors [*, N] and [*, N, N]; `keep` as for the Evoformer block
-        z = self._pair_updates(z, pair_mask, chunk_size, self.dropout_masks(s, z) if keep is None else keep)
+    def _first_bias_owner(self) -> torch.nn.Module:
+        return self.attn_pair_bias
+
+    def _update(self, s, z, single_mask, pair_mask, chunk_size, keep=None, biases=None):
+        # masks already checked 0/1 tensors [*, N] and [*, N, N]; `keep` and `biases` as for the
+        # Evoformer block
+        single_bias, pair_bias = self._given_biases(biases)
+        z = self._pair_updates(z, pair_mask, chunk_size, self.dropout_masks(s, z) if keep is None else keep, pair_bias)
         attention = self.attn_pair_bias
         s, s_ln = keep_and_norm(s, attention.layer_norm_s)
         z, z_ln = keep_and_norm(z, attention.layer_norm_z)
-        update = attention._normalized(s_ln, z_ln, attention._mask_bias(single_mask, s), chunk_size)
+        update = attention._normalized(s_ln, z_ln, attention._mask_bias(single_mask, s, single_bias), chunk_size)
         s, s_ln = add_and_norm(s, self.single_transition.layer_norm, update)
         s = self.single_transition._normalized(s_ln, single_mask, chunk_size, residual=s)
         return s, z

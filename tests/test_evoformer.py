@@ -467,6 +467,36 @@ def test_a_stack_checks_its_inputs_once(monkeypatch):
     assert checked == ["m", "z"]
 
 
+@pytest.mark.parametrize("blocks_per_ckpt", [None, 1])
+def test_a_stack_makes_its_mask_biases_once(monkeypatch, blocks_per_ckpt):
+    """A stack turns its masks into attention biases once per call, and its blocks (and the
+    checkpointed recomputation) share them; a block whose attentions have another inf makes its own,
+    and the stack still computes what its blocks run one by one compute."""
+    from evoformer_blocks import attention
+
+    made = []
+    to_bias = attention.mask_to_bias
+    monkeypatch.setattr(attention, "mask_to_bias",
+                        lambda mask, inf, dtype: made.append(inf) or to_bias(mask, inf, dtype))
+    torch.manual_seed(0)
+    stack = evoformer_stack(no_blocks=3, blocks_per_ckpt=blocks_per_ckpt).eval()
+    m, z, msa_mask, pair_mask = inputs()
+    stack(m.requires_grad_(True), z, msa_mask, pair_mask)[0].sum().backward()
+    assert made == [1e9, 1e9], "the MSA mask's bias and the pair mask's, once for three blocks and their recompute"
+
+    block = stack.blocks[1]  # inf 2: a masked key keeps a visible weight, so a wrong bias would show
+    for module in (block.msa_att_row, block.msa_att_col, block.tri_att_start, block.tri_att_end):
+        module.inf = 2.0
+    made.clear()
+    with torch.no_grad():
+        m_out, z_out, _ = stack(m, z, msa_mask, pair_mask)
+        assert made == [1e9, 1e9, 2.0, 2.0]
+        m_ref, z_ref = m, z
+        for block in stack.blocks:
+            m_ref, z_ref = block(m_ref, z_ref, msa_mask, pair_mask)
+    assert torch.equal(m_out, m_ref) and torch.equal(z_out, z_ref)
+
+
 @pytest.mark.parametrize(
     "make, shape, argument",
     [
