@@ -85,7 +85,8 @@ def _check_inputs(owner: str, m, z, msa_mask, pair_mask, chunk_size, block: nn.M
 
 class MaskBiases(NamedTuple):
     """A block's mask biases (``mask_to_bias`` of its masks: what its attentions add to their logits),
-    made once per stack call by the first block and passed to every block (:meth:`_PairUpdates.mask_biases`)."""
+    made once per stack call by the first block (:meth:`_PairUpdates._mask_biases`) and passed to
+    every block."""
 
     first: Optional[torch.Tensor]  # of the first representation's mask (m's [*, N_seq, N_res], s's [*, N_token])
     pair: Optional[torch.Tensor]  # of the pair mask [*, N_res, N_res] or None
@@ -98,7 +99,7 @@ class _PairUpdates(nn.Module):
     pair dropouts, run by :meth:`_pair_updates` on checked inputs."""
 
     # The attention of the first representation whose mask bias the block computes once and shares
-    # (None: the block has none; see mask_biases)
+    # (None: the block has none; see _mask_biases)
     def _first_bias_owner(self) -> Optional[nn.Module]:
         return None
 
@@ -106,7 +107,7 @@ class _PairUpdates(nn.Module):
         owner = self._first_bias_owner()
         return (None if owner is None else owner.inf, self.tri_att_start.inf)
 
-    def mask_biases(self, first: torch.Tensor, z: torch.Tensor, first_mask, pair_mask) -> MaskBiases:
+    def _mask_biases(self, first: torch.Tensor, z: torch.Tensor, first_mask, pair_mask) -> MaskBiases:
         """The mask biases this block's update computes from checked masks (0/1 tensors of ``first``'s
         and ``z``'s dtypes), for every block of a stack to share: the masks and the representations'
         dtypes stay the same through a stack, so a stack makes them once per call (and its
@@ -514,7 +515,7 @@ class _Stack(nn.Module):
         n = len(self.blocks)
         group = self.blocks_per_ckpt if torch.is_grad_enabled() else None
         # the masks' biases, once for every block (MaskBiases)
-        biases = self.blocks[0].mask_biases(m, z, msa_mask, pair_mask)
+        biases = self.blocks[0]._mask_biases(m, z, msa_mask, pair_mask)
         if group is None:
             return self._run_group(0, n, m, z, msa_mask, pair_mask, chunk_size, None, biases)
         starts = range(0, n, group)
