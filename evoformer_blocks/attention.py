@@ -83,7 +83,7 @@ class _GatedAttention(nn.Module):
         """z: [*, L, L, c_z], already normalized. Returns the op's ``pair_bias`` [B, 1, H, L, L],
         contiguous: ``bias[b, 0, h, i, j] = linear_z(z[b, i, j])[h]``, the logit bias of query i
         and key j in head h (head-major as ``W @ z^T``, so no permute or copy follows)."""
-        return _head_major(_flatten_batch(z, 3), self.linear_z.weight)  # [B, 1, H, L, L]
+        return _head_major(_flatten_batch(z, 3), self.linear_z.weight, self.linear_z)  # [B, 1, H, L, L]
 
     def _qkvg(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.linear_q, self.linear_k, self.linear_v, self.linear_g

@@ -104,7 +104,8 @@ class MSAPairWeightedAveraging(nn.Module):
         """The update from ``m = layer_norm_m(m)`` and ``z = layer_norm_z(z)`` (checked inputs)."""
         *batch, n_msa, n, c_m = m.shape
         # (_keep.product: a stack's recompute policy may keep the logits and the weighted sums)
-        logits = _keep.product(_keep.ATTENTION, _head_major, _flatten_batch(z, 3), self.linear_z.weight)
+        logits = _keep.product(_keep.ATTENTION, _head_major, _flatten_batch(z, 3), self.linear_z.weight,
+                               self.linear_z)
         logits = logits[:, 0]  # [B, H, N, N]
         logits = logits.to(compute_dtype(m.dtype))
         if pair_mask is not None:

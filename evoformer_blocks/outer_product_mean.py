@@ -13,7 +13,7 @@ from ._checks import (
 )
 from .ops import _fused, module_nodes
 from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE
-from .ops.gating import bias_gradient, fused_bias_gradient, linear
+from .ops.gating import bias_gradient, fused_linear_backward, linear
 from .primitives import LayerNorm, Linear, stacked_projection
 
 
@@ -220,7 +220,7 @@ class OuterProductMean(nn.Module):
             return False
         if groups > OPM_MAX_BATCHES:  # the kernels' grid: one z index per (batch, i)
             return False
-        return fused_bias_gradient(rows, weight, bias, self.linear_out.backend)
+        return fused_linear_backward(rows, weight, bias, self.linear_out.backend)
 
     def forward(
         self, m: torch.Tensor, mask: Optional[torch.Tensor] = None, *, chunk_size: Optional[int] = None

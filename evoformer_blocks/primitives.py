@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops._inputs import as_dtype, compute_dtype
-from .ops.gating import fused_bias_gradient, linear, linear_grads
+from .ops.gating import fused_linear_backward, linear, linear_grads, rows_product
 from .ops.normalization import layer_norm
 
 # Standard deviation of a unit normal truncated to [-2, 2]. A truncated-normal initializer divides
@@ -151,11 +151,18 @@ def bias_or_zeros(weight: torch.Tensor, *biases: Optional[torch.Tensor]) -> torc
     return biases[0] if len(biases) == 1 else torch.cat(biases)
 
 
-def _head_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _head_major(x: torch.Tensor, weight: torch.Tensor, linear: Optional["Linear"] = None) -> torch.Tensor:
     """``x [B, L, L, c] -> [B, 1, H, L, L]`` with ``[b, 0, h, i, j] = x[b, i, j] . weight[h]``
     (weight ``[H, c]``): computed head-major as ``weight @ x^T``, so no permute or copy follows; the
-    dtype is what ``F.linear(x, weight)`` would give (autocast included)."""
+    dtype is what ``F.linear(x, weight)`` would give (autocast included). ``linear``: the
+    :class:`Linear` whose weight it is; where its backward would be the extension's
+    (:func:`fused_linear_backward`), one batch element's weight gradient is :func:`rows_product`'s
+    (:class:`_HeadMajor`)."""
     batch, length, c = x.shape[0], x.shape[-2], x.shape[-1]
+    if (linear is not None and batch == 1 and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and x.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type)
+            and fused_linear_backward(x, weight, None, linear.backend)):
+        return _HeadMajor.apply(x, weight)
     if batch == 1:  # one GEMM call, without matmul's broadcast of the weight over a batch
         out = torch.mm(weight, x.reshape(length * length, c).t())  # [H, L * L]
     else:
@@ -163,11 +170,36 @@ def _head_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(batch, 1, weight.shape[0], length, length)  # [B, 1, H, L, L]
 
 
-def _head_major_grads(dx, dh, x, weight, need_dx: bool, need_dw: bool):
+class _HeadMajor(torch.autograd.Function):
+    """:func:`_head_major` of one batch element (x ``[1, L, L, c]``, weight ``[H, c]``, one dtype) whose
+    backward takes the weight's gradient ``dh . x`` by :func:`rows_product` (a sum over the L * L
+    positions that leaves none out) and x's by one GEMM, as the gated-attention node does."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        length, c = x.shape[-2], x.shape[-1]
+        out = torch.mm(weight, x.reshape(length * length, c).t())  # [H, L * L]
+        return out.view(1, 1, weight.shape[0], length, length)  # [1, 1, H, L, L]
+
+    @staticmethod
+    def backward(ctx, dh):
+        x, weight = ctx.saved_tensors
+        positions, c = x.shape[-3] * x.shape[-2], x.shape[-1]
+        dh2 = dh.reshape(weight.shape[0], positions)  # [H, L * L]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(dh2.t(), weight).view(x.shape)  # [1, L, L, c]
+        if ctx.needs_input_grad[1]:
+            dw = rows_product(dh2, x.reshape(positions, c))  # [H, c]
+        return dx, dw
+
+
+def _head_major_grads(dx, dh, x, weight, need_dx: bool, need_dw: bool, fused: bool = False):
     """The head-major projection's share of the input gradient, added into ``dx [B, L, L, c]`` in place
     (``dx += dh^T . weight``: one GEMM that reads and writes dx instead of a GEMM of its own and an
-    addition of the two gradients), and its weight's gradient ``dh . x`` (summed over B). ``dh``:
-    ``[B, 1, H, L, L]``."""
+    addition of the two gradients), and its weight's gradient ``dh . x`` (summed over B; one batch
+    element's by :func:`rows_product` where ``fused``). ``dh``: ``[B, 1, H, L, L]``."""
     batch, heads, c, positions = x.shape[0], weight.shape[0], x.shape[-1], x.shape[-3] * x.shape[-2]
     dh3 = dh.reshape(batch, heads, positions)  # [B, H, L * L]
     if need_dx:
@@ -180,7 +212,10 @@ def _head_major_grads(dx, dh, x, weight, need_dx: bool, need_dw: bool):
     dw = None
     if need_dw:
         x3 = as_dtype(x.reshape(batch, positions, c), dh3.dtype)  # [B, L * L, c]
-        dw = torch.mm(dh3[0], x3[0]) if batch == 1 else torch.bmm(dh3, x3).sum(0)  # [H, c]
+        if batch == 1:
+            dw = rows_product(dh3[0], x3[0]) if fused else torch.mm(dh3[0], x3[0])  # [H, c]
+        else:
+            dw = torch.bmm(dh3, x3).sum(0)  # [H, c]
         dw = as_dtype(dw, weight.dtype)
     return dx, dw
 
@@ -191,9 +226,9 @@ class _StackedProjection(torch.autograd.Function):
     gradient arrives as one dense tensor (ops.gated_evoformer_attention writes the gradients of q,
     k, v and g so, or autograd gathers those of views of the output), so the backward takes one GEMM
     for dx, one for every weight, and one column sum for the biases (over the columns from the first
-    biased projection on): one extension call (``linear_bwd`` from that column) where the bias sums
-    run on the column-sum kernel. Inputs: ``x, fused_bias_grad, k,
-    head_weight, W_1..W_k, b_1..b_k``.
+    biased projection on): one extension call (``linear_bwd`` from that column, its weight gradient
+    by ``rows_product``) where ``fused`` (the projections' backend is the extension's), else PyTorch's.
+    Inputs: ``x, fused, k, head_weight, W_1..W_k, b_1..b_k``.
 
     With ``head_weight`` ``[H, c_in]`` (x then ``[B, L, L, c_in]``), a second output: the head-major
     projection ``[B, 1, H, L, L]`` of :func:`_head_major` (a triangle attention's pair bias). Its
@@ -202,7 +237,7 @@ class _StackedProjection(torch.autograd.Function):
     tensors."""
 
     @staticmethod
-    def forward(ctx, x, fused_bias_grad, count, head_weight, *params):
+    def forward(ctx, x, fused, count, head_weight, *params):
         weights, biases = params[:count], params[count:]
         stacked = torch.cat(weights)  # [sum of widths, c_in]
         biased = [b is not None for b in biases]
@@ -216,7 +251,7 @@ class _StackedProjection(torch.autograd.Function):
         ctx.weight_dtypes = [w.dtype for w in weights]
         ctx.widths = [w.shape[0] for w in weights]
         ctx.bias_dtypes = [b.dtype if b is not None else None for b in biases]
-        ctx.fused_bias_grad = fused_bias_grad
+        ctx.fused = fused
         out = F.linear(x, stacked, stacked_bias)  # [..., sum of widths]
         if head_weight is None:
             return out
@@ -233,7 +268,7 @@ class _StackedProjection(torch.autograd.Function):
         bias_from = sum(widths[:first])  # its first column
         dtypes = {ctx.bias_dtypes[i] for i in range(first, count) if need_biases[i]}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the bias sums' dtype
-        if ctx.fused_bias_grad:
+        if ctx.fused:
             # one extension call: the column sums from bias_from on, then the two GEMMs
             dx, dw, sums = linear_grads(
                 dy, x, stacked, None, need_dx, need_dw, need_db, dtype, bias_from
@@ -251,7 +286,8 @@ class _StackedProjection(torch.autograd.Function):
                 sums = as_dtype(tail.sum(0), dtype)
         d_head = None
         if head_weight is not None and dh is not None:
-            dx, d_head = _head_major_grads(dx, dh, x, head_weight, need_dx, ctx.needs_input_grad[3])
+            dx, d_head = _head_major_grads(dx, dh, x, head_weight, need_dx, ctx.needs_input_grad[3],
+                                           ctx.fused)
         dweights = [None] * count
         if need_dw:
             dweights = [
@@ -267,14 +303,16 @@ class _StackedProjection(torch.autograd.Function):
 
 def stacked_projection(x: torch.Tensor, linears: Sequence[Linear], head_major: Optional[Linear] = None):
     """``x [..., c_in] -> [..., sum of out_dims]``: the k :class:`Linear` (biases optional) side by
-    side, as one GEMM and one autograd node (:class:`_StackedProjection`). The bias
-    gradients use the column-sum kernel where the first biased projection's :func:`ops.linear` would.
+    side, as one GEMM and one autograd node (:class:`_StackedProjection`). The backward is the
+    extension's (the bias gradients on the column-sum kernel, the weight gradients by ``rows_product``)
+    where the first biased projection's :func:`ops.linear` would run it (the first projection's where
+    none has a bias).
 
     With ``head_major`` (a :class:`Linear` ``c_in -> H`` without bias; x ``[B, L, L, c_in]``), returns
     ``(stacked, head)`` where ``head [B, 1, H, L, L]`` is that projection, head-major
     (``head[b, 0, h, i, j] = head_major(x[b, i, j])[h]``), from the same node."""
-    biased = [lin for lin in linears if lin.bias is not None]
-    fused = len(biased) > 0 and fused_bias_gradient(x, biased[0].weight, biased[0].bias, biased[0].backend)
+    first = next((lin for lin in linears if lin.bias is not None), linears[0])
+    fused = fused_linear_backward(x, first.weight, first.bias, first.backend)
     head_weight = None if head_major is None else head_major.weight
     return _StackedProjection.apply(
         x, fused, len(linears), head_weight, *[lin.weight for lin in linears], *[lin.bias for lin in linears]

@@ -590,6 +590,28 @@ def test_stacked_projection_matches_reference(dtype, layers):
     assert len(partial) == len(wanted) and all(torch.equal(a, b) for a, b in zip(partial, wanted))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, c_in, c_out", [(16900, 128, 128), (16641, 64, 128), (36865, 256, 128), (4100, 128, 4),
+                                               (16896, 128, 128)])
+def test_weight_gradient_sums_every_row(dtype, rows, c_in, c_out):
+    # A weight's gradient is a sum over every row (position) of x. The last 256 rows carry most of it
+    # here, so a row left out of the sum shows far above the rounding: at least 6e-2 relative, against
+    # the one rounding of the result to 16 bits (float32 accumulation). Row counts that are not
+    # multiples of 256 and one that is. (The bar is float64 on the same rounded inputs, not eager:
+    # cuBLAS 13.0's own product leaves rows out at some of these counts.)
+    x = torch.randn(rows, c_in, device=DEV)
+    x[-256:] *= 30
+    x = x.to(dtype).requires_grad_(True)
+    w = (torch.randn(c_out, c_in, device=DEV) * 0.1).to(dtype).requires_grad_(True)
+    b = torch.randn(c_out, device=DEV).to(dtype).requires_grad_(True)
+    dy = torch.randn(rows, c_out, device=DEV).to(dtype)
+    ops.linear(x, w, b, backend="cutlass").backward(dy)
+    ref = dy.double().t() @ x.detach().double()  # [c_out, c_in]
+    error = rel_error(w.grad, ref)
+    assert error < (4e-3 if dtype == torch.bfloat16 else 5e-4), f"weight gradient error {error:.2e}"
+    assert rel_error(b.grad, dy.double().sum(0)) < (4e-3 if dtype == torch.bfloat16 else 5e-4)
+
+
 def test_linear_under_autocast_keeps_parameter_dtypes():
     x = torch.randn(300, 64, device=DEV, requires_grad=True)
     layer = eb.primitives.Linear(64, 128).to(DEV)

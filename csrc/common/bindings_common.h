@@ -146,6 +146,35 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
+// a [m, K] . b [K, n] for a K that counts positions (a weight's gradient: its rows of dy^T times
+// the inputs, summed over every position), in a's dtype. cuBLAS 13.0 (the torch 2.11 CUDA 13 wheel)
+// picks, for such long products of narrow matrices, split-K kernels that leave terms out of the sum
+// where K is not a multiple of 256: on an H200, 85 of 2,476 bf16 and fp16 products swept (K from 100
+// to 150,000, outputs 4 x 128 to 512 x 256) came back without their last rows, e.g. [128, 16,900] x
+// [16,900, 128] (the triangle update's output weight at N_res 130). No product of a K that is a
+// multiple of 256 did, and no strided-batched one. So where K is not a multiple of 256 and longer than
+// kRowsProductChunk, the sum runs as a batched product over S slices of K (float32 results, summed
+// over the slices in a fixed order) plus the rows left over, then rounds once; elsewhere it is at::mm.
+// With `out` ([m, n], a's dtype) the product is written there.
+constexpr int64_t kRowsProductChunk = 1024;
+inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b, at::Tensor* out = nullptr) {
+  const int64_t m = a.size(0), K = a.size(1), n = b.size(1);
+  if (K % 256 == 0 || K <= kRowsProductChunk) return out != nullptr ? at::mm_out(*out, a, b) : at::mm(a, b);
+  const int64_t slices = std::min<int64_t>(128, K / 256), per = K / slices, whole = slices * per;
+  // [S, m, per] x [S, per, n]: slice s holds rows [s per, (s + 1) per) of K (views of a and b)
+  const at::Tensor a3 = raw_view(a, {slices, m, per}, {per * a.stride(1), a.stride(0), a.stride(1)}, a.storage_offset());
+  const at::Tensor b3 = raw_view(b, {slices, per, n}, {per * b.stride(0), b.stride(0), b.stride(1)}, b.storage_offset());
+  at::Tensor sum = (a.scalar_type() == at::kFloat ? at::bmm(a3, b3) : at::bmm(a3, b3, at::kFloat)).sum(0);  // [m, n] float32
+  if (whole < K) {  // the rows past the slices (fewer than S): one more batch of one
+    const at::Tensor a1 = raw_view(a, {1, m, K - whole}, {0, a.stride(0), a.stride(1)},
+                                   a.storage_offset() + whole * a.stride(1));
+    const at::Tensor b1 = raw_view(b, {1, K - whole, n}, {0, b.stride(0), b.stride(1)},
+                                   b.storage_offset() + whole * b.stride(0));
+    sum.add_((a.scalar_type() == at::kFloat ? at::bmm(a1, b1) : at::bmm(a1, b1, at::kFloat)).select(0, 0));
+  }
+  return out != nullptr ? out->copy_(sum) : as_dtype(sum, a.scalar_type());
+}
+
 // EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
 // element a kernel fails to write (read once per process).
 inline bool poison_outputs() {

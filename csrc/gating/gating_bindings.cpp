@@ -16,6 +16,8 @@
 //              bias_from=0)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), each [0] unless wanted;
 //       bias [out - bias_from] adds to the columns from bias_from on (a stacked projection's biased part)
+//   rows_product(a [m, K], b [K, n]) -> a . b [m, n] in a's dtype: a sum over K positions that leaves
+//       none out (bindings_common.h's rows_product; a weight's gradient where the Python side forms it)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -234,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   if (need_dw) {
     const at::Tensor dy_t = raw_view(dy, {C, dy.size(0)}, {dy.stride(1), dy.stride(0)}, dy.storage_offset());  // dy^T
     const at::Tensor rows = as_dtype(flat_rows(x, x.size(-1)), dy.scalar_type());  // [rows, in]
-    dw = as_dtype(at::mm(dy_t, rows), weight.scalar_type());  // [out, in]
+    dw = as_dtype(rows_product(dy_t, rows), weight.scalar_type());  // [out, in]
   }
   // an op returns tensors: a new [0] one for each gradient not wanted (outputs must not alias)
   const auto wanted = [&](bool need, const at::Tensor& t) { return need ? t : new_empty({0}, dy_in.options()); };
@@ -242,6 +244,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
 }
 
 at::Tensor sigmoid_gate_forward(const at::Tensor& g, const at::Tensor& y) { return sigmoid_gate_fwd(g, y); }
+
+at::Tensor rows_product_op(const at::Tensor& a, const at::Tensor& b) {
+  const char* op = "rows_product";
+  check_cuda(a, "a", op);
+  EVO_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.scalar_type() == b.scalar_type() &&
+                a.device() == b.device(),
+            op, ": `a` [m, K] and `b` [K, n] must match in K, dtype and device, got ", a.sizes(), " ", a.scalar_type(),
+            " and ", b.sizes(), " ", b.scalar_type());
+  const c10::cuda::CUDAGuard guard(a.device());
+  return rows_product(a, b);
+}
 
 std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& dout, const at::Tensor& g,
                                                               const at::Tensor& y, at::Tensor& dg,
@@ -259,4 +272,5 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("sigmoid_gate_bwd_into", &evoformer::block::sigmoid_gate_bwd_into);
   m.impl("column_sum", &evoformer::block::column_sum);
   m.impl("linear_bwd", &evoformer::block::linear_bwd);
+  m.impl("rows_product", &evoformer::block::rows_product_op);
 }

@@ -103,7 +103,7 @@ at::Tensor head_major_grads(at::Tensor& dx, const at::Tensor& dh, const at::Tens
     }
   }
   if (!need_dw) return at::Tensor();
-  return batch == 1 ? at::mm(dh3, reshaped(x, {positions, c}))
+  return batch == 1 ? rows_product(dh3, reshaped(x, {positions, c}))
                     : at::bmm(dh3, reshaped(x, {batch, positions, c})).sum(0);  // [H, c]
 }
 
@@ -231,7 +231,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
       const int64_t positions = source.numel() / source.size(-1);
       const at::Tensor dh = reshaped(dpair, {w_head.size(0), positions});  // [H, L L]
       if (need(kSource)) result[kSource] = raw_reshape(at::mm(raw_transpose(dh), w_head), source.sizes());
-      if (need(kWhead)) result[kWhead] = at::mm(dh, reshaped(source, {positions, source.size(-1)}));  // [H, c_z]
+      if (need(kWhead)) result[kWhead] = rows_product(dh, reshaped(source, {positions, source.size(-1)}));  // [H, c_z]
     } else if (has_head && need_dpair) {
       const at::Tensor dh = transpose_head ? raw_transpose(dpair) : dpair;  // [B, 1, H, A, A']
       at::Tensor dw_head = head_major_grads(dx, dh, x, w_head, need(kX), need(kWhead));

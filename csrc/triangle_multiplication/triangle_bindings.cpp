@@ -229,7 +229,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                                     sums.totals, s.M, int(s.c), int(s.cz), vector_ok(dp, s.M)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output_backward<cutlass::half_t>(ob, stream);
     else launch_triangle_output_backward<cutlass::bfloat16_t>(ob, stream);
-    dw_z = at::mm(raw_transpose(dy), n_hat);  // [c_z, c]
+    dw_z = rows_product(raw_transpose(dy), n_hat);  // [c_z, c]
     dy.reset();
   } else {
     at::Tensor y = at::addmm(b_z, n_hat, raw_transpose(w_z));
@@ -244,7 +244,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     sp.totals = sums.totals;
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
     y.reset();
-    dw_z = at::mm(raw_transpose(dy), n_hat);  // [c_z, c]
+    dw_z = rows_product(raw_transpose(dy), n_hat);  // [c_z, c]
     at::Tensor dn = at::mm(dy, w_z);  // [M, c]
     dy.reset();
     const ChannelNormBackwardParams cp{dn.data_ptr(), n_hat.data_ptr(), rstd_out.data_ptr<float>(), dp.data_ptr(),
@@ -256,7 +256,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   at::Tensor x_hat = std::get<0>(norm_rows(z, kNoParam, kNoParam, eps));  // [M, c_z]
   // g = x_hat . w_g^T + b_g
   at::Tensor dx = at::mm(dg, w_g);                           // [M, c_z]
-  at::Tensor dw_g = at::mm(raw_transpose(dg), x_hat);  // [c_z, c_z]
+  at::Tensor dw_g = rows_product(raw_transpose(dg), x_hat);  // [c_z, c_z]
   dg.reset();
 
   // The edges, a group of channels at a time so that the [4 * group, M] temporaries stay small:
@@ -317,10 +317,10 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     }
     if (k == s.c) {
       at::Tensor dw_ab_rows = raw_reshape(dw_ab, {4 * s.c, s.cz});  // one group: straight into dw_ab
-      at::mm_out(dw_ab_rows, dab, x_hat);
+      rows_product(dab, x_hat, &dw_ab_rows);
     } else {
       raw_view(dw_ab, {4, k, s.cz}, {s.c * s.cz, s.cz, 1}, dw_ab.storage_offset() + c0 * s.cz)
-          .copy_(raw_reshape(at::mm(dab, x_hat), {4, k, s.cz}));
+          .copy_(raw_reshape(rows_product(dab, x_hat), {4, k, s.cz}));
     }
     dx.addmm_(raw_transpose(dab), wk);
   }

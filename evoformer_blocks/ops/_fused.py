@@ -58,6 +58,7 @@ SCHEMAS = (
     "opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor",
     "linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
     "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)",
+    "rows_product(Tensor a, Tensor b) -> Tensor",
     # per-module autograd nodes (modules/): composite, each records its own node
     "gated_attention_module(Tensor x, Tensor? mask_bias, Tensor? pair_bias, Tensor w_q, Tensor w_k, Tensor w_v, "
     "Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head, Tensor? pair_source, int heads, "

@@ -13,14 +13,15 @@ Backends, chosen by the same setting as every op (:func:`evoformer_blocks.ops.se
   view (the attention output in the op's ``[B, N, L, H, C]`` layout seen in the module's
   ``[B, L, N, H * C]`` order): the kernels follow its rows where they lie, and dy comes back in y's
   layout, so nothing is transposed in memory either way. ``linear`` computes the forward and the
-  input and weight gradients with the same cuBLAS calls as PyTorch and sums the bias gradient with
-  a column-sum kernel (float32 per-CTA partials added in a fixed order) in place of PyTorch's
+  input gradient with the same cuBLAS calls as PyTorch, the weight gradient with :func:`rows_product`
+  (PyTorch's product where the row count is a multiple of 256), and sums the bias gradient with a
+  column-sum kernel (float32 per-CTA partials added in a fixed order) in place of PyTorch's
   reduction, which reads a tall ``[rows, out]`` gradient at a fraction of the memory bandwidth; a
   ReLU after it runs in the GEMM's epilogue (the transitions' first layer), and its backward in the
   column-sum pass.
 
 Both backends give the same results up to floating-point rounding (the bias gradient sums in float32
-in another order).
+in another order), except where cuBLAS leaves rows out of a weight gradient (:func:`rows_product`).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def linear(
             requested backend cannot run the inputs.
     """
     inputs = validate_linear(x, weight, bias, activation)
-    if bias is None or x.numel() == 0:
+    if x.numel() == 0:
         return _eager_linear(inputs)
     return _dispatch.select(LINEAR_OP, inputs, backend).forward(inputs, None)
 
@@ -193,8 +194,8 @@ def _eager_linear(inputs: LinearInputs) -> Tensor:
 
 
 def _linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """relu(x @ weight.T + bias), in the GEMM's epilogue where it can be."""
-    if x.dtype == weight.dtype == bias.dtype and not torch.is_autocast_enabled(x.device.type):
+    """relu(x @ weight.T + bias), in the GEMM's epilogue where it can be (a bias, one dtype, no autocast)."""
+    if bias is not None and x.dtype == weight.dtype == bias.dtype and not torch.is_autocast_enabled(x.device.type):
         y = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t())  # [rows, out]
         return y.view(*x.shape[:-1], weight.shape[0])
     return torch.relu(F.linear(x, weight, bias))
@@ -221,10 +222,26 @@ def column_sum_runs(dy: Tensor, dtype: torch.dtype) -> bool:
             and not row_reasons(dy.shape[-1], dy.element_size(), "out"))
 
 
-def fused_bias_gradient(x: Tensor, weight: Tensor, bias: Tensor, backend: Optional[str] = None) -> bool:
-    """Whether ``linear(x, weight, bias, backend=backend)`` sums its bias gradient with the kernel
-    (for modules that compute a projection in a function of their own)."""
+def fused_linear_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: Optional[str] = None) -> bool:
+    """Whether ``linear(x, weight, bias, backend=backend)``'s backward is :func:`linear_grads` (the bias
+    gradient on the column-sum kernel, the weight gradient by :func:`rows_product`), for modules that
+    compute a projection in a function of their own."""
     return _dispatch.select(LINEAR_OP, validate_linear(x, weight, bias), backend).name == CutlassLinear.name
+
+
+@_fused.fake("rows_product")
+def _(a, b):
+    """``a [m, K] @ b [K, n]`` in a's dtype."""
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def rows_product(a: Tensor, b: Tensor) -> Tensor:
+    """``a [m, K] @ b [K, n]`` where K counts positions (a weight's gradient, ``dy^T @ x``), by the
+    extension: PyTorch's product where K is a multiple of 256 or at most 1,024, else float32 products of
+    slices of K summed in a fixed order and rounded once. cuBLAS 13.0 leaves the last rows out of some
+    such products (a K that is not a multiple of 256, outputs up to a few hundred wide); the
+    extension's helper says which were measured. CUDA tensors of one dtype."""
+    return _fused.kernels().rows_product(a, b)
 
 
 @_fused.fake("linear_bwd")
@@ -254,7 +271,7 @@ class _FusedBiasLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, relu):
         y = _linear_relu(x, weight, bias) if relu else F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight, y if relu else None)
-        ctx.bias_dtype = bias.dtype
+        ctx.bias_dtype = weight.dtype if bias is None else bias.dtype
         return y
 
     @staticmethod

@@ -42,7 +42,7 @@ from . import _dispatch, _fused, _keep
 from ._dispatch import ATTENTION_OP
 from ._inputs import metadata, validate_gated
 from .cutlass import GATED_FORWARD_OP, _family_of
-from .gating import GATE_OP, LINEAR_OP, column_sum_runs, fused_bias_gradient, validate_gate, validate_linear
+from .gating import GATE_OP, LINEAR_OP, column_sum_runs, fused_linear_backward, validate_gate, validate_linear
 from . import triangle as _triangle
 
 Tensor = torch.Tensor
@@ -188,7 +188,7 @@ def _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed: boo
             if linear.name != _CUTLASS:
                 return False
         biased = q if q.bias is not None else g if g.bias is not None else None
-        return biased is None or fused_bias_gradient(x, biased.weight, biased.bias, backend)
+        return biased is None or fused_linear_backward(x, biased.weight, biased.bias, backend)
     except ValueError:
         return False
 
@@ -357,7 +357,7 @@ def _outer_product_mean_selected(module, m: Tensor, mask: Tensor, residual: Opti
         return False  # (the composed path raises or broadcasts)
     batch = math.prod(m.shape[:-3])
     try:
-        if not fused_bias_gradient(m, module.linear_1.weight, module.linear_1.bias, backend):
+        if not fused_linear_backward(m, module.linear_1.weight, module.linear_1.bias, backend):
             return False
         if not module._projection_fuses(_stand_in(m, batch * n_res * n_res, module.c_hidden ** 2), batch * n_res):
             return False
