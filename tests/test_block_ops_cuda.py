@@ -592,13 +592,14 @@ def test_stacked_projection_matches_reference(dtype, layers):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, c_in, c_out", [(16900, 128, 128), (16641, 64, 128), (36865, 256, 128), (4100, 128, 4),
-                                               (16896, 128, 128)])
+                                               (16901, 128, 128), (16896, 128, 128)])
 def test_weight_gradient_sums_every_row(dtype, rows, c_in, c_out):
     # A weight's gradient is a sum over every row (position) of x. The last 256 rows carry most of it
     # here, so a row left out of the sum shows far above the rounding: at least 6e-2 relative, against
     # the one rounding of the result to 16 bits (float32 accumulation). Row counts that are not
-    # multiples of 256 and one that is. (The bar is float64 on the same rounded inputs, not eager:
-    # cuBLAS 13.0's own product leaves rows out at some of these counts.)
+    # multiples of 256 (slices that divide them; 16,901, a prime: equal slices and the rows left
+    # over) and one that is. (The bar is float64 on the same rounded inputs, not eager: cuBLAS
+    # 13.0's own product leaves rows out at some of these counts.)
     x = torch.randn(rows, c_in, device=DEV)
     x[-256:] *= 30
     x = x.to(dtype).requires_grad_(True)

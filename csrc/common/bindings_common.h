@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -151,26 +152,37 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
 // picks, for such long products of narrow matrices, split-K kernels that leave terms out of the sum
 // where K is not a multiple of 256: on an H200, 85 of 2,476 bf16 and fp16 products swept (K from 100
 // to 150,000, outputs 4 x 128 to 512 x 256) came back without their last rows, e.g. [128, 16,900] x
-// [16,900, 128] (the triangle update's output weight at N_res 130). No product of a K that is a
-// multiple of 256 did, and no strided-batched one. So where K is not a multiple of 256 and longer than
-// kRowsProductChunk, the sum runs as a batched product over S slices of K (float32 results, summed
-// over the slices in a fixed order) plus the rows left over, then rounds once; elsewhere it is at::mm.
-// With `out` ([m, n], a's dtype) the product is written there.
+// [16,900, 128] (the triangle update's output weight at N_res 130). None of 336 products of a K that
+// is a multiple of 256 did, nor any strided-batched one. So where K is not a multiple of 256 and longer
+// than kRowsProductChunk, the sum runs as a batched product over S slices of K (float32 results,
+// summed over the slices in a fixed order, then rounded once): slices of a length that divides K
+// (positions are B N^2 or B N_seq N_res: such a length exists unless K is prime or nearly), else
+// equal slices and one more product of the rows left over. Elsewhere it is at::mm. With `out` ([m,
+// n], a's dtype) the product is written there.
 constexpr int64_t kRowsProductChunk = 1024;
 inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b, at::Tensor* out = nullptr) {
   const int64_t m = a.size(0), K = a.size(1), n = b.size(1);
   if (K % 256 == 0 || K <= kRowsProductChunk) return out != nullptr ? at::mm_out(*out, a, b) : at::mm(a, b);
-  const int64_t slices = std::min<int64_t>(128, K / 256), per = K / slices, whole = slices * per;
+  // slices of at least 256 rows, at most 128 of them: the shortest length in [lo, 4 lo] dividing K
+  const int64_t lo = std::max<int64_t>(256, (K + 127) / 128);
+  int64_t per = 0;
+  for (int64_t d = lo; d <= 4 * lo && per == 0; ++d)
+    if (K % d == 0) per = d;
+  if (per == 0) per = K / std::min<int64_t>(128, K / 256);  // equal slices and the rows left over
+  const int64_t slices = K / per, whole = slices * per;
+  const auto product = [&](const at::Tensor& x, const at::Tensor& y) {  // float32 results
+    return a.scalar_type() == at::kFloat ? at::bmm(x, y) : at::bmm(x, y, at::kFloat);
+  };
   // [S, m, per] x [S, per, n]: slice s holds rows [s per, (s + 1) per) of K (views of a and b)
   const at::Tensor a3 = raw_view(a, {slices, m, per}, {per * a.stride(1), a.stride(0), a.stride(1)}, a.storage_offset());
   const at::Tensor b3 = raw_view(b, {slices, per, n}, {per * b.stride(0), b.stride(0), b.stride(1)}, b.storage_offset());
-  at::Tensor sum = (a.scalar_type() == at::kFloat ? at::bmm(a3, b3) : at::bmm(a3, b3, at::kFloat)).sum(0);  // [m, n] float32
+  at::Tensor sum = product(a3, b3).sum(0);  // [m, n] float32
   if (whole < K) {  // the rows past the slices (fewer than S): one more batch of one
     const at::Tensor a1 = raw_view(a, {1, m, K - whole}, {0, a.stride(0), a.stride(1)},
                                    a.storage_offset() + whole * a.stride(1));
     const at::Tensor b1 = raw_view(b, {1, K - whole, n}, {0, b.stride(0), b.stride(1)},
                                    b.storage_offset() + whole * b.stride(0));
-    sum.add_((a.scalar_type() == at::kFloat ? at::bmm(a1, b1) : at::bmm(a1, b1, at::kFloat)).select(0, 0));
+    sum.add_(product(a1, b1).select(0, 0));
   }
   return out != nullptr ? out->copy_(sum) : as_dtype(sum, a.scalar_type());
 }
