@@ -468,6 +468,40 @@ def test_stacked_projection_compile_fullgraph_traces_the_fakes():
     _check_compiled_gradients(run, [x, *weights, *biases[1:]], torch.empty(3, 5, 48, dtype=torch.bfloat16))
 
 
+def test_bias_free_linear_compile_fullgraph_traces_the_fakes():
+    # without a bias the fused linear's backward is linear_bwd too (its weight gradient by
+    # rows_product): it traces with its fake, and no bias gradient is asked for
+    from evoformer_blocks.ops import gating
+
+    x, weight = _meta_leaf(3, 5, 32), _meta_leaf(48, 32)
+
+    def run(x, weight):
+        return gating._FusedBiasLinear.apply(x, weight, None, False) * 2
+
+    _check_compiled_gradients(run, [x, weight], torch.empty(3, 5, 48, dtype=torch.bfloat16))
+
+
+def test_head_major_projections_compile_fullgraph_trace_the_fakes():
+    # one batch element's head-major projection: alone (_HeadMajor) and as the stacked projection's
+    # second output without biases, the weight gradients by the rows_product op, traced with its fake
+    from evoformer_blocks.primitives import _HeadMajor, _StackedProjection
+
+    x, head = _meta_leaf(1, 6, 6, 32), _meta_leaf(4, 32)
+
+    def alone(x, head):
+        return _HeadMajor.apply(x, head) * 2
+
+    _check_compiled_gradients(alone, [x, head], torch.empty(1, 1, 4, 6, 6, dtype=torch.bfloat16))
+    x, head = _meta_leaf(1, 6, 6, 32), _meta_leaf(4, 32)
+    w0, w1 = _meta_leaf(16, 32), _meta_leaf(16, 32)
+
+    def stacked(x, head, w0, w1):
+        out, bias = _StackedProjection.apply(x, True, 2, head, w0, w1, None, None)
+        return out.sum() + bias.sum()
+
+    _check_compiled_gradients(stacked, [x, head, w0, w1], torch.empty((), dtype=torch.bfloat16))
+
+
 def test_sigmoid_gate_compile_fullgraph_traces_the_fakes():
     from evoformer_blocks.ops import gating
 
