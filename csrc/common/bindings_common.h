@@ -163,12 +163,14 @@ constexpr int64_t kRowsProductChunk = 1024;
 inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b, at::Tensor* out = nullptr) {
   const int64_t m = a.size(0), K = a.size(1), n = b.size(1);
   if (K % 256 == 0 || K <= kRowsProductChunk) return out != nullptr ? at::mm_out(*out, a, b) : at::mm(a, b);
-  // slices of at least 256 rows, at most 128 of them: the shortest length in [lo, 4 lo] dividing K
-  const int64_t lo = std::max<int64_t>(256, (K + 127) / 128);
+  // slices of at least 256 rows, at most 128 of them and at most 32 MiB of float32 results (at least
+  // 8: a batch of one may be split): the shortest length in [lo, 4 lo] dividing K
+  const int64_t most = std::min<int64_t>(128, std::max<int64_t>(8, (int64_t(32) << 20) / (4 * m * n)));
+  const int64_t lo = std::max<int64_t>(256, (K + most - 1) / most);
   int64_t per = 0;
   for (int64_t d = lo; d <= 4 * lo && per == 0; ++d)
     if (K % d == 0) per = d;
-  if (per == 0) per = K / std::min<int64_t>(128, K / 256);  // equal slices and the rows left over
+  if (per == 0) per = K / std::max<int64_t>(1, std::min<int64_t>(most, K / 256));  // equal slices, rows left over
   const int64_t slices = K / per, whole = slices * per;
   const auto product = [&](const at::Tensor& x, const at::Tensor& y) {  // float32 results
     return a.scalar_type() == at::kFloat ? at::bmm(x, y) : at::bmm(x, y, at::kFloat);
