@@ -173,9 +173,10 @@ def linear(
     """``torch.nn.functional.linear(x, weight, bias)``: ``[*, in] -> [*, out]`` (autocast applies as
     to ``F.linear``), followed by ``torch.relu`` when ``activation="relu"``.
 
-    The backends compute the same function. ``cutlass`` sums the bias gradient with a kernel, and
-    with ``activation="relu"`` and a bias it applies the ReLU in the GEMM's epilogue (cuBLASLt, where
-    x, weight and bias share one dtype and autocast is off), so the pre-activation tensor is never
+    The backends compute the same function. ``cutlass`` (with or without a bias) sums the bias
+    gradient with a kernel and the weight gradient by :func:`rows_product`, and with
+    ``activation="relu"`` and a bias it applies the ReLU in the GEMM's epilogue (cuBLASLt, where x,
+    weight and bias share one dtype and autocast is off), so the pre-activation tensor is never
     written; the backward recovers the ReLU's mask from the output.
 
     Raises:
