@@ -178,20 +178,16 @@ class _HeadMajor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        length, c = x.shape[-2], x.shape[-1]
-        out = torch.mm(weight, x.reshape(length * length, c).t())  # [H, L * L]
-        return out.view(1, 1, weight.shape[0], length, length)  # [1, 1, H, L, L]
+        return _head_major(x, weight)  # [1, 1, H, L, L]
 
     @staticmethod
     def backward(ctx, dh):
         x, weight = ctx.saved_tensors
-        positions, c = x.shape[-3] * x.shape[-2], x.shape[-1]
-        dh2 = dh.reshape(weight.shape[0], positions)  # [H, L * L]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
+        dx = None
+        if ctx.needs_input_grad[0]:  # (a GEMM of its own, as the node's: not added into another gradient)
+            dh2 = dh.reshape(weight.shape[0], x.shape[-3] * x.shape[-2])  # [H, L * L]
             dx = torch.mm(dh2.t(), weight).view(x.shape)  # [1, L, L, c]
-        if ctx.needs_input_grad[1]:
-            dw = rows_product(dh2, x.reshape(positions, c))  # [H, c]
+        _, dw = _head_major_grads(None, dh, x, weight, False, ctx.needs_input_grad[1], fused=True)  # [H, c]
         return dx, dw
 
 
