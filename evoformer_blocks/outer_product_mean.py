@@ -13,7 +13,7 @@ from ._checks import (
 )
 from .ops import _fused, module_nodes
 from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE
-from .ops.gating import bias_gradient, fused_linear_backward, linear
+from .ops.gating import bias_gradient, fused_linear_backward, linear, rows_product
 from .primitives import LayerNorm, Linear, stacked_projection
 
 
@@ -87,12 +87,16 @@ class _OuterProjection(torch.autograd.Function):
 class _OuterProduct(torch.autograd.Function):
     """``a [B, S, I C], b [B, S, J E] -> a^T b [B, I C, J E]``: the sum over the S sequences of the outer
     products, one batched GEMM. Its backward is two batched GEMMs that write contiguous gradients,
-    ``da = b (d o)^T`` and ``db = a (d o)`` (the module's C++ node, ``outer_product_mean_module``,
-    makes the same calls, so the two paths agree bit for bit)."""
+    ``da = b (d o)^T`` and ``db = a (d o)``. With ``fused`` (the fused projection follows) each GEMM is
+    the extension's batched ``rows_product``, which sums a batch of one in slices where cuBLAS 13.0
+    would drop terms of it, else runs the same batched GEMM; the module's C++ node,
+    ``outer_product_mean_module``, makes the same calls, so the two paths agree bit for bit."""
 
     @staticmethod
-    def forward(ctx, a, b):
-        outer = torch.bmm(a.transpose(1, 2), b)  # [B, I C, J E]
+    def forward(ctx, a, b, fused: bool = False):
+        ctx.fused = fused
+        product = rows_product if fused else torch.bmm
+        outer = product(a.transpose(1, 2), b)  # [B, I C, J E]
         # (under autocast the GEMM ran on its operands cast to outer's dtype: the backward's GEMMs take those)
         ctx.save_for_backward(a.to(outer.dtype), b.to(outer.dtype))
         return outer
@@ -100,10 +104,11 @@ class _OuterProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_outer):
         a, b = ctx.saved_tensors
-        need_a, need_b = ctx.needs_input_grad
-        da = torch.bmm(b, d_outer.transpose(1, 2)) if need_a else None  # [B, S, I C]
-        db = torch.bmm(a, d_outer) if need_b else None  # [B, S, J E]
-        return da, db
+        need_a, need_b, _ = ctx.needs_input_grad
+        product = rows_product if ctx.fused else torch.bmm
+        da = product(b, d_outer.transpose(1, 2)) if need_a else None  # [B, S, I C]
+        db = product(a, d_outer) if need_b else None  # [B, S, J E]
+        return da, db, None
 
 
 def _epilogue_fits(outer: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
@@ -179,8 +184,14 @@ class OuterProductMean(nn.Module):
         a3 = a.reshape(-1, n_seq, n_i * c)  # [B, N_seq, N_i * c_hidden]
         b3 = b.reshape(-1, n_seq, n_j * c)  # [B, N_seq, N_j * c_hidden]
         # one GEMM over the sequences; its output is [i, c, j, e] in memory and linear_out wants
-        # [i, j, (c e)]: the fused projection reads that layout as it is, else the swap moves whole e-rows
-        outer = _OuterProduct.apply(a3, b3).view(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
+        # [i, j, (c e)]: the fused projection reads that layout as it is (the GEMM's output is
+        # contiguous), else the swap moves whole e-rows. Where the fused projection runs on the
+        # operands' dtype, so do the extension's GEMMs (not under autocast, which casts torch.bmm's)
+        batch = a3.shape[0]
+        rows = module_nodes._stand_in(a3, batch * n_i * n_j, c * c)  # [B N_i N_j, c²] (no memory)
+        extension = (a3.dtype == b3.dtype and not torch.is_autocast_enabled(a3.device.type)
+                     and self._projection_fuses(rows, batch * n_i))
+        outer = _OuterProduct.apply(a3, b3, extension).view(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
         if self._fused_projection(outer):
             weight = self.linear_out.weight
             if _epilogue_fits(outer, denom, residual):

@@ -12,6 +12,7 @@ set of outputs used.
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import pytest
@@ -547,6 +548,30 @@ def test_opm_node_equals_the_composed_ops(dtype, batch, with_residual):
         with module_nodes.composed():
             ref = module(m, mask)
     assert_bitwise([out], [ref], "no_grad")
+
+
+def test_opm_node_sums_every_sequence():
+    # 4,994 sequences (not a multiple of 256) and 12 residues: the outer product [384, 384] is a GEMM of
+    # batch one that cuBLAS 13.0 computed without its last sequences (torch.bmm, float16, H200). The
+    # node and the composed ops sum every sequence (the extension's batched rows_product), equal bit
+    # for bit, within float16 rounding of the float32 module on the eager backend.
+    dtype, seqs, res = torch.float16, 4994, 12
+    module = opm_module().to("cuda", dtype)
+    gen = torch.Generator().manual_seed(3)
+    m = torch.randn(seqs, res, OPM_C_M, generator=gen)
+    m[-256:] *= 4  # (the last sequences carry much of the sum)
+    m = m.to("cuda", dtype)
+    mask = (torch.rand(seqs, res, generator=gen) > 0.1).to("cuda", dtype)
+    out, grads, grad_fn = opm_step(module, m, mask, None)
+    assert ran(grad_fn, OPM_NODE)
+    with module_nodes.composed():
+        ref_out, ref_grads, _ = opm_step(module, m, mask, None)
+    assert_bitwise([out, *grads], [ref_out, *ref_grads], "node against composed")
+    reference = copy.deepcopy(module).float()
+    with eb.ops.backend("eager"):
+        expected = reference._normalized(m.float(), mask.float(), None)
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    assert error < 1e-2, f"output error {error:.2e} against the float32 module"
 
 
 def test_opm_composed_path_runs_where_the_node_cannot():

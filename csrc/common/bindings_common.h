@@ -189,6 +189,22 @@ inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b, at::Ten
   return out != nullptr ? out->copy_(sum) : as_dtype(sum, a.scalar_type());
 }
 
+// a [B, m, K] . b [B, K, n] for a K that counts positions (the outer product mean's sum over the
+// sequences, its gradients' sums over residues and channels), in a's dtype. cuBLAS 13.0 treats a batch
+// of one like a plain product and drops terms of it too: on an H200, 3 of 276 bf16 and fp16 batch-1
+// products swept (outputs 128 x 128 to 3,072 x 3,072, K from 1,025 to 40,000; and [S, 32 N] x [32 N, 32 N])
+// came back wrong, [384 x 384] at K 4,994, [512 x 512] at K 33,793 and [768 x 768] at K 11,713, none of
+// an output of 1,024 x 1,024 or more. So a batch of one with K not a multiple of 256, longer than
+// kRowsProductChunk and an output of at most kRowsBatchOutputs values runs as rows_product; every other
+// product is at::bmm.
+constexpr int64_t kRowsBatchOutputs = int64_t(1) << 20;
+inline at::Tensor rows_bmm(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t K = a.size(2);
+  if (a.size(0) != 1 || K % 256 == 0 || K <= kRowsProductChunk || a.size(1) * b.size(2) > kRowsBatchOutputs)
+    return at::bmm(a, b);
+  return rows_product(a.select(0, 0), b.select(0, 0)).unsqueeze(0);  // [1, m, n]
+}
+
 // EVOFORMER_BLOCKS_POISON=1 fills outputs with NaN before the kernels run, so a test sees any
 // element a kernel fails to write (read once per process).
 inline bool poison_outputs() {

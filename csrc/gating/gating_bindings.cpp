@@ -17,7 +17,8 @@
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), each [0] unless wanted;
 //       bias [out - bias_from] adds to the columns from bias_from on (a stacked projection's biased part)
 //   rows_product(a [m, K], b [K, n]) -> a . b [m, n] in a's dtype: a sum over K positions that leaves
-//       none out (bindings_common.h's rows_product; a weight's gradient where the Python side forms it)
+//       none out (bindings_common.h's rows_product; a weight's gradient where the Python side forms it);
+//       batched, a [B, m, K] and b [B, K, n] -> [B, m, n] (rows_bmm: the outer product mean's GEMMs)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -248,12 +249,13 @@ at::Tensor sigmoid_gate_forward(const at::Tensor& g, const at::Tensor& y) { retu
 at::Tensor rows_product_op(const at::Tensor& a, const at::Tensor& b) {
   const char* op = "rows_product";
   check_cuda(a, "a", op);
-  EVO_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.scalar_type() == b.scalar_type() &&
-                a.device() == b.device(),
-            op, ": `a` [m, K] and `b` [K, n] must match in K, dtype and device, got ", a.sizes(), " ", a.scalar_type(),
-            " and ", b.sizes(), " ", b.scalar_type());
+  const bool batched = a.dim() == 3;
+  EVO_CHECK((a.dim() == 2 || batched) && b.dim() == a.dim() && a.size(-1) == b.size(-2) &&
+                (!batched || a.size(0) == b.size(0)) && a.scalar_type() == b.scalar_type() && a.device() == b.device(),
+            op, ": `a` [m, K] and `b` [K, n] (or [B, m, K] and [B, K, n]) must match in B, K, dtype and device, got ",
+            a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
   const c10::cuda::CUDAGuard guard(a.device());
-  return rows_product(a, b);
+  return batched ? rows_bmm(a, b) : rows_product(a, b);
 }
 
 std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& dout, const at::Tensor& g,

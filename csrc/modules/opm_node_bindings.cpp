@@ -71,7 +71,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     EVO_CHECK(denom.is_contiguous(), "outer product mean module: the mask's pair counts are not contiguous");
     // the outer products summed over the sequences: one batched GEMM, [i, c, j, e] in memory
     const at::Tensor a3 = reshaped(a, {batch, seqs, res * c}), b3 = reshaped(b, {batch, seqs, res * c});
-    const at::Tensor outer = raw_reshape(at::bmm(raw_transpose(a3), b3), {batch, res, c, res, c});
+    const at::Tensor outer = raw_reshape(rows_bmm(raw_transpose(a3), b3), {batch, res, c, res, c});
     const at::Tensor d = raw_reshape(denom, {batch, res, res});  // [B, R, R]
     OptionalTensor r;
     if (residual.has_value()) r = reshaped(*residual, {batch, res, res, c_z});  // [B, R, R, c_z]
@@ -111,8 +111,8 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(m.sizes().begin(), m.sizes().end());
     half_sizes.back() = c;  // [*, S, R, c]
-    const at::Tensor da = at::mul(raw_reshape(at::bmm(b3, raw_transpose(d_outer)), half_sizes), mask_c);
-    const at::Tensor db = at::mul(raw_reshape(at::bmm(a3, d_outer), half_sizes), mask_c);
+    const at::Tensor da = at::mul(raw_reshape(rows_bmm(b3, raw_transpose(d_outer)), half_sizes), mask_c);
+    const at::Tensor db = at::mul(raw_reshape(rows_bmm(a3, d_outer), half_sizes), mask_c);
     std::vector<int64_t> ab_sizes = half_sizes;
     ab_sizes.back() = 2 * c;  // [*, S, R, 2 c]
     const at::Tensor d_ab = raw_reshape(at::stack({da, db}, -2), ab_sizes);

@@ -232,8 +232,8 @@ def fused_linear_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor] = No
 
 @_fused.fake("rows_product")
 def _(a, b):
-    """``a [m, K] @ b [K, n]`` in a's dtype."""
-    return a.new_empty(a.shape[0], b.shape[1])
+    """``a [m, K] @ b [K, n]`` (or ``[B, m, K] @ [B, K, n]``) in a's dtype."""
+    return a.new_empty(*a.shape[:-1], b.shape[-1])
 
 
 def rows_product(a: Tensor, b: Tensor) -> Tensor:
@@ -241,7 +241,9 @@ def rows_product(a: Tensor, b: Tensor) -> Tensor:
     extension: PyTorch's product where K is a multiple of 256 or at most 1,024, else float32 products of
     slices of K summed in a fixed order and rounded once. cuBLAS 13.0 leaves the last rows out of some
     such products (a K that is not a multiple of 256, outputs up to a few hundred wide); the
-    extension's helper says which were measured. CUDA tensors of one dtype."""
+    extension's helper says which were measured. Batched, ``a [B, m, K] @ b [B, K, n]`` (the outer
+    product mean's GEMMs): ``torch.bmm``'s product, except a batch of one whose K is such a K and whose
+    output holds at most 2^20 values, summed in slices as above. CUDA tensors of one dtype."""
     return _fused.kernels().rows_product(a, b)
 
 
