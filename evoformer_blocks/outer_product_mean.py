@@ -111,6 +111,18 @@ class _OuterProduct(torch.autograd.Function):
         return da, db, None
 
 
+def _pair_counts(mask: torch.Tensor, extension: bool) -> torch.Tensor:
+    """``mask^T mask [*, N_res, N_res]`` of ``mask [*, N_seq, N_res]``: per residue pair, the sequences
+    in which both are unmasked (a GEMM over the sequences; with ``extension`` the extension's batched
+    ``rows_product``, which counts every sequence where cuBLAS 13.0 would drop some, as the module's
+    node does)."""
+    if not extension:
+        return torch.matmul(mask.transpose(-1, -2), mask)
+    n_seq, n_res = mask.shape[-2:]
+    rows = mask.reshape(-1, n_seq, n_res)  # [B, N_seq, N_res]
+    return rows_product(rows.transpose(1, 2), rows).view(*mask.shape[:-2], n_res, n_res)
+
+
 def _epilogue_fits(outer: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
     """Whether the fused projection of ``outer [B, I, c, J, c]`` can divide by ``denom [*, I, J, 1]`` and
     add ``residual [*, I, J, Z]`` in its epilogue: both contiguous, in outer's dtype and on its device."""
@@ -187,10 +199,7 @@ class OuterProductMean(nn.Module):
         # [i, j, (c e)]: the fused projection reads that layout as it is (the GEMM's output is
         # contiguous), else the swap moves whole e-rows. Where the fused projection runs on the
         # operands' dtype, so do the extension's GEMMs (not under autocast, which casts torch.bmm's)
-        batch = a3.shape[0]
-        rows = module_nodes._stand_in(a3, batch * n_i * n_j, c * c)  # [B N_i N_j, c²] (no memory)
-        extension = (a3.dtype == b3.dtype and not torch.is_autocast_enabled(a3.device.type)
-                     and self._projection_fuses(rows, batch * n_i))
+        extension = self._extension_products(a3, b3, n_i, n_j)
         outer = _OuterProduct.apply(a3, b3, extension).view(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
         if self._fused_projection(outer):
             weight = self.linear_out.weight
@@ -210,6 +219,17 @@ class OuterProductMean(nn.Module):
         if residual is not None:
             return torch.addcdiv(residual, out, denom)  # [*, N_i, N_j, c_z]
         return out / denom  # [*, N_i, N_j, c_z]
+
+    def _extension_products(self, a: torch.Tensor, b: torch.Tensor, n_i: int, n_j: int) -> bool:
+        """Whether the GEMMs over the sequences of ``a [B, N_seq, *]`` and ``b`` run as the extension's
+        ``rows_product`` (:class:`_OuterProduct`, :func:`_pair_counts`): where the fused projection runs
+        on an outer product of ``n_i`` by ``n_j`` residues in their dtype, outside autocast (which casts
+        torch.bmm's operands), as the module's node does."""
+        if a.dtype != b.dtype or torch.is_autocast_enabled(a.device.type):
+            return False
+        batch = a.shape[0]
+        rows = module_nodes._stand_in(a, batch * n_i * n_j, self.c_hidden ** 2)  # [B N_i N_j, c²] (no memory)
+        return self._projection_fuses(rows, batch * n_i)
 
     def _fused_projection(self, outer: torch.Tensor) -> bool:
         """Whether linear_out runs as the fused projection on ``outer [B, N_i, c, N_j, c]``: contiguous
@@ -261,7 +281,9 @@ class OuterProductMean(nn.Module):
         ab = stacked_projection(m, (self.linear_1, self.linear_2))  # [*, N_seq, N_res, 2 c_hidden]
         a, b = ab.unflatten(-1, (2, self.c_hidden)).unbind(-2)  # 2 x [*, N_seq, N_res, c_hidden], strided
         a, b = a * mask_c, b * mask_c  # [*, N_seq, N_res, c_hidden] each, contiguous
-        norm = torch.einsum("...si,...sj->...ij", mask, mask).unsqueeze(-1)  # [*, N_res, N_res, 1]
+        m3 = m.reshape(-1, *m.shape[-3:])  # [B, N_seq, N_res, c_m] (the extension's decision reads its shape)
+        extension = self._extension_products(m3, mask, n_res, n_res)
+        norm = _pair_counts(mask, extension).unsqueeze(-1)  # [*, N_res, N_res, 1]
         denom = self.eps + norm  # [*, N_res, N_res, 1]
         if chunk_size is None or chunk_size >= n_res:
             return self._outer(a, b, denom, residual)  # [*, N_res, N_res, c_z]

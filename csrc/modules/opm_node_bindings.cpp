@@ -66,8 +66,10 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     const at::Tensor a = at::mul(ab.narrow(-1, 0, c), mask_c);  // [*, S, R, c]
     const at::Tensor b = at::mul(ab.narrow(-1, c, c), mask_c);  // [*, S, R, c]
-    // the mean's denominator eps + (pairs of residues both unmasked in a sequence)
-    const at::Tensor denom = at::add(at::einsum("...si,...sj->...ij", {mask, mask}), eps);  // [*, R, R]
+    // the mean's denominator eps + (pairs of residues both unmasked in a sequence: a GEMM over the
+    // sequences, rows_bmm as the composed path's _pair_counts)
+    const at::Tensor mask3 = reshaped(mask, {batch, seqs, res});  // [B, S, R]
+    const at::Tensor denom = at::add(rows_bmm(raw_transpose(mask3), mask3), eps);  // [B, R, R]
     EVO_CHECK(denom.is_contiguous(), "outer product mean module: the mask's pair counts are not contiguous");
     // the outer products summed over the sequences: one batched GEMM, [i, c, j, e] in memory
     const at::Tensor a3 = reshaped(a, {batch, seqs, res * c}), b3 = reshaped(b, {batch, seqs, res * c});
@@ -106,16 +108,20 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const bool need_weights = need(kW1) || need(kW2), need_biases = need(kB1) || need(kB2);
     if (!(need(kM) || need_weights || need_biases)) return result;
 
-    // the outer product's (_OuterProduct's), then the masks' and the unbind's (a stack)
+    // the outer product's (_OuterProduct's), then the masks' and the unbind's: each masked half written
+    // into its columns of one [*, S, R, 2 c] gradient (the values unbind's backward stacks)
     const at::Tensor d_outer = raw_reshape(opm_input_grad_op().call(dout_div, w_out), {batch, res * c, res * c});
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(m.sizes().begin(), m.sizes().end());
     half_sizes.back() = c;  // [*, S, R, c]
-    const at::Tensor da = at::mul(raw_reshape(rows_bmm(b3, raw_transpose(d_outer)), half_sizes), mask_c);
-    const at::Tensor db = at::mul(raw_reshape(rows_bmm(a3, d_outer), half_sizes), mask_c);
     std::vector<int64_t> ab_sizes = half_sizes;
     ab_sizes.back() = 2 * c;  // [*, S, R, 2 c]
-    const at::Tensor d_ab = raw_reshape(at::stack({da, db}, -2), ab_sizes);
+    const at::Tensor d_ab = new_empty(ab_sizes, m.options());
+    for (int64_t i = 0; i < 2; ++i) {  // da = b (d o)^T, then db = a (d o): [B, S, R c]
+      const at::Tensor product = i == 0 ? rows_bmm(b3, raw_transpose(d_outer)) : rows_bmm(a3, d_outer);
+      at::Tensor half = raw_view(d_ab, half_sizes, d_ab.strides(), d_ab.storage_offset() + i * c);  // [*, S, R, c]
+      at::mul_out(half, raw_reshape(product, half_sizes), mask_c);
+    }
 
     // the stacked projection's (linear_bwd: the bias sums from the first bias wanted on, then the GEMMs)
     const int64_t bias_from = need(kB1) || !need_biases ? 0 : c;  // (the first column whose sum is wanted)

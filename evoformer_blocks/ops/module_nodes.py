@@ -363,9 +363,7 @@ def _outer_product_mean_selected(module, m: Tensor, mask: Tensor, residual: Opti
             return False
     except ValueError:
         return False  # (the composed path raises it)
-    # the mean's denominator: the composed path fuses its division where it is contiguous, as the
-    # einsum of the mask lays it out (checked on the real mask once per signature)
-    if not torch.einsum("...si,...sj->...ij", mask, mask).is_contiguous():
-        return False
+    # (the mean's denominator, mask^T mask, is a new contiguous tensor: the composed path divides in
+    # the fused projection's epilogue as the node does)
     bias = module.linear_out.bias
     return bias is None or column_sum_runs(_stand_in(m, batch * n_res * n_res, module.c_z), bias.dtype)
