@@ -616,22 +616,25 @@ def test_weight_gradient_sums_every_row(dtype, rows, c_in, c_out):
 @pytest.mark.parametrize("batch, m, k, n, dtype", [
     (1, 384, 4994, 384, torch.float16), (1, 512, 33793, 512, torch.float16), (1, 768, 11713, 768, torch.bfloat16),
     (1, 512, 4096, 512, torch.bfloat16), (2, 384, 4994, 384, torch.float16), (1, 64, 3001, 4160, torch.bfloat16)])
-def test_batched_rows_product_sums_every_row(batch, m, k, n, dtype):
+@pytest.mark.parametrize("a_layout", ["transposed", "rows"])
+def test_batched_rows_product_sums_every_row(batch, m, k, n, dtype, a_layout):
     # The outer product mean's GEMMs, a [B, m, K] @ b [B, K, n] with K counting sequences (or residues
     # times channels): batches of one at K not a multiple of 256 where cuBLAS 13.0 dropped terms of
     # torch.bmm (the first three), a multiple of 256, a batch of two and a wide output (torch.bmm's
-    # product). a is the transposed view the module passes; the last 256 rows of K carry most of the
-    # sum, so a dropped row shows far above the rounding. The bar is float64 on the same inputs.
-    a_rows = torch.randn(batch, k, m, device=DEV)
-    a_rows[:, -256:] *= 30
-    a_rows = a_rows.to(dtype)
+    # product). a as the forward passes it (a transposed view) and as the backward does (rows of K
+    # contiguous); the last 256 positions of K carry most of the sum, so a dropped one shows far above
+    # the rounding. The bar is float64 on the same inputs.
+    scale = torch.ones(k, 1, device=DEV)
+    scale[-256:] = 30
+    a = torch.randn(batch, k, m, device=DEV) * scale
+    a = a.to(dtype).transpose(1, 2) if a_layout == "transposed" else a.transpose(1, 2).contiguous().to(dtype)
     b = torch.randn(batch, k, n, device=DEV).to(dtype)
-    out = ops.gating.rows_product(a_rows.transpose(1, 2), b)
+    out = ops.gating.rows_product(a, b)
     assert out.shape == (batch, m, n) and out.dtype == dtype
-    error = rel_error(out, a_rows.double().transpose(1, 2) @ b.double())
+    error = rel_error(out, a.double() @ b.double())
     assert error < (4e-3 if dtype == torch.bfloat16 else 5e-4), f"product error {error:.2e}"
     with pytest.raises(RuntimeError, match="rows_product"):  # (an internal op: the extension's guard)
-        ops.gating.rows_product(a_rows.transpose(1, 2), b[:, :-1])
+        ops.gating.rows_product(a, b[:, :-1])
 
 
 def test_linear_under_autocast_keeps_parameter_dtypes():
