@@ -133,7 +133,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
   if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options), dresidual};
   at::Tensor affine = affine_grad ? output({2, C}, affine_options) : at::empty({0}, f32);  // (dweight, dbias)
   std::optional<PartialSums> sums;  // [ctas, (dweight, dbias), C], added by the last CTA into affine
-  if (affine_grad) sums.emplace(ctas, 2 * C, f32, param_tensor(affine[0]), param_tensor(affine[1]), stream);
+  if (affine_grad) {  // (the rows of affine by pointer: no select op per row)
+    const ParamTensor dweight = param_tensor(affine);
+    const ParamTensor dbias{static_cast<char*>(affine.data_ptr()) + C * affine.element_size(), dweight.dtype};
+    sums.emplace(ctas, 2 * C, f32, dweight, dbias, stream);
+  }
   RowNormBackwardParams p{x.data_ptr(), dy.data_ptr(), dx.data_ptr(), weight, mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), affine_grad ? sums->data() : nullptr, M,
                           M > 1 ? x.stride(0) : C, M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
