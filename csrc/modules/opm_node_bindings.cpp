@@ -64,8 +64,11 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const at::Tensor stacked = at::cat({w_1, w_2});  // [2 c, c_m]
     const at::Tensor ab = at::linear(m, stacked, at::cat({b_1, b_2}));  // [*, S, R, 2 c]
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
-    const at::Tensor a = at::mul(ab.narrow(-1, 0, c), mask_c);  // [*, S, R, c]
-    const at::Tensor b = at::mul(ab.narrow(-1, c, c), mask_c);  // [*, S, R, c]
+    std::vector<int64_t> half_sizes(ab.sizes().begin(), ab.sizes().end());
+    half_sizes.back() = c;  // (each half a view of its columns of ab)
+    const int64_t second = ab.storage_offset() + c * ab.stride(-1);
+    const at::Tensor a = at::mul(raw_view(ab, half_sizes, ab.strides(), ab.storage_offset()), mask_c);  // [*, S, R, c]
+    const at::Tensor b = at::mul(raw_view(ab, half_sizes, ab.strides(), second), mask_c);  // [*, S, R, c]
     // the mean's denominator eps + (pairs of residues both unmasked in a sequence: a GEMM over the
     // sequences, rows_bmm as the composed path's _pair_counts)
     const at::Tensor mask3 = reshaped(mask, {batch, seqs, res});  // [B, S, R]
