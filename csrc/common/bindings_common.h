@@ -124,6 +124,21 @@ inline at::Tensor flat_rows(const at::Tensor& x, int64_t C) {
   return C > 0 ? reshaped(x, {x.numel() / C, C}) : x.reshape({-1, C});
 }
 
+// at::linear(x, weight, bias) for x [..., in]: the GEMM at::linear runs for a contiguous x (addmm of
+// the bias, else mm, on x's rows and weight's transposed view: the same call, so the same bits)
+// without its reshape, transpose and view ops; at::linear itself for any other x.
+inline at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t in = x.dim() >= 2 ? x.size(-1) : 0;
+  if (in == 0 || x.numel() == 0 || !x.is_contiguous() || weight.dim() != 2 || (bias.has_value() && bias->dim() != 1))
+    return at::linear(x, weight, bias);
+  const at::Tensor rows = raw_reshape(x, {x.numel() / in, in});  // [M, in]
+  const at::Tensor out = bias.has_value() ? at::addmm(*bias, rows, raw_transpose(weight))
+                                          : at::mm(rows, raw_transpose(weight));  // [M, out]
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = weight.size(0);
+  return raw_reshape(out, sizes);  // [..., out]
+}
+
 // Zeros [n] of `options`' dtype and CUDA device, made once per (device, dtype, n) and then shared:
 // callers only read them (a concatenation copies them), as primitives._zeros's are on the Python
 // side. A new one while the current stream captures a CUDA graph (its memory and fill would belong

@@ -135,7 +135,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
       parts.push_back(b_g.has_value() ? *b_g : cached_zeros(width, options));
       stacked_bias = at::cat(parts);  // [4 H D]
     }
-    const at::Tensor qkvg = at::linear(x, stacked, stacked_bias);  // [B, A, A', 4 H D]
+    const at::Tensor qkvg = linear_rows(x, stacked, stacked_bias);  // [B, A, A', 4 H D]
     at::Tensor pair = value_or_undefined(pair_bias);  // [B, 1, H, L, L]
     if (pair_source.has_value()) {
       const at::Tensor source = batch_flat(*pair_source);  // [1, L, L, c_z]
@@ -155,7 +155,7 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     auto [y, out, stats, mask_prepared, pair_prepared] =
         attention_forward_op().call(qkvg, mask, optional_of(pair), heads, transposed, scale,
                                     family);  // y [B, A, A', H D]
-    const at::Tensor result = at::linear(y, w_o, b_o);  // [B, A, A', c_out]
+    const at::Tensor result = linear_rows(y, w_o, b_o);  // [B, A, A', c_out]
 
     ctx->save_for_backward({x_in, stacked, value_or_undefined(w_head), qkvg, out, stats, mask_prepared, pair,
                             pair_prepared, y, w_o, value_or_undefined(pair_source)});
@@ -277,7 +277,7 @@ struct TransitionNode : public torch::autograd::Function<TransitionNode> {
     const at::Tensor rows = flat_rows(x, x.size(-1));  // [rows, c]
     const at::Tensor w1_t = raw_view(w1, {w1.size(1), w1.size(0)}, {w1.stride(1), w1.stride(0)}, w1.storage_offset());
     const at::Tensor h = raw_reshape(at::_addmm_activation(b1, rows, w1_t), hidden_sizes);
-    const at::Tensor out = at::linear(h, w2, b2);  // [*, c_out]
+    const at::Tensor out = linear_rows(h, w2, b2);  // [*, c_out]
     ctx->save_for_backward({x, w1, h, w2});
     ctx->saved_data["b1_dtype"] = b1.scalar_type();
     ctx->saved_data["b2_dtype"] = b2.scalar_type();

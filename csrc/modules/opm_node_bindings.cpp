@@ -62,7 +62,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     // the two projections side by side (primitives.stacked_projection), each half masked into a
     // contiguous tensor
     const at::Tensor stacked = at::cat({w_1, w_2});  // [2 c, c_m]
-    const at::Tensor ab = at::linear(m, stacked, at::cat({b_1, b_2}));  // [*, S, R, 2 c]
+    const at::Tensor ab = linear_rows(m, stacked, at::cat({b_1, b_2}));  // [*, S, R, 2 c]
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(ab.sizes().begin(), ab.sizes().end());
     half_sizes.back() = c;  // (each half a view of its columns of ab)
