@@ -199,7 +199,7 @@ class OuterProductMean(nn.Module):
         # [i, j, (c e)]: the fused projection reads that layout as it is (the GEMM's output is
         # contiguous), else the swap moves whole e-rows. Where the fused projection runs on the
         # operands' dtype, so do the extension's GEMMs (not under autocast, which casts torch.bmm's)
-        extension = self._extension_products(a3, b3, n_i, n_j)
+        extension = self._extension_products(a3, b3, a3.shape[0], n_i, n_j)
         outer = _OuterProduct.apply(a3, b3, extension).view(-1, n_i, c, n_j, c)  # [B, N_i, c, N_j, c]
         if self._fused_projection(outer):
             weight = self.linear_out.weight
@@ -220,14 +220,13 @@ class OuterProductMean(nn.Module):
             return torch.addcdiv(residual, out, denom)  # [*, N_i, N_j, c_z]
         return out / denom  # [*, N_i, N_j, c_z]
 
-    def _extension_products(self, a: torch.Tensor, b: torch.Tensor, n_i: int, n_j: int) -> bool:
-        """Whether the GEMMs over the sequences of ``a [B, N_seq, *]`` and ``b`` run as the extension's
-        ``rows_product`` (:class:`_OuterProduct`, :func:`_pair_counts`): where the fused projection runs
-        on an outer product of ``n_i`` by ``n_j`` residues in their dtype, outside autocast (which casts
-        torch.bmm's operands), as the module's node does."""
+    def _extension_products(self, a: torch.Tensor, b: torch.Tensor, batch: int, n_i: int, n_j: int) -> bool:
+        """Whether the GEMMs over the sequences of ``a`` and ``b`` (``batch`` elements) run as the
+        extension's ``rows_product`` (:class:`_OuterProduct`, :func:`_pair_counts`): where the fused
+        projection runs on an outer product of ``n_i`` by ``n_j`` residues in their dtype, outside
+        autocast (which casts torch.bmm's operands), as the module's node does."""
         if a.dtype != b.dtype or torch.is_autocast_enabled(a.device.type):
             return False
-        batch = a.shape[0]
         rows = module_nodes._stand_in(a, batch * n_i * n_j, self.c_hidden ** 2)  # [B N_i N_j, c²] (no memory)
         return self._projection_fuses(rows, batch * n_i)
 
@@ -281,8 +280,7 @@ class OuterProductMean(nn.Module):
         ab = stacked_projection(m, (self.linear_1, self.linear_2))  # [*, N_seq, N_res, 2 c_hidden]
         a, b = ab.unflatten(-1, (2, self.c_hidden)).unbind(-2)  # 2 x [*, N_seq, N_res, c_hidden], strided
         a, b = a * mask_c, b * mask_c  # [*, N_seq, N_res, c_hidden] each, contiguous
-        m3 = m.reshape(-1, *m.shape[-3:])  # [B, N_seq, N_res, c_m] (the extension's decision reads its shape)
-        extension = self._extension_products(m3, mask, n_res, n_res)
+        extension = self._extension_products(m, mask, math.prod(m.shape[:-3]), n_res, n_res)
         norm = _pair_counts(mask, extension).unsqueeze(-1)  # [*, N_res, N_res, 1]
         denom = self.eps + norm  # [*, N_res, N_res, 1]
         if chunk_size is None or chunk_size >= n_res:
