@@ -131,7 +131,7 @@ inline at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, con
   const int64_t in = x.dim() >= 2 ? x.size(-1) : 0;
   if (in == 0 || x.numel() == 0 || !x.is_contiguous() || weight.dim() != 2 || (bias.has_value() && bias->dim() != 1))
     return at::linear(x, weight, bias);
-  const at::Tensor rows = raw_reshape(x, {x.numel() / in, in});  // [M, in]
+  const at::Tensor rows = flat_rows(x, in);  // [M, in]
   const at::Tensor out = bias.has_value() ? at::addmm(*bias, rows, raw_transpose(weight))
                                           : at::mm(rows, raw_transpose(weight));  // [M, out]
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());

@@ -237,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
   at::Tensor dx, dw;
   if (need_dx) dx = as_dtype(raw_reshape(at::mm(dy, as_dtype(weight, dy.scalar_type())), x.sizes()), x.scalar_type());  // [..., in]
   if (need_dw) {
-    const at::Tensor dy_t = raw_view(dy, {C, dy.size(0)}, {dy.stride(1), dy.stride(0)}, dy.storage_offset());  // dy^T
+    const at::Tensor dy_t = raw_transpose(dy);  // dy^T [out, rows]
     const at::Tensor rows = as_dtype(flat_rows(x, x.size(-1)), dy.scalar_type());  // [rows, in]
     dw = as_dtype(rows_product(dy_t, rows), weight.scalar_type());  // [out, in]
   }

@@ -275,8 +275,7 @@ struct TransitionNode : public torch::autograd::Function<TransitionNode> {
     hidden_sizes.back() = w1.size(0);
     // relu(x W1^T + b1) in the GEMM's epilogue [rows, n c], seen as [*, n c]
     const at::Tensor rows = flat_rows(x, x.size(-1));  // [rows, c]
-    const at::Tensor w1_t = raw_view(w1, {w1.size(1), w1.size(0)}, {w1.stride(1), w1.stride(0)}, w1.storage_offset());
-    const at::Tensor h = raw_reshape(at::_addmm_activation(b1, rows, w1_t), hidden_sizes);
+    const at::Tensor h = raw_reshape(at::_addmm_activation(b1, rows, raw_transpose(w1)), hidden_sizes);
     const at::Tensor out = linear_rows(h, w2, b2);  // [*, c_out]
     ctx->save_for_backward({x, w1, h, w2});
     ctx->saved_data["b1_dtype"] = b1.scalar_type();
