@@ -33,10 +33,11 @@ cuEquivariance's fused triangle_multiplicative_update on the same weights: time 
 With --host, the host (CPU) time of the default EvoformerBlock with the GPU idle: AF2 widths at
 N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the block call and around
 `torch.autograd.grad` (no synchronisation inside an iteration), the median over five rounds of 20
-iterations after warm-up (instead of the block cases unless --shapes is given too), twice in one
-process, rounds alternating: with the modules and the residual add + layer norms calling their
-one-node C++ entries (`evoformer_blocks.ops.module_nodes`, the default) and composing their ops
-(`module_nodes.composed()`), the A/B of those nodes. Host time is
+iterations after warm-up (instead of the block cases unless --shapes is given too), three times in
+one process, rounds alternating: the block's modules and residual adds + layer norms as their
+one-node C++ entries called by one extension call (`module_nodes.evoformer_block`, the default), the
+same entries called module by module from Python (`module_nodes.per_module()`), and the modules
+composing their ops (`module_nodes.composed()`): the A/B of the one call and of the nodes. Host time is
 what bounds the block at small sizes without CUDA graphs. It also counts, for the nodes, per forward and per
 backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
 kernel launches; autograd nodes run): exact where the times swing between processes and machine
@@ -432,12 +433,14 @@ HOST_CASE = Case("EvoformerBlock", 16, 64)
 
 def host_ms(rounds: int = 5, iters: int = 20) -> dict:
     """Median host ms of the forward and of the backward of the default block at HOST_CASE, and every
-    round's (forward, backward) pair (see the module docstring), with the modules calling their nodes
-    and, under ``"composed"``, with the modules composing their ops (``ops.module_nodes.composed``):
-    the rounds alternate between the two, so that both see the same machine."""
+    round's (forward, backward) pair (see the module docstring), with the block's nodes as one call
+    and, under ``"per_module"`` and ``"composed"``, called module by module
+    (``ops.module_nodes.per_module``) and with the modules composing their ops
+    (``ops.module_nodes.composed``): the rounds alternate between the three, so that all see the
+    same machine."""
     _, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
     leaves = [m.requires_grad_(True), z.requires_grad_(True), *block.parameters()]
-    modes = {"nodes": contextlib.nullcontext, "composed": module_nodes.composed}
+    modes = {"nodes": contextlib.nullcontext, "per_module": module_nodes.per_module, "composed": module_nodes.composed}
 
     def forward():
         return sum(o.float().sum() for o in block(m, z, msa_mask, pair_mask))
@@ -471,7 +474,7 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
         parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
         results[name] = {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1],
                          "rounds": per_round[name], "operations": counts, "parts": parts}
-    return {**results["nodes"], "composed": results["composed"]}
+    return {**results["nodes"], "per_module": results["per_module"], "composed": results["composed"]}
 
 
 def _host_us_per_call(fn, iters: int = 100) -> float:
@@ -600,7 +603,8 @@ def main() -> None:
     results = []
     if args.host:
         host = host_ms()
-        for what, h in (("the C++ nodes", host), ("composing the ops", host["composed"])):
+        for what, h in (("the C++ nodes as one call", host), ("the C++ nodes module by module", host["per_module"]),
+                        ("composing the ops", host["composed"])):
             rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in h["rounds"])
             print(f"\n## host time, {h['case']}, GPU idle, {what}: forward {h['fwd_ms']:.2f} ms, backward "
                   f"{h['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds}); ATen calls "

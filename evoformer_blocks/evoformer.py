@@ -30,8 +30,9 @@ from .attention import (
 )
 from .dropout import DropoutColumnwise, DropoutRowwise
 from .outer_product_mean import OuterProductMean
-from .ops import add_layer_norm, get_default_backend, layer_norm_keeping_input
-from .ops.cutlass import KERNELS_ENV
+from .ops import _dispatch, _keep, add_layer_norm, get_default_backend, layer_norm_keeping_input, module_nodes
+from .ops import triangle as _triangle_op
+from .ops.cutlass import GATED_FORWARD_OP, KERNELS_ENV
 from .primitives import LayerNorm, Linear
 from .recompute import Plan, check_recompute, recomputed, torch_checkpoint_only
 from .transitions import MSATransition, PairTransition, SwiGLUTransition
@@ -176,6 +177,64 @@ class _PairUpdates(nn.Module):
         return (*pair_rows, pair_col)
 
 
+def _norm(path: str) -> tuple[str, ...]:
+    return f"{path}.weight", f"{path}.bias"
+
+
+def _gated(path: str) -> tuple[str, ...]:
+    """A gated attention's projections in the order its node takes them: q, k, v, g, q's and g's bias,
+    the output layer."""
+    return (*(f"{path}.linear_{p}.weight" for p in "qkvg"), f"{path}.linear_q.bias", f"{path}.linear_g.bias",
+            *_norm(f"{path}.linear_o"))
+
+
+def _transition(path: str) -> tuple[str, ...]:
+    return (*_norm(f"{path}.layer_norm"), *_norm(f"{path}.linear_1"), *_norm(f"{path}.linear_2"))
+
+
+def _triangle(path: str) -> tuple[str, ...]:
+    """A triangle multiplication's parameters in its node's order."""
+    projections = [f"{path}.linear_{p}" for p in ("a_p", "a_g", "b_p", "b_g")]
+    return (*_norm(f"{path}.layer_norm_in"), *(f"{p}.weight" for p in projections),
+            *(f"{p}.bias" for p in projections), *_norm(f"{path}.linear_g"), *_norm(f"{path}.layer_norm_out"),
+            *_norm(f"{path}.linear_z"))
+
+
+# What the block's update as one extension call (_MSABlock._one_call_update; the op
+# evoformer_block_module, csrc/modules/block_node_bindings.cpp) takes: the block's parameters in the
+# order it reads them (None for an absent bias), the modules whose `eps` it takes (the ten layer
+# norms in the order the block runs them, then the outer product mean), and how many node ops the
+# update calls from Python where every module runs its node (the two layer norms that keep their
+# inputs, six residual adds with layer norms, four gated attentions, two transitions, the outer
+# product mean, two triangle multiplications).
+_ONE_CALL_PARAMETERS = (
+    *_norm("msa_att_row.layer_norm_m"), *_norm("msa_att_row.layer_norm_z"), "msa_att_row.linear_z.weight",
+    *_gated("msa_att_row"),
+    *_norm("msa_att_col.layer_norm_m"), *_gated("msa_att_col"),
+    *_transition("msa_transition"),
+    *_norm("outer_product_mean.layer_norm"), *_norm("outer_product_mean.linear_1"),
+    *_norm("outer_product_mean.linear_2"), *_norm("outer_product_mean.linear_out"),
+    *_triangle("tri_mul_out"), *_triangle("tri_mul_in"),
+    *_norm("tri_att_start.layer_norm_z"), "tri_att_start.linear_z.weight", *_gated("tri_att_start"),
+    *_norm("tri_att_end.layer_norm_z"), "tri_att_end.linear_z.weight", *_gated("tri_att_end"),
+    *_transition("pair_transition"),
+)
+_ONE_CALL_EPS = (
+    "msa_att_row.layer_norm_m", "msa_att_row.layer_norm_z", "msa_att_col.layer_norm_m", "msa_transition.layer_norm",
+    "outer_product_mean.layer_norm", "tri_mul_out.layer_norm_in", "tri_mul_in.layer_norm_in",
+    "tri_att_start.layer_norm_z", "tri_att_end.layer_norm_z", "pair_transition.layer_norm", "outer_product_mean",
+)
+_ONE_CALL_NODES = 17
+# (the sub-module paths above, each once; each parameter and epsilon as (its module's index, name))
+_ONE_CALL_MODULES = tuple(dict.fromkeys(
+    [tuple(name.split(".")[:-1]) for name in _ONE_CALL_PARAMETERS] + [tuple(path.split(".")) for path in _ONE_CALL_EPS]
+))
+_ONE_CALL_PARAMETER_INDEX = tuple(
+    (_ONE_CALL_MODULES.index(tuple(name.split(".")[:-1])), name.rsplit(".", 1)[1]) for name in _ONE_CALL_PARAMETERS
+)
+_ONE_CALL_EPS_INDEX = tuple(_ONE_CALL_MODULES.index(tuple(path.split("."))) for path in _ONE_CALL_EPS)
+
+
 class _MSABlock(_PairUpdates):
     """The Evoformer block; subclasses choose the MSA column attention (Algorithm 6 or 18).
 
@@ -305,7 +364,82 @@ class _MSABlock(_PairUpdates):
         # that residual add and layer norm (add_layer_norm's residual_scale; the dropout masks are
         # drawn up front by dropout_masks), the pair transition's mask in its residual add
         # (torch.addcmul): the values of the multiply then the add.
-        keep_msa, keep_out, keep_in, keep_start, keep_end = self.dropout_masks(m, z) if keep is None else keep
+        keep = self.dropout_masks(m, z) if keep is None else keep
+        key = self._one_call_key(m, z, msa_mask, pair_mask, chunk_size, keep, biases)
+        one_call = None if key is None else _dispatch.REGISTRY.recalled(key)
+        if one_call:
+            out = self._one_call_update(m, z, msa_mask, pair_mask, keep, biases)
+            if out is not None:
+                return out
+        nodes = _dispatch.nodes_run()
+        m, z = self._module_update(m, z, msa_mask, pair_mask, chunk_size, keep, biases)
+        if key is not None and one_call is None:  # (the first call of this signature: did every module run its node?)
+            _dispatch.REGISTRY.remember(key, _dispatch.nodes_run() - nodes == _ONE_CALL_NODES)
+        return m, z
+
+    def _one_call_key(self, m, z, msa_mask, pair_mask, chunk_size, keep, biases) -> Optional[tuple]:
+        """What decides whether the update may run as one extension call (:meth:`_one_call_update`), as a
+        key of the registry's decisions (kept with the nodes' own, per block, dropped when the block's
+        parameters move: _apply); None where the block's form or the call's settings rule it out (AF2's
+        form only, no chunking, no recompute policy that keeps the fused ops, the nodes' conditions:
+        CUDA, no autocast, not compiling), or the residual streams are not contiguous."""
+        if (chunk_size is not None or self.opm_first or type(self.msa_att_col) is not MSAColumnAttention
+                or not module_nodes.one_call_allowed(m)
+                or _keep.keeps(GATED_FORWARD_OP) or _keep.keeps(_triangle_op.FUSED_OP)
+                or not (m.is_contiguous() and z.is_contiguous())):
+            return None
+        token = self.__dict__.get("_one_call_token")
+        if token is None:
+            token = self.__dict__["_one_call_token"] = object()
+        tensors = (m, z, msa_mask, pair_mask, *keep, *self._given_biases(biases))
+        return ("evoformer_block", token, _dispatch.REGISTRY.default(), torch.is_grad_enabled(),
+                tuple(None if t is None else (t.shape, t.dtype, t.device, t.requires_grad) for t in tensors))
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_one_call_token", None)  # (the parameters may change dtype or device)
+        return super()._apply(fn, *args, **kwargs)
+
+    def _one_call_update(self, m, z, msa_mask, pair_mask, keep, biases):
+        """:meth:`_module_update`'s result as one call of the extension, which calls the same nodes in
+        the same order from C++ (``module_nodes.evoformer_block``), for a signature whose call through
+        Python ran every module's node; None where the block's sub-modules are not AF2's classes (then
+        the modules run)."""
+        top = self._modules
+        modules = []
+        for path in _ONE_CALL_MODULES:
+            module = top[path[0]]
+            for name in path[1:]:
+                module = module._modules[name]
+            modules.append(module)
+        row, column, start, end = self.msa_att_row, self.msa_att_col, self.tri_att_start, self.tri_att_end
+        if not (type(row) is MSARowAttentionWithPairBias and type(column) is MSAColumnAttention
+                and type(self.msa_transition) is MSATransition and type(self.outer_product_mean) is OuterProductMean
+                and type(self.tri_mul_out) is TriangleMultiplicationOutgoing
+                and type(self.tri_mul_in) is TriangleMultiplicationIncoming
+                and type(start) is TriangleAttentionStartingNode and type(end) is TriangleAttentionEndingNode
+                and type(self.pair_transition) is PairTransition
+                and column.no_heads == row.no_heads and end.no_heads == start.no_heads):
+            return None
+        # the mask biases each attention's module would use (shared where the infs agree)
+        msa_bias, pair_bias = self._given_biases(biases)
+        msa_bias = row._mask_bias(msa_mask, m, msa_bias)  # [*, N_seq, N_res]
+        column_bias = _shared(msa_bias, row, column)
+        if column_bias is None:
+            column_bias = column._mask_bias(msa_mask, m)
+        pair_bias = start._mask_bias(pair_mask, z, pair_bias)  # [*, N_res, N_res]
+        end_bias = _shared(pair_bias, start, end)
+        if end_bias is None:
+            end_bias = end._mask_bias(pair_mask, z)
+        params = [modules[i]._parameters[name] for i, name in _ONE_CALL_PARAMETER_INDEX]
+        eps = [float(modules[i].eps) for i in _ONE_CALL_EPS_INDEX]
+        return module_nodes.evoformer_block(
+            m, z, msa_mask, pair_mask, (msa_bias, column_bias, pair_bias, end_bias), keep, params, eps,
+            row.no_heads, start.no_heads, not end.bias_ik,
+        )
+
+    def _module_update(self, m, z, msa_mask, pair_mask, chunk_size, keep, biases):
+        """:meth:`_update` module by module from Python."""
+        keep_msa, keep_out, keep_in, keep_start, keep_end = keep
         opm = self.outer_product_mean
         if self.opm_first:  # AF2-Multimer: the outer product mean of the block's input MSA first
             m, m_ln = keep_and_norm(m, opm.layer_norm)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import evoformer_blocks as eb
-from evoformer_blocks.ops import _keep, module_nodes
+from evoformer_blocks.ops import _dispatch, _keep, module_nodes
 from evoformer_blocks.ops.cutlass import GATED_FORWARD_OP
 from evoformer_blocks.ops.triangle import FUSED_OP as TRIANGLE_FUSED_OP
 from evoformer_blocks.pairformer import AttentionPairBias
@@ -276,6 +276,76 @@ def test_block_equals_the_composed_block(name):
     if name == "EvoformerBlock_opm":
         leaves = [first.clone().requires_grad_(True), z.clone().requires_grad_(True)]
         assert ran(block(*leaves, first_mask, pair_mask)[1].grad_fn, OPM_NODE)
+
+
+# an Evoformer block whose every module runs its node (the outer product mean's sizes as above), with
+# the AF2 dropout rates
+ONE_CALL_BLOCK = {**BLOCK_SIZES, "c_z": 128, "c_hidden_opm": 32, "msa_dropout": 0.15, "pair_dropout": 0.25}
+
+
+def block_run(block, m, z, msa_mask, pair_mask, *, grad: bool = True):
+    """(outputs and the gradients of a loss of them by m, z and every parameter; the node ops the call
+    made from Python), with the dropout masks drawn from one seed."""
+    torch.manual_seed(3)
+    leaves = [m.clone().requires_grad_(grad), z.clone().requires_grad_(grad)]
+    before = _dispatch.nodes_run()
+    with torch.set_grad_enabled(grad):
+        outs = block(*leaves, msa_mask, pair_mask)
+    nodes = _dispatch.nodes_run() - before
+    if not grad:
+        return list(outs), nodes
+    loss = sum((o.float() * torch.linspace(-1, 1, o.shape[-1], device="cuda")).sum() for o in outs)
+    return [*outs, *torch.autograd.grad(loss, leaves + list(block.parameters()))], nodes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch", [(), (1,), (2,)], ids=["unbatched", "batch1", "batch2"])
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad"])
+def test_block_as_one_call_equals_its_modules(dtype, batch, mode):
+    """The block's update as one extension call (after the first call of a signature, which runs the
+    modules and finds that each ran its node) against the modules' nodes called from Python: outputs and
+    gradients equal bit for bit, the same dropout masks. With a batch of two the row attention's pair
+    bias has no node (one batch element only), so the block keeps calling its modules."""
+    block = randomize(eb.EvoformerBlock(**ONE_CALL_BLOCK)).to("cuda", dtype).train(mode == "train")
+    gen = torch.Generator().manual_seed(7)
+    m = torch.randn(*batch, 6, 21, 32, generator=gen).to("cuda", dtype)
+    z = torch.randn(*batch, 21, 21, 128, generator=gen).to("cuda", dtype)
+    msa_mask = (torch.rand(*batch, 6, 21, generator=gen) > 0.1).to("cuda", dtype)
+    pair_mask = (torch.rand(*batch, 21, 21, generator=gen) > 0.1).to("cuda", dtype)
+    grad = mode != "no_grad"
+    _, first = block_run(block, m, z, msa_mask, pair_mask, grad=grad)
+    results, nodes = block_run(block, m, z, msa_mask, pair_mask, grad=grad)
+    with module_nodes.per_module():
+        reference, reference_nodes = block_run(block, m, z, msa_mask, pair_mask, grad=grad)
+    one_call = batch != (2,)
+    assert (first, reference_nodes) == ((17, 17) if one_call else (16, 16))
+    assert nodes == (0 if one_call else 16), "the one-call update ran where it should not, or not where it should"
+    assert_bitwise(results, reference, f"one call, {mode}")
+
+
+def test_block_one_call_decision_follows_the_settings():
+    """The decision is per signature and setting: a new dtype after block.half() is decided again, the
+    eager backend (no nodes) keeps the modules, and so do the forms the op does not cover (the extra-MSA
+    block's global column attention, AF2-Multimer's outer product mean first)."""
+    block = randomize(eb.EvoformerBlock(**ONE_CALL_BLOCK)).to("cuda", torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(9)
+    m, z = torch.randn(6, 21, 32, generator=gen), torch.randn(21, 21, 128, generator=gen)
+    msa_mask, pair_mask = torch.ones(6, 21, device="cuda"), torch.ones(21, 21, device="cuda")
+
+    def nodes(module, dtype):
+        return [block_run(module, m.to("cuda", dtype), z.to("cuda", dtype), msa_mask, pair_mask)[1]
+                for _ in range(2)]
+
+    assert nodes(block, torch.bfloat16) == [17, 0]
+    block.half()
+    assert nodes(block, torch.float16) == [17, 0]
+    with eb.ops.backend("eager"):
+        assert nodes(block, torch.float16) == [0, 0]
+    assert nodes(block, torch.float16) == [0, 0]
+    for other in (eb.ExtraMSABlock(**ONE_CALL_BLOCK), eb.EvoformerBlock(**ONE_CALL_BLOCK, opm_first=True)):
+        other = randomize(other).to("cuda", torch.bfloat16).eval()
+        counts = nodes(other, torch.bfloat16)
+        assert counts[0] == counts[1] > 0
 
 
 TRIANGLE_NODE = "TriangleNode"

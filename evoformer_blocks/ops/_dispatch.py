@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol
@@ -309,6 +310,19 @@ class Registry:
         decisions[full] = answer
         return answer
 
+    def recalled(self, key: tuple) -> Optional[bool]:
+        """The answer :meth:`remember` kept for ``key`` in this deterministic mode, or None: for an answer
+        that a call finds out by running (not from selections alone), kept and dropped with
+        :meth:`decision`'s."""
+        return self._state.decisions.get((torch.are_deterministic_algorithms_enabled(), key))
+
+    def remember(self, key: tuple, answer: bool) -> None:
+        """Keeps ``answer`` for ``key`` (see :meth:`recalled`)."""
+        decisions = self._state.decisions
+        if len(decisions) >= _MAX_SELECTIONS:
+            decisions.clear()
+        decisions[(torch.are_deterministic_algorithms_enabled(), key)] = answer
+
     def _select(self, op: str, name: str, inputs: OpInputs) -> Backend:
         if name != AUTO:
             impl = self._state.backends[op][name]
@@ -412,6 +426,22 @@ def nodes_allowed() -> bool:
     compiled graph traces the composed ops, whose fakes it knows) and not inside
     :func:`~evoformer_blocks.ops.module_nodes.composed` (A/B comparisons)."""
     return not (_composing or torch.compiler.is_compiling())
+
+
+_nodes = threading.local()  # .count: the C++ node ops called on this thread (node_ran)
+
+
+def node_ran() -> None:
+    """Counts one call of a module's or a layer norm's C++ node op (csrc/modules) on this thread, in a
+    form that a block's update as one C++ call also takes: the block decides from the count of a call
+    through Python that every module ran its node that way
+    (:meth:`evoformer_blocks.evoformer._MSABlock._update`)."""
+    _nodes.count = getattr(_nodes, "count", 0) + 1
+
+
+def nodes_run() -> int:
+    """How many node ops this thread has called (:func:`node_ran`)."""
+    return getattr(_nodes, "count", 0)
 
 
 def select(op: str, inputs: OpInputs, requested: Optional[str]) -> Backend:

@@ -77,6 +77,11 @@ SCHEMAS = (
     "Tensor w_z, Tensor? b_z, float eps, bool outgoing, str family) -> (Tensor(a), Tensor)",
     "outer_product_mean_module(Tensor m, Tensor mask, Tensor? residual, Tensor w_1, Tensor b_1, Tensor w_2, "
     "Tensor b_2, Tensor w_out, Tensor? b_out, float eps) -> Tensor",
+    # an Evoformer block's update calling the nodes above (modules/block_node_bindings.cpp): composite
+    "evoformer_block_module(Tensor m, Tensor z, Tensor msa_mask, Tensor pair_mask, Tensor row_mask_bias, "
+    "Tensor column_mask_bias, Tensor start_mask_bias, Tensor end_mask_bias, Tensor?[] keeps, Tensor?[] params, "
+    "float[] eps, int msa_heads, int pair_heads, bool end_transpose_head, str msa_family, str pair_family, "
+    "str triangle_family) -> (Tensor, Tensor)",
 )
 
 _LIBRARY = torch.library.Library(_build.OP_NAMESPACE, "DEF")

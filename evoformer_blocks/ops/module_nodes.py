@@ -10,7 +10,9 @@ triangle multiplicative updates with four input projections: their weights stack
 fused forward and backward; csrc/modules/triangle_node_bindings.cpp) and :func:`outer_product_mean`
 (AF2's outer product mean after its layer norm: the two projections as one GEMM, the mask, the
 outer product's batched GEMM and the fused ``linear_out`` with the mean's division and the residual
-add; csrc/modules/opm_node_bindings.cpp).
+add; csrc/modules/opm_node_bindings.cpp). :func:`evoformer_block` calls the nodes of a whole AF2
+Evoformer block from C++ (csrc/modules/block_node_bindings.cpp), where the block found that each of
+its modules runs its node (:func:`one_call_allowed`, ``evoformer._MSABlock._update``).
 
 A node stands for ops the module composes; it runs only where those ops would all run their cutlass
 backend and compute what the node computes, so that results and gradients are the same bit for bit
@@ -60,6 +62,28 @@ def composed():
         yield
     finally:
         _dispatch._composing -= 1
+
+
+_per_module = 0  # open per_module() blocks
+
+
+@contextlib.contextmanager
+def per_module():
+    """Inside the block an Evoformer block calls its modules' nodes one by one from Python instead of
+    as one extension call (:func:`evoformer_block`; the same nodes: for A/B timings and the tests that
+    compare the two)."""
+    global _per_module
+    _per_module += 1
+    try:
+        yield
+    finally:
+        _per_module -= 1
+
+
+def one_call_allowed(x: Tensor) -> bool:
+    """Whether a block may run its modules' nodes as one extension call on input ``x``: where the
+    nodes may run (:func:`_eligible`), outside :func:`per_module`."""
+    return not _per_module and _eligible(x)
 
 
 def _stand_in(like: Tensor, *shape) -> Tensor:
@@ -148,6 +172,8 @@ def gated_attention(
     if not registry.decision(key, decide):
         return None
     head_dim = q.weight.shape[0] // heads
+    if pair_bias is None:  # (a pair bias made outside the node is not a form the block's one call takes)
+        _dispatch.node_ran()
     return _fused.kernels().gated_attention_module(
         x, mask_bias, pair_bias, q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias,
         head_weight, pair_source, heads, transposed, transpose_head, 1.0 / math.sqrt(head_dim), _family_of(x),
@@ -211,6 +237,7 @@ def transition(x: Tensor, linear_1: torch.nn.Linear, linear_2: torch.nn.Linear) 
            linear_2.weight.shape)
     if not registry.decision(key, lambda: _transition_selected(x, linear_1, linear_2, backend)):
         return None
+    _dispatch.node_ran()
     return _fused.kernels().transition_module(x, linear_1.weight, b1, linear_2.weight, b2)
 
 
@@ -274,6 +301,7 @@ def triangle_multiplication(
     if not registry.decision(key, lambda: _triangle_selected(z, mask, tensors, eps, outgoing, update_scale, backend)):
         return None
     kernels, family = _fused.kernels(), _triangle.kernel_family(z.device)
+    _dispatch.node_ran()
     if keep_input:
         return tuple(kernels.triangle_multiplication_keeping_input_module(z, mask, *tensors, eps, outgoing, family))
     return kernels.triangle_multiplication_module(z, mask, *tensors, eps, outgoing, family, add_input, update_scale)
@@ -341,6 +369,7 @@ def outer_product_mean(module, m: Tensor, mask: Tensor, residual: Optional[Tenso
            metadata(residual), module.eps, tuple(map(metadata, params)))
     if not registry.decision(key, lambda: _outer_product_mean_selected(module, m, mask, residual, backend)):
         return None
+    _dispatch.node_ran()
     return _fused.kernels().outer_product_mean_module(m, mask, residual, *params, module.eps)
 
 
@@ -367,3 +396,21 @@ def _outer_product_mean_selected(module, m: Tensor, mask: Tensor, residual: Opti
     # the fused projection's epilogue as the node does)
     bias = module.linear_out.bias
     return bias is None or column_sum_runs(_stand_in(m, batch * n_res * n_res, module.c_z), bias.dtype)
+
+
+def evoformer_block(m: Tensor, z: Tensor, msa_mask: Tensor, pair_mask: Tensor, mask_biases: Sequence[Tensor],
+                    keeps: Sequence[Optional[Tensor]], params: Sequence[Optional[Tensor]], eps: Sequence[float],
+                    msa_heads: int, pair_heads: int, end_transpose_head: bool) -> tuple[Tensor, Tensor]:
+    """AF2's Evoformer block update ``(m, z)`` as one call of the extension, which calls the nodes its
+    modules call from Python (the function's, below), in their order, from C++
+    (csrc/modules/block_node_bindings.cpp): the same autograd nodes, so the same results and
+    gradients, without the Python between them. The caller decided that every module runs its node
+    (``evoformer._MSABlock._update``) and passes what the modules would: the masks (0/1 in m's and
+    z's dtypes), the four attentions' mask biases in their modules' orientation (row, column,
+    starting node, ending node), the five dropout keep-masks (None where off), the parameters and
+    layer-norm epsilons in the op's order, the heads, and whether the ending node transposes its
+    triangle bias."""
+    return tuple(_fused.kernels().evoformer_block_module(
+        m, z, msa_mask, pair_mask, *mask_biases, keeps, params, eps, msa_heads, pair_heads, end_transpose_head,
+        _family_of(m), _family_of(z), _triangle.kernel_family(z.device),
+    ))

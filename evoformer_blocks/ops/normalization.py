@@ -250,6 +250,7 @@ def layer_norm_keeping_input(
         OP, backend, (x, weight, bias), eps, lambda: validate(x, weight, bias, eps), CutlassLayerNorm
     ):
         weight, bias = _kernel_parameters(weight, bias)
+        _dispatch.node_ran()
         return tuple(_fused.kernels().layer_norm_keeping_input_node(x, weight, bias, float(eps)))
     inputs = validate(x, weight, bias, eps)
     if x.numel() == 0:
@@ -258,9 +259,12 @@ def layer_norm_keeping_input(
     if (
         not isinstance(impl, CutlassLayerNorm) or not torch.is_grad_enabled() or not x.is_contiguous()
     ):
+        if isinstance(impl, CutlassLayerNorm) and not torch.is_grad_enabled():
+            _dispatch.node_ran()  # (what the node's C++ callers run without gradients: the forward kernel)
         return x, impl.forward(inputs, None)
     weight, bias = impl.kernel_parameters(inputs)
     if _dispatch.nodes_allowed():  # one C++ node (csrc/modules), the same calls as the Function's
+        _dispatch.node_ran()
         return tuple(_fused.kernels().layer_norm_keeping_input_node(x, weight, bias, eps))
     return _LayerNormKeepingInputFunction.apply(x, weight, bias, eps)
 
@@ -351,6 +355,7 @@ def add_layer_norm(
         lambda: validate_add(x, residual, weight, bias, eps, residual_scale), CutlassAddLayerNorm,
     ):
         weight, bias = _kernel_parameters(weight, bias)
+        _dispatch.node_ran()
         return tuple(_fused.kernels().add_layer_norm_node(x, residual, weight, bias, float(eps), residual_scale))
     inputs = validate_add(x, residual, weight, bias, eps, residual_scale)
     if x.numel() == 0:
@@ -461,6 +466,7 @@ class CutlassAddLayerNorm(_CutlassRowNorm):
     def forward(self, inputs: AddLayerNormInputs, chunk_size: Optional[int] = None) -> tuple[Tensor, Tensor]:
         weight, bias = self.kernel_parameters(inputs)
         if _dispatch.nodes_allowed():  # one C++ node (csrc/modules), the same calls as the Function's
+            _dispatch.node_ran()
             return tuple(_fused.kernels().add_layer_norm_node(
                 inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale))
         return _FusedAddLayerNormFunction.apply(
