@@ -29,6 +29,9 @@ Implementations:
     plain-composed  the same with every module and residual add + layer norm composing its ops
                  instead of calling its one-node C++ entry (``evoformer_blocks.ops.module_nodes.composed``:
                  the A/B of those nodes)
+    plain-per-module  the same with each Evoformer block calling its modules' nodes one by one from
+                 Python instead of as one extension call (``module_nodes.per_module``: the A/B of
+                 that call)
     plain-torch-checkpoint  the same with every checkpointed group under ``torch.utils.checkpoint``
                  (non-reentrant), full recomputation included, instead of the stacks' own node for
                  it (``evoformer_blocks.recompute.through_torch_checkpoint``: the A/B of that node)
@@ -106,10 +109,12 @@ class TokenCase:
         return f"N_token {self.n_token}"
 
 
-IMPLS = ["plain", "plain-composed", "plain-torch-checkpoint", "graphs", "peer", "peer-graphs", "peer-eager"]
+IMPLS = ["plain", "plain-composed", "plain-per-module", "plain-torch-checkpoint", "graphs", "peer", "peer-graphs",
+         "peer-eager"]
 DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
-WARM_UP = {"plain": 2, "plain-composed": 2, "plain-torch-checkpoint": 2, "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
-PLAIN = ("plain", "plain-composed", "plain-torch-checkpoint", "graphs")  # the library's stacks
+WARM_UP = {"plain": 2, "plain-composed": 2, "plain-per-module": 2, "plain-torch-checkpoint": 2, "graphs": 3, "peer": 3,
+           "peer-graphs": 4, "peer-eager": 2}
+PLAIN = ("plain", "plain-composed", "plain-per-module", "plain-torch-checkpoint", "graphs")  # the library's stacks
 
 
 def peer_compile_mode(impl: str):
@@ -323,6 +328,9 @@ def profile_step(step) -> dict:
 def measure(trunk, impl: str, case, args) -> dict:
     if impl == "plain-composed":  # the modules compose their ops instead of calling their nodes
         with module_nodes.composed():
+            return _measure(trunk, impl, case, args)
+    if impl == "plain-per-module":  # the blocks call their modules' nodes from Python
+        with module_nodes.per_module():
             return _measure(trunk, impl, case, args)
     if impl == "plain-torch-checkpoint":  # full recomputation under torch.utils.checkpoint
         with recompute.through_torch_checkpoint():
