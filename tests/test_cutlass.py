@@ -130,13 +130,14 @@ def test_block_op_rules_come_from_the_kernel_table():
 
 def test_kernel_sources_are_one_translation_unit_per_family_file():
     # The JIT build compiles every .cpp and .cu under csrc/: one bindings file per family (the
-    # per-module nodes, modules/, one per node family), the families' launchers and one file per
+    # per-module nodes, modules/, one per node family, and the block's), the families' launchers and one file per
     # attention instantiation, named uniquely (ninja names each object after its source's file name).
     root = Path(cutlass.__file__).resolve().parents[2] / "csrc"
     sources = _build.sources()
     assert [s.relative_to(root).as_posix() for s in sources if s.suffix == ".cpp"] == [
         "attention/attention_bindings.cpp", "gating/gating_bindings.cpp", "layer_norm/layer_norm_bindings.cpp",
-        "modules/modules_bindings.cpp", "modules/opm_node_bindings.cpp", "modules/triangle_node_bindings.cpp",
+        "modules/block_node_bindings.cpp", "modules/modules_bindings.cpp", "modules/opm_node_bindings.cpp",
+        "modules/triangle_node_bindings.cpp",
         "outer_product_mean/opm_bindings.cpp", "triangle_multiplication/triangle_bindings.cpp"]
     assert all(s.name.endswith("_bindings.cpp") for s in sources if s.suffix == ".cpp")
     instantiations = [s for s in sources if s.parent.name == "instantiations"]

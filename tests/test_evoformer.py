@@ -315,6 +315,26 @@ def test_activation_checkpointing_gives_same_gradients(make, blocks_per_ckpt):
     assert not all(torch.allclose(a, b) for a, b in zip(other, checkpointed))
 
 
+def test_one_call_tables_cover_the_block():
+    """The parameters and epsilons an AF2 block passes to its one extension call (evoformer.py's tables,
+    in csrc/modules/block_node_bindings.cpp's order): every parameter of the block exactly once, the
+    other entries the biases AF2's attentions leave out (q's), each epsilon a module's."""
+    from evoformer_blocks import evoformer as module
+
+    block = EvoformerBlock(**TINY)
+    named = dict(block.named_parameters())
+    listed = module._ONE_CALL_PARAMETERS
+    assert len(listed) == 97 and sorted(n for n in listed if n in named) == sorted(named)
+    absent = [n for n in listed if n not in named]
+    assert absent == [f"{a}.linear_q.bias" for a in ("msa_att_row", "msa_att_col", "tri_att_start", "tri_att_end")]
+    modules = dict(block.named_modules())
+    paths = [".".join(path) for path in module._ONE_CALL_MODULES]
+    resolved = [paths[i] + "." + name for i, name in module._ONE_CALL_PARAMETER_INDEX]
+    assert resolved == list(listed) and all(p in modules for p in paths)
+    eps = [modules[paths[i]].eps for i in module._ONE_CALL_EPS_INDEX]
+    assert eps == [1e-5] * 10 + [block.outer_product_mean.eps]
+
+
 def test_no_checkpointing_without_grad():
     stack = evoformer_stack(blocks_per_ckpt=1).eval()
     calls = []
