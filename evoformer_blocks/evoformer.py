@@ -412,7 +412,7 @@ class _MSABlock(_PairUpdates):
                 module = module._modules[name]
             modules.append(module)
         row, column, start, end = self.msa_att_row, self.msa_att_col, self.tri_att_start, self.tri_att_end
-        if not (type(row) is MSARowAttentionWithPairBias and type(column) is MSAColumnAttention
+        if not (type(row) is MSARowAttentionWithPairBias  # (the column attention's class: the key checked it)
                 and type(self.msa_transition) is MSATransition and type(self.outer_product_mean) is OuterProductMean
                 and type(self.tri_mul_out) is TriangleMultiplicationOutgoing
                 and type(self.tri_mul_in) is TriangleMultiplicationIncoming

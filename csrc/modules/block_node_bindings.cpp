@@ -17,8 +17,9 @@
 //     the mask biases as each attention's module makes them, in the modules' orientation ([*, S, R],
 //     [*, R, R]: the column attention and the ending node transpose theirs, as their modules do);
 //     keeps: the five dropout keep-masks of EvoformerBlock.dropout_masks (None where off); params: the
-//     block's parameters in BlockParameter order (None for an absent bias); eps: the ten layer norms'
-//     epsilons in BlockEps order and the outer product mean's. Returns (m, z) after the block.
+//     block's parameters in the order of evoformer.py's _ONE_CALL_PARAMETERS (None for an absent bias);
+//     eps: the ten layer norms' epsilons in BlockEps order and the outer product mean's. Returns (m, z)
+//     after the block.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,6 +34,7 @@
 #include "common/bindings_common.h"
 #include "layer_norm/layer_norm_ops.h"
 #include "modules/nodes.h"
+#include "modules/triangle_parameters.h"
 
 namespace evoformer {
 namespace modules {
@@ -83,12 +85,12 @@ EVO_NODE_OP(triangle_keeping_op, TriangleKeepingSig, "triangle_multiplication_ke
 #undef EVO_NODE_OP
 EVO_OP_HANDLE(layer_norm_forward_op, "layer_norm_fwd", block::layer_norm_fwd)
 
-// Positions in `eps` (evoformer_blocks/evoformer.py's _BLOCK_EPS lists the same layer norms).
+// Positions in `eps` (evoformer_blocks/evoformer.py's _ONE_CALL_EPS lists the same modules).
 enum BlockEps : int {
   eRowM, eRowZ, eColumn, eMsaTransition, eOpmNorm, eTriangleOut, eTriangleIn, eStart, eEnd, ePairTransition,
   eOpm, kBlockEps
 };
-// Parameters per module, in the order evoformer.py's _block_parameters lists them.
+// Parameters per module, in the order evoformer.py's _ONE_CALL_PARAMETERS lists them.
 constexpr int kRowParams = 13, kColumnParams = 10, kTransitionParams = 6, kOpmParams = 8, kTriangleParams = 16,
               kTriangleAttentionParams = 11;
 constexpr int kBlockParams = kRowParams + kColumnParams + 2 * kTransitionParams + kOpmParams + 2 * kTriangleParams +
@@ -155,21 +157,13 @@ at::Tensor transition(const at::Tensor& x, Params& p) {
   return transition_op().call(x, w1, b1, w2, b2);
 }
 
-// The sixteen parameters of a triangle multiplication in the node's order (norm_in, a_p, a_g, b_p, b_g
-// weights, their biases, linear_g, norm_out, linear_z).
-struct TriangleParams {
-  at::Tensor norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg;
-  OptionalTensor b_ap, b_ag, b_bp, b_bg;
-  at::Tensor w_g;
-  OptionalTensor b_g;
-  at::Tensor norm_out_w, norm_out_b, w_z;
-  OptionalTensor b_z;
-  explicit TriangleParams(Params& p)
-      : norm_in_w(p.tensor()), norm_in_b(p.tensor()), w_ap(p.tensor()), w_ag(p.tensor()), w_bp(p.tensor()),
-        w_bg(p.tensor()), b_ap(p.optional()), b_ag(p.optional()), b_bp(p.optional()), b_bg(p.optional()),
-        w_g(p.tensor()), b_g(p.optional()), norm_out_w(p.tensor()), norm_out_b(p.tensor()), w_z(p.tensor()),
-        b_z(p.optional()) {}
-};
+// A triangle multiplication's parameters from p, in its node's order (a braced list reads them in order).
+TriangleParameters triangle_parameters(Params& p) {
+  return {p.tensor(),   p.tensor(),   p.tensor(),   p.tensor(),  p.tensor(),  p.tensor(),  // norm_in, a_p .. b_g
+          p.optional(), p.optional(), p.optional(), p.optional(),                            // their biases
+          p.tensor(),   p.optional(),                                                        // linear_g
+          p.tensor(),   p.tensor(),   p.tensor(),   p.optional()};                           // norm_out, linear_z
+}
 
 std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
     const at::Tensor& m_in, const at::Tensor& z_in, const at::Tensor& msa_mask, const at::Tensor& pair_mask,
@@ -207,14 +201,14 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
   }
   // z += TriangleMultiplicationOutgoing(z) (scaled by its dropout mask, added in its op)
   {
-    const TriangleParams t(p);
+    const TriangleParameters t = triangle_parameters(p);
     z = triangle_op().call(z, pair_mask, t.norm_in_w, t.norm_in_b, t.w_ap, t.w_ag, t.w_bp, t.w_bg, t.b_ap, t.b_ag,
                            t.b_bp, t.b_bg, t.w_g, t.b_g, t.norm_out_w, t.norm_out_b, t.w_z, t.b_z, eps[eTriangleOut],
                            true, triangle_family, true, keeps.get(1));
   }
   // z += TriangleMultiplicationIncoming(z) (kept input; added in the next layer norm's add)
   {
-    const TriangleParams t(p);
+    const TriangleParameters t = triangle_parameters(p);
     std::tie(z, update) = triangle_keeping_op().call(z, pair_mask, t.norm_in_w, t.norm_in_b, t.w_ap, t.w_ag, t.w_bp,
                                                      t.w_bg, t.b_ap, t.b_ag, t.b_bp, t.b_bg, t.w_g, t.b_g,
                                                      t.norm_out_w, t.norm_out_b, t.w_z, t.b_z, eps[eTriangleIn],

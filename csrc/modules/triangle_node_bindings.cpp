@@ -37,6 +37,7 @@
 
 #include "common/bindings_common.h"
 #include "modules/nodes.h"
+#include "modules/triangle_parameters.h"
 #include "triangle_multiplication/triangle_ops.h"
 
 namespace evoformer {
@@ -56,37 +57,6 @@ enum Mode : int64_t { kPlain = 0, kKeep = 1, kAdd = 2 };
 // Saved tensors: z, the flat mask, the op's ten weights (block::TriangleWeight order), the forward's
 // twelve tensors for the backward, the flat scale.
 constexpr int kSavedWeights = 2, kSavedForward = kSavedWeights + block::kWeights, kSavedScale = kSavedForward + 12;
-
-// The module's parameters, in the ops' argument order.
-struct Parameters {
-  const at::Tensor &norm_in_w, &norm_in_b, &w_ap, &w_ag, &w_bp, &w_bg;
-  const OptionalTensor &b_ap, &b_ag, &b_bp, &b_bg;
-  const at::Tensor& w_g;
-  const OptionalTensor& b_g;
-  const at::Tensor &norm_out_w, &norm_out_b, &w_z;
-  const OptionalTensor& b_z;
-
-  // The op's ten weights (block::TriangleWeight order) as the Python path passes them: the input
-  // projections stacked [4 c, c_z] (and their biases [4 c]), absent biases as zeros of their weight's
-  // dtype (primitives.bias_or_zeros), each contiguous (_fused.kernel_parameter).
-  std::vector<at::Tensor> kernel_weights() const {
-    const at::Tensor proj = at::cat({w_ap, w_ag, w_bp, w_bg});  // [4 c, c_z]
-    const at::Tensor proj_bias = given(b_ap) ? at::cat({*b_ap, *b_ag, *b_bp, *b_bg})  // [4 c]
-                                             : cached_zeros(proj.size(0), proj.options());
-    const at::Tensor gate_bias = given(b_g) ? b_g->contiguous() : cached_zeros(w_g.size(0), w_g.options());
-    const at::Tensor out_bias = given(b_z) ? b_z->contiguous() : cached_zeros(w_z.size(0), w_z.options());
-    return {norm_in_w.contiguous(), norm_in_b.contiguous(), proj, proj_bias, w_g.contiguous(), gate_bias,
-            norm_out_w.contiguous(), norm_out_b.contiguous(), w_z.contiguous(), out_bias};
-  }
-
-  bool any_requires_grad() const {
-    for (const at::Tensor* t : {&norm_in_w, &norm_in_b, &w_ap, &w_ag, &w_bp, &w_bg, &w_g, &norm_out_w, &norm_out_b, &w_z})
-      if (t->requires_grad()) return true;
-    for (const OptionalTensor* t : {&b_ap, &b_ag, &b_bp, &b_bg, &b_g, &b_z})
-      if (given(*t) && (*t)->requires_grad()) return true;
-    return false;
-  }
-};
 
 // z [*, N, N, c_z] as [B, N, N, c_z] (z is contiguous: a view).
 at::Tensor flat_z(const at::Tensor& z) {
@@ -124,7 +94,7 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
                                const at::Tensor& norm_out_w, const at::Tensor& norm_out_b, const at::Tensor& w_z,
                                const OptionalTensor& b_z, double eps, bool outgoing, const std::string& family,
                                int64_t mode, const OptionalTensor& update_scale) {
-    const Parameters params{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
+    const TriangleParameters params{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
                             w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
     const at::Tensor z = flat_z(z_in);  // [B, N, N, c_z]
     const OptionalTensor mask_flat = flat_mask(mask);  // [B, N, N]
@@ -196,7 +166,7 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
 };
 
 // The node where gradients are recorded, else the forward as the op runs it without a backward.
-variable_list run(const at::Tensor& z, const OptionalTensor& mask, const Parameters& p, double eps, bool outgoing,
+variable_list run(const at::Tensor& z, const OptionalTensor& mask, const TriangleParameters& p, double eps, bool outgoing,
                   const std::string& family, int64_t mode, const OptionalTensor& update_scale) {
   if (at::GradMode::is_enabled() && (z.requires_grad() || p.any_requires_grad())) {
     return TriangleNode::apply(z, mask, p.norm_in_w, p.norm_in_b, p.w_ap, p.w_ag, p.w_bp, p.w_bg, p.b_ap, p.b_ag,
@@ -223,7 +193,7 @@ at::Tensor triangle_multiplication_module(const at::Tensor& z, const OptionalTen
   EVO_CHECK(z.dim() >= 3 && z.is_contiguous() && (add_input || !given(update_scale)),
             "triangle multiplication module: `z` must be a contiguous [*, N, N, c_z], and `update_scale` goes with "
             "add_input; got ", z.sizes());
-  const Parameters p{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
+  const TriangleParameters p{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
                      w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
   return run(z, mask, p, eps, outgoing, family, add_input ? kAdd : kPlain, update_scale)[0];
 }
@@ -236,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor> triangle_multiplication_keeping_input_module(
     const at::Tensor& w_z, const OptionalTensor& b_z, double eps, bool outgoing, const std::string& family) {
   EVO_CHECK(z.dim() >= 3 && z.is_contiguous(), "triangle multiplication module: `z` must be a contiguous "
             "[*, N, N, c_z], got ", z.sizes());
-  const Parameters p{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
+  const TriangleParameters p{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
                      w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
   const variable_list out = run(z, mask, p, eps, outgoing, family, kKeep, std::nullopt);
   return {out[0], out[1]};

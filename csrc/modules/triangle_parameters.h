@@ -1,0 +1,48 @@
+// What the triangle multiplication's node (triangle_node_bindings.cpp) and the Evoformer block's op
+// (block_node_bindings.cpp) share: the module's parameters as the node ops take them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "common/bindings_common.h"
+#include "modules/nodes.h"
+
+namespace evoformer {
+namespace modules {
+
+// A triangle multiplication's sixteen parameters in its node ops' argument order
+// (triangle_node_bindings.cpp; the block's op passes its modules' the same way).
+struct TriangleParameters {
+  at::Tensor norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg;
+  OptionalTensor b_ap, b_ag, b_bp, b_bg;
+  at::Tensor w_g;
+  OptionalTensor b_g;
+  at::Tensor norm_out_w, norm_out_b, w_z;
+  OptionalTensor b_z;
+
+  // The op's ten weights (block::TriangleWeight order) as the Python path passes them: the input
+  // projections stacked [4 c, c_z] (and their biases [4 c]), absent biases as zeros of their weight's
+  // dtype (primitives.bias_or_zeros), each contiguous (_fused.kernel_parameter).
+  std::vector<at::Tensor> kernel_weights() const {
+    const at::Tensor proj = at::cat({w_ap, w_ag, w_bp, w_bg});  // [4 c, c_z]
+    const at::Tensor proj_bias = given(b_ap) ? at::cat({*b_ap, *b_ag, *b_bp, *b_bg})  // [4 c]
+                                             : cached_zeros(proj.size(0), proj.options());
+    const at::Tensor gate_bias = given(b_g) ? b_g->contiguous() : cached_zeros(w_g.size(0), w_g.options());
+    const at::Tensor out_bias = given(b_z) ? b_z->contiguous() : cached_zeros(w_z.size(0), w_z.options());
+    return {norm_in_w.contiguous(), norm_in_b.contiguous(), proj, proj_bias, w_g.contiguous(), gate_bias,
+            norm_out_w.contiguous(), norm_out_b.contiguous(), w_z.contiguous(), out_bias};
+  }
+
+  bool any_requires_grad() const {
+    for (const at::Tensor* t : {&norm_in_w, &norm_in_b, &w_ap, &w_ag, &w_bp, &w_bg, &w_g, &norm_out_w, &norm_out_b, &w_z})
+      if (t->requires_grad()) return true;
+    for (const OptionalTensor* t : {&b_ap, &b_ag, &b_bp, &b_bg, &b_g, &b_z})
+      if (given(*t) && (*t)->requires_grad()) return true;
+    return false;
+  }
+};
+
+}  // namespace modules
+}  // namespace evoformer
