@@ -156,12 +156,14 @@ std::vector<std::string> available_kernel_families(int64_t device) {
 }
 
 // The family named by the caller, which must be available on `device`.
+// (checked per call without building the list, which only the error message names)
 Family family_on(const std::string& family, int64_t device) {
-  const std::vector<std::string> available = available_kernel_families(device);
-  EVO_CHECK(std::find(available.begin(), available.end(), family) != available.end(),
-            "evoformer attention: `family` must be one of the kernel families this build runs on device ", device,
-            " (", available, "), got `", family, "`");
-  return family == "sm90" ? Family::kSm90 : Family::kSm80;
+  const bool sm90 = family == "sm90";
+  const bool available = sm90 ? hopper_kernels_available(device)
+                              : family == "sm80" && compute_capability(device) >= limits::kMinComputeCapability;
+  EVO_CHECK(available, "evoformer attention: `family` must be one of the kernel families this build runs on device ",
+            device, " (", available_kernel_families(device), "), got `", family, "`");
+  return sm90 ? Family::kSm90 : Family::kSm80;
 }
 
 // The guards forward and backward share, for q, k, v: one CUDA device, an instantiated dtype, rank 5

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -234,11 +235,19 @@ inline void maybe_poison(at::Tensor& t) {
   if (poison_outputs() && t.defined() && t.numel() > 0) t.fill_(std::nan(""));
 }
 
-// Streaming multiprocessors of the current device.
+// Streaming multiprocessors of the current device, asked once per device (the row kernels' grids ask
+// per launch).
 inline int current_sm_count() {
-  int device = 0, sms = 0;
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cached[kCachedDevices];  // 0 until asked
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kCachedDevices) {
+    if (const int sms = cached[device].load(std::memory_order_relaxed)) return sms;
+  }
+  int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device < kCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
