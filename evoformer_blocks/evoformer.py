@@ -423,13 +423,9 @@ class _MSABlock(_PairUpdates):
         # the mask biases each attention's module would use (shared where the infs agree)
         msa_bias, pair_bias = self._given_biases(biases)
         msa_bias = row._mask_bias(msa_mask, m, msa_bias)  # [*, N_seq, N_res]
-        column_bias = _shared(msa_bias, row, column)
-        if column_bias is None:
-            column_bias = column._mask_bias(msa_mask, m)
+        column_bias = column._mask_bias(msa_mask, m, _shared(msa_bias, row, column))
         pair_bias = start._mask_bias(pair_mask, z, pair_bias)  # [*, N_res, N_res]
-        end_bias = _shared(pair_bias, start, end)
-        if end_bias is None:
-            end_bias = end._mask_bias(pair_mask, z)
+        end_bias = end._mask_bias(pair_mask, z, _shared(pair_bias, start, end))
         params = [modules[i]._parameters[name] for i, name in _ONE_CALL_PARAMETER_INDEX]
         eps = [float(modules[i].eps) for i in _ONE_CALL_EPS_INDEX]
         return module_nodes.evoformer_block(
