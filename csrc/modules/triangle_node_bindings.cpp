@@ -95,7 +95,7 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
                                const OptionalTensor& b_z, double eps, bool outgoing, const std::string& family,
                                int64_t mode, const OptionalTensor& update_scale) {
     const TriangleParameters params{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
-                            w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
+                                    w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
     const at::Tensor z = flat_z(z_in);  // [B, N, N, c_z]
     const OptionalTensor mask_flat = flat_mask(mask);  // [B, N, N]
     const OptionalTensor scale = mode == kAdd ? row_scale(update_scale, z_in) : std::nullopt;  // [B, 1, N, c_z]
@@ -166,8 +166,8 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
 };
 
 // The node where gradients are recorded, else the forward as the op runs it without a backward.
-variable_list run(const at::Tensor& z, const OptionalTensor& mask, const TriangleParameters& p, double eps, bool outgoing,
-                  const std::string& family, int64_t mode, const OptionalTensor& update_scale) {
+variable_list run(const at::Tensor& z, const OptionalTensor& mask, const TriangleParameters& p, double eps,
+                  bool outgoing, const std::string& family, int64_t mode, const OptionalTensor& update_scale) {
   if (at::GradMode::is_enabled() && (z.requires_grad() || p.any_requires_grad())) {
     return TriangleNode::apply(z, mask, p.norm_in_w, p.norm_in_b, p.w_ap, p.w_ag, p.w_bp, p.w_bg, p.b_ap, p.b_ag,
                                p.b_bp, p.b_bg, p.w_g, p.b_g, p.norm_out_w, p.norm_out_b, p.w_z, p.b_z, eps, outgoing,
@@ -194,7 +194,7 @@ at::Tensor triangle_multiplication_module(const at::Tensor& z, const OptionalTen
             "triangle multiplication module: `z` must be a contiguous [*, N, N, c_z], and `update_scale` goes with "
             "add_input; got ", z.sizes());
   const TriangleParameters p{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
-                     w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
+                             w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
   return run(z, mask, p, eps, outgoing, family, add_input ? kAdd : kPlain, update_scale)[0];
 }
 
@@ -207,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> triangle_multiplication_keeping_input_module(
   EVO_CHECK(z.dim() >= 3 && z.is_contiguous(), "triangle multiplication module: `z` must be a contiguous "
             "[*, N, N, c_z], got ", z.sizes());
   const TriangleParameters p{norm_in_w, norm_in_b, w_ap, w_ag, w_bp, w_bg, b_ap, b_ag, b_bp, b_bg,
-                     w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
+                             w_g,       b_g,       norm_out_w, norm_out_b, w_z, b_z};
   const variable_list out = run(z, mask, p, eps, outgoing, family, kKeep, std::nullopt);
   return {out[0], out[1]};
 }
