@@ -503,7 +503,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
 // as the GEMMs that follow read them) into bias_part: the lanes of a channel add their four rows,
 // shuffles add the eight lane rows, and the four row groups are added in order through shared
 // memory (no atomics: bitwise reproducible). Shared memory: the x_hat tile, one weight tile (the
-// next pass's weights are copied while this pass's epilogue runs) and one [128, 128] tile whose
+// next pass's weights are copied while this pass's epilogue runs, its da / db rows while its
+// product runs) and one [128, 128] tile whose
 // first 64 rows receive the pass's da / db rows and are overwritten by d_proj (each value by the
 // thread that read it), the next 64 by d_gate: about 104 KB at c_z 128, two CTAs per SM.
 template <int kKSteps>
@@ -689,12 +690,13 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kerne
   triangle_row_masks<T>(mask, p.mask, m0, valid_rows, row_group, g);
 
   for (int q = 0; q < blocks; ++q) {
-    cp_async_wait<0>();
-    __syncthreads();  // x_hat, the pass's weights and its d rows are in shared memory
+    cp_async_wait<1>();  // (the pass's d rows, copied last, may still be in flight: the product does not read them)
+    __syncthreads();     // x_hat and the pass's weights are in shared memory
 
     float acc[2][8][4];
     triangle_input_pass_products<T, kKSteps>(acc, xs, wb, row_group, col_half, lane);
-    __syncthreads();  // every warp is done with the weights
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the weights; the pass's d rows are in shared memory
     if (q + 1 < blocks) triangle_input_load_weights<T, kKSteps>(p, wb, q + 1);
 
     const EdgeSlot slot(2 * q + col_half, blocks);
