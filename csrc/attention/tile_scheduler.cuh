@@ -89,19 +89,16 @@ inline void launch_pair_grad(void (*kernel)(AttentionParams, Extra...), const At
 // current device; queried once per device and kernel. Failures name `name`.
 template <auto kKernel>
 int resident_ctas_per_sm(int threads, int smem_bytes, const char* name) {
-  constexpr int kCachedDevices = 64;
-  static std::atomic<int> cached[kCachedDevices];  // blocks + 1, 0 = not yet asked
+  static std::atomic<int> cache[kCachedDevices];
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
-  if (device < kCachedDevices) {
-    if (const int c = cached[device].load(std::memory_order_relaxed)) return c - 1;
-  }
-  int blocks = 0;
-  allow_dynamic_smem(kKernel, smem_bytes, name);
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
-    check_launch(name);
-  if (device < kCachedDevices) cached[device].store(blocks + 1, std::memory_order_relaxed);
-  return blocks;
+  return once_per_device(cache, device, [&](int) {
+    int blocks = 0;
+    allow_dynamic_smem(kKernel, smem_bytes, name);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
+      check_launch(name);
+    return blocks;
+  });
 }
 
 }  // namespace evoformer

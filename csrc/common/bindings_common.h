@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/check_launch.h"
 #include "common/kernel_limits.h"
 
 namespace evoformer {
@@ -238,32 +239,27 @@ inline void maybe_poison(at::Tensor& t) {
 // Streaming multiprocessors of the current device, asked once per device (the row kernels' grids ask
 // per launch).
 inline int current_sm_count() {
-  constexpr int kCachedDevices = 64;
-  static std::atomic<int> cached[kCachedDevices];  // 0 until asked
+  static std::atomic<int> cache[kCachedDevices];
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kCachedDevices) {
-    if (const int sms = cached[device].load(std::memory_order_relaxed)) return sms;
-  }
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device < kCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  return once_per_device(cache, device, [](int d) {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d));
+    return sms;
+  });
 }
 
 // Compute capability of `device` as major * 10 + minor, asked once per device.
 inline int compute_capability(int64_t device) {
-  constexpr int kCachedDevices = 64;
-  static int capability[kCachedDevices] = {};  // 0 until asked
+  static std::atomic<int> cache[kCachedDevices];
   EVO_CHECK(device >= 0 && device < kCachedDevices, "evoformer_blocks: CUDA device index ", device,
             " must be in [0, ", kCachedDevices, ")");
-  if (capability[device] == 0) {
+  return once_per_device(cache, int(device), [](int d) {
     int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, int(device)));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, int(device)));
-    capability[device] = major * 10 + minor;
-  }
-  return capability[device];
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d));
+    return major * 10 + minor;
+  });
 }
 
 // Whether the Hopper (sm_90a) kernels can run on `device`: a build holding sm_90a code and a device

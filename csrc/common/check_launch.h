@@ -2,6 +2,7 @@
 // before a launch.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -35,6 +36,23 @@ inline void allow_dynamic_smem(const void* kernel, int smem_bytes, const char* n
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
     check_launch((std::string(name) + " (shared-memory attribute)").c_str());
   bytes = smem_bytes;
+}
+
+// Devices whose answers once_per_device keeps (indices past it are asked on every call).
+constexpr int kCachedDevices = 64;
+
+// ask(device)'s value for `device`, asked once per device and then read from `cache`, which holds
+// value + 1 (0: not asked yet; two threads racing on a device's first call both ask, and store the
+// same value).
+template <typename Ask>
+int once_per_device(std::atomic<int> (&cache)[kCachedDevices], int device, Ask&& ask) {
+  const bool kept = device >= 0 && device < kCachedDevices;
+  if (kept) {
+    if (const int c = cache[device].load(std::memory_order_relaxed)) return c - 1;
+  }
+  const int value = ask(device);
+  if (kept) cache[device].store(value + 1, std::memory_order_relaxed);
+  return value;
 }
 
 template <typename... Args>
