@@ -1,5 +1,5 @@
-// The launch check every kernel family's launchers use, and the shared-memory allowance they raise
-// before a launch.
+// The launch check every kernel family's launchers use, the shared-memory allowance they raise
+// before a launch, and the per-device cache of what they ask the driver once per device.
 #pragma once
 
 #include <atomic>
@@ -38,6 +38,11 @@ inline void allow_dynamic_smem(const void* kernel, int smem_bytes, const char* n
   bytes = smem_bytes;
 }
 
+template <typename... Args>
+inline void allow_dynamic_smem(void (*kernel)(Args...), int smem_bytes, const char* name) {
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_bytes, name);
+}
+
 // Devices whose answers once_per_device keeps (indices past it are asked on every call).
 constexpr int kCachedDevices = 64;
 
@@ -53,11 +58,6 @@ int once_per_device(std::atomic<int> (&cache)[kCachedDevices], int device, Ask&&
   const int value = ask(device);
   if (kept) cache[device].store(value + 1, std::memory_order_relaxed);
   return value;
-}
-
-template <typename... Args>
-inline void allow_dynamic_smem(void (*kernel)(Args...), int smem_bytes, const char* name) {
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_bytes, name);
 }
 
 }  // namespace evoformer
