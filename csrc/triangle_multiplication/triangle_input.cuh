@@ -504,9 +504,9 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
 // shuffles add the eight lane rows, and the four row groups are added in order through shared
 // memory (no atomics: bitwise reproducible). Shared memory: the x_hat tile, one weight tile (the
 // next pass's weights are copied while this pass's epilogue runs, its da / db rows while its
-// product runs) and one [128, 128] tile whose
-// first 64 rows receive the pass's da / db rows and are overwritten by d_proj (each value by the
-// thread that read it), the next 64 by d_gate: about 104 KB at c_z 128, two CTAs per SM.
+// product runs) and one [128, 128] tile whose first 64 rows receive the pass's da / db rows and are
+// overwritten by d_proj (each value by the thread that read it), the next 64 by d_gate: about
+// 104 KB at c_z 128, two CTAs per SM.
 template <int kKSteps>
 struct TriangleGateBackwardTile {
   static constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
