@@ -15,11 +15,11 @@
 // dQ: CTA = one warpgroup x 64 query rows of one (b, n, h), on the sm80 dQ kernel's RowTileGrid.
 // Key step j: wait for block j's tiles, one CTA barrier, thread 0 starts block j + 1's TMA copies
 // (the key-block pipeline of sm90_pipeline.cuh, shared with the forward; Q and dO come once by
-// cp.async), start
-// S at the biases (init_scores) and dP at -delta, issue S and dP, then dQ += dS_{j-1}.K_{j-1}; wait
-// for S and dP only and form dS_j = P_j * (dP_j - delta) while the tensor cores still work on dQ;
-// then wait for that and keep dS_j in registers for the next step. K is therefore read one step
-// after V: V, the pair and mask tiles live in a 2-stage ring, K in a 3-stage one.
+// cp.async), start S at the biases (init_scores) and dP at -delta, issue S and dP, then
+// dQ += dS_{j-1}.K_{j-1}; wait for S and dP only, form dS_j = P_j * (dP_j - delta), then wait for
+// dQ's product and keep dS_j in registers for the next step (key_block_loop says where ptxas puts
+// that wait). K is therefore read one step after V: V, the pair and mask tiles live in a 2-stage
+// ring, K in a 3-stage one.
 //
 // Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma, the pair
 // tile read once into registers, each row n's Q, dO, K, V and mask tiles by TMA (RowStepTma).

@@ -10,8 +10,9 @@
 // (sm90_pipeline.cuh, shared with the dQ kernel). Key step j: wait for block j, one CTA barrier
 // (every warp is done with the stages block j + 1 will overwrite), thread 0 starts block j + 1's
 // copies, start S at the biases (init_scores, the pair tile read with ldmatrix), issue
-// S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, and run block j's softmax while the tensor cores still work on P_{j-1}.V_{j-1}; then wait for
-// that, rescale O and keep P_j in registers for the next step. V is therefore read one step after
+// S = Q.K_j^T and then O += P_{j-1}.V_{j-1} (wgmma), wait for S only, run block j's softmax, then
+// wait for P_{j-1}.V_{j-1}, rescale O and keep P_j in registers for the next step (ptxas moves that
+// wait to the top of the softmax: see key_block_loop). V is therefore read one step after
 // K: K, the pair and mask tiles live in a 2-stage ring, V in a 3-stage one. Q is copied once, with
 // cp.async. For the gated attention (AttentionParams::gate) the epilogue also writes y =
 // sigmoid(g) * O, the thread's gate values read into registers (GateFragment) before the key loop.
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
         warpgroup_commit_batch();
       },
       issue_pv,
-      [&]() __attribute__((always_inline)) {  // the softmax of S while P_{jb-1}.V_{jb-1} runs
+      [&]() __attribute__((always_inline)) {  // the softmax of S
         warpgroup_fence_operand(tSrS);
         softmax_step<kNTiles, kResidualPerScore<Element>>(s, row_max_s, alpha, p.scale_log2);
       },

@@ -154,9 +154,12 @@ struct KeyBlockTma : StageBarriers<2> {  // two key blocks in flight, one transa
 // The key-block loop of the kernels on KeyBlockTma (the forward and the dQ kernel): per key block jb,
 // wait for its tiles (and start block jb + 1's), issue its score products, then the deferred
 // product of block jb - 1 (O += P.V, dQ += dS.K: it reads the register operand step jb - 1 left),
-// wait for the scores only and form the next operand from them (softmax, dS) while the tensor cores
-// still run the deferred product; then wait for that too and repack the operand into registers for
-// the next step. The last block's deferred product runs after the loop. The kernel's parts are
+// wait for the scores only and form the next operand from them (softmax, dS); then wait for the
+// deferred product too and repack the operand into registers for the next step. The last block's
+// deferred product runs after the loop. The source orders form() before that wait, but ptxas
+// (CUDA 13.0, sm_90a) schedules the wait at the top of form(), so a warp forms its operand after the
+// product has landed; the other CTAs' warps cover the wait (a fence that kept form() above it
+// measured no faster: benchmarks/DESIGN.md). The kernel's parts are
 // lambdas marked __attribute__((always_inline)), so that each is inlined where the loop calls it
 // before the kernel is optimized:
 //   scores(jb)    start block jb's score accumulators (the biases) and issue and commit its products
