@@ -33,11 +33,13 @@ cuEquivariance's fused triangle_multiplicative_update on the same weights: time 
 With --host, the host (CPU) time of the default EvoformerBlock with the GPU idle: AF2 widths at
 N_seq 16, N_res 64, where every kernel is short, `time.perf_counter` around the block call and around
 `torch.autograd.grad` (no synchronisation inside an iteration), the median over five rounds of 20
-iterations after warm-up (instead of the block cases unless --shapes is given too), three times in
+iterations after warm-up (instead of the block cases unless --shapes is given too), four times in
 one process, rounds alternating: the block's modules and residual adds + layer norms as their
 one-node C++ entries called by one extension call (`module_nodes.evoformer_block`, the default), the
-same entries called module by module from Python (`module_nodes.per_module()`), and the modules
-composing their ops (`module_nodes.composed()`): the A/B of the one call and of the nodes. Host time is
+same entries called module by module from Python (`module_nodes.per_module()`), the modules
+composing their ops (`module_nodes.composed()`), and the one call with the stacked projections'
+parameters each in a storage of their own (`primitives.separate_storages`: the nodes then stack them
+with a copy per call): the A/B of the one call, of the nodes and of the packed parameters. Host time is
 what bounds the block at small sizes without CUDA graphs. It also counts, for the nodes, per forward and per
 backward, the host operations behind that time (torch.profiler: ATen calls, nested ones included;
 kernel launches; autograd nodes run): exact where the times swing between processes and machine
@@ -83,6 +85,7 @@ import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass, module_nodes  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
+from evoformer_blocks.primitives import pack_stacked, separate_storages  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -434,13 +437,23 @@ HOST_CASE = Case("EvoformerBlock", 16, 64)
 def host_ms(rounds: int = 5, iters: int = 20) -> dict:
     """Median host ms of the forward and of the backward of the default block at HOST_CASE, and every
     round's (forward, backward) pair (see the module docstring), with the block's nodes as one call
-    and, under ``"per_module"`` and ``"composed"``, called module by module
-    (``ops.module_nodes.per_module``) and with the modules composing their ops
-    (``ops.module_nodes.composed``): the rounds alternate between the three, so that all see the
-    same machine."""
+    and, under ``"per_module"``, ``"composed"`` and ``"separate"``, called module by module
+    (``ops.module_nodes.per_module``), with the modules composing their ops
+    (``ops.module_nodes.composed``) and as one call with the stacked parameters each in a storage of
+    its own (``primitives.separate_storages``): the rounds alternate between the four, so that all
+    see the same machine."""
     _, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
     leaves = [m.requires_grad_(True), z.requires_grad_(True), *block.parameters()]
-    modes = {"nodes": contextlib.nullcontext, "per_module": module_nodes.per_module, "composed": module_nodes.composed}
+    @contextlib.contextmanager
+    def separate():  # (the stacked projections' parameters each in a storage of its own)
+        separate_storages(block)
+        try:
+            yield
+        finally:
+            pack_stacked(block)
+
+    modes = {"nodes": contextlib.nullcontext, "per_module": module_nodes.per_module, "composed": module_nodes.composed,
+             "separate": separate}
 
     def forward():
         return sum(o.float().sum() for o in block(m, z, msa_mask, pair_mask))
@@ -474,7 +487,7 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
         parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
         results[name] = {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1],
                          "rounds": per_round[name], "operations": counts, "parts": parts}
-    return {**results["nodes"], "per_module": results["per_module"], "composed": results["composed"]}
+    return {**results["nodes"], **{name: results[name] for name in ("per_module", "composed", "separate")}}
 
 
 def _host_us_per_call(fn, iters: int = 100) -> float:
@@ -604,7 +617,8 @@ def main() -> None:
     if args.host:
         host = host_ms()
         for what, h in (("the C++ nodes as one call", host), ("the C++ nodes module by module", host["per_module"]),
-                        ("composing the ops", host["composed"])):
+                        ("composing the ops", host["composed"]),
+                        ("the one call, stacked parameters each in a storage of its own", host["separate"])):
             rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in h["rounds"])
             print(f"\n## host time, {h['case']}, GPU idle, {what}: forward {h['fwd_ms']:.2f} ms, backward "
                   f"{h['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds}); ATen calls "

@@ -32,6 +32,9 @@ Implementations:
     plain-per-module  the same with each Evoformer block calling its modules' nodes one by one from
                  Python instead of as one extension call (``module_nodes.per_module``: the A/B of
                  that call)
+    plain-separate  the same with the stacked projections' parameters each in a storage of its own
+                 (``evoformer_blocks.primitives.separate_storages``: the nodes then stack them with a
+                 copy per call; the A/B of keeping them back to back)
     plain-torch-checkpoint  the same with every checkpointed group under ``torch.utils.checkpoint``
                  (non-reentrant), full recomputation included, instead of the stacks' own node for
                  it (``evoformer_blocks.recompute.through_torch_checkpoint``: the A/B of that node)
@@ -88,6 +91,7 @@ import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks.config import get_config  # noqa: E402
 from evoformer_blocks import recompute  # noqa: E402
 from evoformer_blocks.ops import module_nodes  # noqa: E402
+from evoformer_blocks.primitives import separate_storages  # noqa: E402
 
 N_EXTRA = 1024
 
@@ -109,12 +113,13 @@ class TokenCase:
         return f"N_token {self.n_token}"
 
 
-IMPLS = ["plain", "plain-composed", "plain-per-module", "plain-torch-checkpoint", "graphs", "peer", "peer-graphs",
-         "peer-eager"]
+IMPLS = ["plain", "plain-composed", "plain-per-module", "plain-separate", "plain-torch-checkpoint", "graphs", "peer",
+         "peer-graphs", "peer-eager"]
 DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
-WARM_UP = {"plain": 2, "plain-composed": 2, "plain-per-module": 2, "plain-torch-checkpoint": 2, "graphs": 3, "peer": 3,
-           "peer-graphs": 4, "peer-eager": 2}
-PLAIN = ("plain", "plain-composed", "plain-per-module", "plain-torch-checkpoint", "graphs")  # the library's stacks
+WARM_UP = {"plain": 2, "plain-composed": 2, "plain-per-module": 2, "plain-separate": 2, "plain-torch-checkpoint": 2,
+           "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
+PLAIN = ("plain", "plain-composed", "plain-per-module", "plain-separate", "plain-torch-checkpoint",
+         "graphs")  # the library's stacks
 
 
 def peer_compile_mode(impl: str):
@@ -263,7 +268,11 @@ TRUNKS = {"af2": AF2Trunk, "pairformer": PairformerTrunk}
 def build_stacks(trunk, impl: str, train: bool, device="cuda", dtype=DTYPE) -> list[torch.nn.Module]:
     """The trunk's stacks of the implementation with random weights, on ``device`` in ``dtype``,
     in training (``train``) or eval mode."""
-    return [randomized(stack).to(device, dtype).train(train) for stack in trunk.stacks(impl)]
+    stacks = [randomized(stack).to(device, dtype).train(train) for stack in trunk.stacks(impl)]
+    if impl == "plain-separate":  # (packing happens in the move above)
+        for stack in stacks:
+            separate_storages(stack)
+    return stacks
 
 
 def make_step(trunk, stacks, t):

@@ -33,7 +33,7 @@ from torch import nn
 from ._checks import check_backend, check_bool, check_mask, check_positive_int, check_tensor
 from .ops import _keep, gated_evoformer_attention, module_nodes
 from .ops._inputs import compute_dtype
-from .primitives import LayerNorm, Linear, _head_major, mask_to_bias, stacked_projection
+from .primitives import LayerNorm, Linear, StackedParameters, _head_major, mask_to_bias, stacked_projection
 
 __all__ = [
     "MSARowAttentionWithPairBias",
@@ -57,7 +57,7 @@ def _flatten_batch(t: torch.Tensor, keep: int) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-keep]), *t.shape[-keep:])
 
 
-class _GatedAttention(nn.Module):
+class _GatedAttention(StackedParameters, nn.Module):
     """Gated multi-head self-attention along the second-to-last axis of ``[*, N, L, c_in]``.
 
     Subclasses create their LayerNorms and bias projection, then ``linear_q/k/v/g/o`` with
@@ -88,6 +88,10 @@ class _GatedAttention(nn.Module):
     def _qkvg(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.linear_q, self.linear_k, self.linear_v, self.linear_g
 
+    def _stacked_groups(self):
+        # the q, k, v and g weights, which the attention's node stacks (StackedParameters)
+        return ((self.linear_q.weight, self.linear_k.weight, self.linear_v.weight, self.linear_g.weight),)
+
     def _add_projections(self, c_in: int, q_bias: bool = False, bias: bool = True) -> None:
         """``linear_q/k/v`` (no bias; ``q_bias``: q with one, as AF3's AttentionPairBias), ``linear_g``
         and ``linear_o`` (with biases as in AF2; without where ``bias`` is False, as in AF3)."""
@@ -97,6 +101,7 @@ class _GatedAttention(nn.Module):
         self.linear_v = Linear(c_in, hidden, bias=False, init="glorot", backend=self.backend)
         self.linear_g = Linear(c_in, hidden, bias=bias, init="gating", backend=self.backend)
         self.linear_o = Linear(hidden, c_in, bias=bias, init="final", backend=self.backend)
+        self._keep_stacked()  # (q, k, v and g weights back to back: their stack is a view)
 
     def _attend(
         self,

@@ -14,7 +14,7 @@ from ._checks import (
 from .ops import _fused, module_nodes
 from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE
 from .ops.gating import bias_gradient, fused_linear_backward, linear, rows_product
-from .primitives import LayerNorm, Linear, stacked_projection
+from .primitives import LayerNorm, Linear, StackedParameters, stacked_projection
 
 
 class _SwapMiddle(torch.autograd.Function):
@@ -142,7 +142,7 @@ def _swap_middle(x: torch.Tensor) -> torch.Tensor:
     return words.transpose(-3, -2).contiguous().view(x.dtype)  # [*, A, D, B, E]
 
 
-class OuterProductMean(nn.Module):
+class OuterProductMean(StackedParameters, nn.Module):
     """Pair update from the mean over MSA sequences of the outer product of two projections.
 
     For ``m [*, N_seq, N_res, c_m]`` (mask ``[*, N_seq, N_res]``)::
@@ -177,6 +177,11 @@ class OuterProductMean(nn.Module):
         self.linear_1 = Linear(c_m, c_hidden, bias=projection_bias, backend=backend)
         self.linear_2 = Linear(c_m, c_hidden, bias=projection_bias, backend=backend)
         self.linear_out = Linear(c_hidden * c_hidden, c_z, init="final", backend=backend)
+        self._keep_stacked()  # (linear_1 and linear_2 back to back: their stack is a view)
+
+    def _stacked_groups(self):
+        # the two projections' weights and biases, which the node stacks
+        return (self.linear_1.weight, self.linear_2.weight), (self.linear_1.bias, self.linear_2.bias)
 
     def _outer(
         self, a: torch.Tensor, b: torch.Tensor, denom: torch.Tensor, residual: Optional[torch.Tensor] = None

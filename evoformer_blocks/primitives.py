@@ -4,6 +4,9 @@
   computed by :func:`evoformer_blocks.ops.linear`.
 * :class:`LayerNorm`: ``nn.LayerNorm`` over the last dim computed by :func:`evoformer_blocks.ops.layer_norm`.
 * :func:`stacked_projection`: several :class:`Linear` of one input as one GEMM, side by side.
+* :func:`pack_rows` and :class:`StackedParameters`: the parameters of such a stack kept back to back
+  in one buffer, so that the extension's nodes read the stack as a view (:func:`separate_storages`
+  undoes it, for A/B comparisons).
 * :func:`mask_to_bias`: a 0/1 mask turned into the additive bias ``inf * (mask - 1)``.
 """
 
@@ -149,6 +152,105 @@ def bias_or_zeros(weight: torch.Tensor, *biases: Optional[torch.Tensor]) -> torc
     if all(b is None for b in biases):
         return _zeros(weight.shape[0], weight)
     return biases[0] if len(biases) == 1 else torch.cat(biases)
+
+
+def back_to_back(params: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether ``params`` lie back to back in one storage, in order, each contiguous, with one dtype
+    and the same sizes past dim 0: their stack along dim 0 is then a view of that storage (the rule
+    of the extension's nodes, ``back_to_back`` in csrc/modules/nodes.h)."""
+    if not params or any(p is None for p in params):
+        return False
+    first = params[0]
+    if first.dim() < 1 or first.device.type == "meta":
+        return False
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in params:
+        if (p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset or p.dtype != first.dtype
+                or p.shape[1:] != first.shape[1:] or not p.is_contiguous()):
+            return False
+        offset += p.numel()
+    return True
+
+
+def pack_rows(params: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Moves ``params`` (one dtype and device, the same sizes past dim 0) into one new buffer, back to
+    back in order, unless they lie so already (:func:`back_to_back`). Each keeps its values and stays
+    the same object (a Parameter's ``data`` becomes a view of the buffer: its name, state-dict entry,
+    gradient and optimizer state are untouched), so that the stack of a projection's weights is a
+    view, not a copy made per call (the nodes' ``stacked_rows``). Returns whether they lie back to
+    back afterwards (False, leaving them as they are, where any is None or they differ in dtype,
+    device or trailing sizes)."""
+    if not params or any(p is None for p in params):
+        return False
+    first = params[0]
+    if any(p.dtype != first.dtype or p.device != first.device or p.dim() < 1 or p.shape[1:] != first.shape[1:]
+           for p in params):
+        return False
+    if back_to_back(params):
+        return True
+    with torch.no_grad():
+        buffer = torch.cat([p.detach() for p in params])  # [sum of the rows, *trailing]
+        start = 0
+        for p in params:
+            p.data = buffer[start:start + p.shape[0]]
+            start += p.shape[0]
+    return first.device.type != "meta"
+
+
+def pack_stacked(module: nn.Module) -> None:
+    """Packs the stacked parameters of every :class:`StackedParameters` in ``module`` (itself
+    included): what construction, moves and loads do; undoes :func:`separate_storages`."""
+    for sub in module.modules():
+        if isinstance(sub, StackedParameters):
+            sub._pack_stacked()
+
+
+def separate_storages(module: nn.Module) -> None:
+    """Gives every stacked parameter in ``module`` a storage of its own, as before packing: the nodes
+    then stack them with a copy per call (for A/B timings and tests; :func:`pack_stacked`, a move or a
+    load packs them again)."""
+    for sub in module.modules():
+        if isinstance(sub, StackedParameters):
+            for group in sub._stacked_groups():
+                for p in group:
+                    if p is not None:
+                        p.data = p.data.clone()
+
+
+def _repack_after_load(module: nn.Module, incompatible_keys) -> None:
+    module._pack_stacked()  # (load_state_dict(assign=True) puts new tensors in place of the parameters)
+
+
+class StackedParameters:
+    """For a module whose forward stacks groups of its parameters along dim 0 (the groups of
+    :meth:`_stacked_groups`, e.g. the q, k, v and g projections' weights): keeps each group back to
+    back (:func:`pack_rows`) once :meth:`_keep_stacked` is called (at the end of construction), again
+    after ``.to()``, ``.cuda()``, ``.half()`` and the like (``_apply``), after ``load_state_dict``
+    (which with ``assign=True`` puts new tensors in place) and in a copy (``copy.deepcopy`` clones
+    each parameter on its own) or an unpickled module. Parameter names, values and the state dict
+    are those of the unpacked module."""
+
+    def _stacked_groups(self) -> Sequence[Sequence[Optional[torch.Tensor]]]:
+        return ()
+
+    def _pack_stacked(self) -> None:
+        for group in self._stacked_groups():
+            pack_rows(group)
+
+    def _keep_stacked(self) -> None:
+        self._pack_stacked()
+        if not getattr(self, "_stacked_hook", False):
+            self.register_load_state_dict_post_hook(_repack_after_load)
+            self._stacked_hook = True
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        self._pack_stacked()
+        return result
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._pack_stacked()
 
 
 def _head_major(x: torch.Tensor, weight: torch.Tensor, linear: Optional["Linear"] = None) -> torch.Tensor:

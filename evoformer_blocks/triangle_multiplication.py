@@ -11,10 +11,10 @@ from ._checks import check_backend, check_bool, check_mask, check_positive_int, 
 from .ops import (
     module_nodes, triangle_multiplication, triangle_multiplication_keeping_input, triangle_multiplication_residual,
 )
-from .primitives import LayerNorm, Linear, bias_or_zeros
+from .primitives import LayerNorm, Linear, StackedParameters, bias_or_zeros
 
 
-class TriangleMultiplicativeUpdate(nn.Module):
+class TriangleMultiplicativeUpdate(StackedParameters, nn.Module):
     """Pair update through the third edge of every triangle ``(i, j, k)``.
 
     For ``z [*, N_res, N_res, c_z]`` (mask ``[*, N_res, N_res]``), with ``x = LayerNorm(z)``::
@@ -52,6 +52,7 @@ class TriangleMultiplicativeUpdate(nn.Module):
         self.linear_g = Linear(c_z, c_z, bias=bias, init="gating", backend=backend)
         self.linear_z = Linear(c_hidden, c_z, bias=bias, init="final", backend=backend)
         self.layer_norm_out = LayerNorm(c_hidden, backend=backend)
+        self._keep_stacked()  # (the four input projections back to back: their stack is a view)
 
     def _add_input_projections(self, c_z: int, c_hidden: int, backend: Optional[str]) -> None:
         self.linear_a_p = Linear(c_z, c_hidden, bias=self.bias, backend=backend)
@@ -65,6 +66,13 @@ class TriangleMultiplicativeUpdate(nn.Module):
         projections = self._projection_layers()
         weight = torch.cat([lin.weight for lin in projections])
         return weight, bias_or_zeros(weight, *(lin.bias for lin in projections))
+
+    def _stacked_groups(self):
+        # the four input projections' weights and their biases, which the op takes stacked
+        layers = self._projection_layers()
+        if layers is None:
+            return ()
+        return tuple(lin.weight for lin in layers), tuple(lin.bias for lin in layers)
 
     def _projection_layers(self) -> Optional[tuple[Linear, ...]]:
         """The four input projections (a, its gate, b, its gate), which the op takes stacked; None where

@@ -23,6 +23,7 @@ from evoformer_blocks.ops import _dispatch, _keep, module_nodes
 from evoformer_blocks.ops.cutlass import GATED_FORWARD_OP
 from evoformer_blocks.ops.triangle import FUSED_OP as TRIANGLE_FUSED_OP
 from evoformer_blocks.pairformer import AttentionPairBias
+from evoformer_blocks.primitives import separate_storages
 from gpu import kernel_family, requires_sm80  # noqa: F401  (kernel_family: a fixture)
 from test_modules_cuda import randomize, scale_weights
 
@@ -667,3 +668,63 @@ def test_opm_composed_path_runs_where_the_node_cannot():
     assert not ran(opm_step(narrow, m, mask, residual[..., :64].contiguous())[2], OPM_NODE)
     fp32 = opm_module().to("cuda")
     assert not ran(opm_step(fp32, m.float(), mask.float(), residual.float())[2], OPM_NODE)
+
+
+# ---------------------------------------------------------------- stacked parameters read as views
+
+def packed_case(name: str):
+    """(the module on the GPU in bfloat16, its forward on fixed inputs as a closure, the stacks it reads
+    as views where packed, the copies of its parameters it makes per forward all the same) for the
+    nodes that stack parameters: a gated attention (q, k, v, g weights as a view; its [0, b_g] bias
+    stack is a copy either way), a triangle multiplication (weights and biases), the outer product
+    mean (weights and biases)."""
+    if name == "msa_column":
+        module = randomize(eb.MSAColumnAttention(C_M, C, 4)).to("cuda", torch.bfloat16)
+        (m,), mask = inputs("msa", (), True, torch.bfloat16)
+        return module, lambda: module(m.requires_grad_(True), mask=mask), 1, 1
+    if name == "triangle_out":
+        module = randomize(eb.TriangleMultiplicationOutgoing(C_Z, C)).to("cuda", torch.bfloat16)
+        z, mask, _ = triangle_inputs((), True, torch.bfloat16)
+        return module, lambda: module(z.requires_grad_(True), mask), 2, 0
+    module = opm_module().to("cuda", torch.bfloat16)
+    m, mask, residual = opm_inputs((), torch.bfloat16)
+    return module, lambda: module._normalized(m.requires_grad_(True), mask, None, residual), 2, 0
+
+
+def cat_calls(fn) -> tuple[int, torch.Tensor]:
+    """(aten::cat calls of one call of ``fn``, its result) (torch.profiler, CPU events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return sum(1 for event in prof.events() if event.name == "aten::cat"), out
+
+
+@pytest.mark.parametrize("name", ["msa_column", "triangle_out", "opm"])
+def test_node_reads_packed_parameters_as_views(name):
+    # the modules keep each stacked projection's parameters back to back (primitives.pack_rows): the
+    # node stacks them as a view, no copy per call; parameters each in a storage of their own take
+    # aten::cat as before. Outputs and every gradient are equal bit for bit either way.
+    module, call, views, copies = packed_case(name)
+    params = opm_parameters(module) if name == "opm" else list(module.parameters())  # (those the call uses)
+    results = []
+    for packed in (True, False):
+        if not packed:
+            separate_storages(module)  # (each parameter its own storage: the nodes stack them with aten::cat)
+        cats, out = cat_calls(call)
+        assert cats == copies + (0 if packed else views), f"{name}, packed {packed}: {cats} aten::cat calls"
+        loss = (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).cuda()).sum()
+        results.append([out, *torch.autograd.grad(loss, params)])
+    assert_bitwise(results[0], results[1], name)
+
+
+@pytest.mark.parametrize("name", ["msa_column", "triangle_out", "opm"])
+def test_in_place_change_of_a_stacked_parameter_before_backward_raises(name):
+    # the node saves the parameters behind a stack it read as a view, so that autograd's version check
+    # catches a change between forward and backward (as for torch's own linear layers' saved weights)
+    module, call, _, _ = packed_case(name)
+    out = call()
+    with torch.no_grad():
+        module._stacked_groups()[0][1].mul_(2.0)  # (k's weight; a_g's; linear_2's)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()

@@ -63,7 +63,11 @@ namespace {
 // Positions of the forward's arguments (after ctx) in needs_input_grad and in the gradients returned.
 enum Input : int { kX, kMask, kPair, kWq, kWk, kWv, kWg, kBq, kBg, kWo, kBo, kWhead, kSource, kInputs = 18 };
 // Positions of the saved tensors.
-enum Saved : int { sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo, sSource };
+// sStacked: the stacked projection's weight where it is a copy; else (a view of the four weights,
+// stacked_rows) the four weights at sWq .. sWq + 3.
+enum Saved : int {
+  sX, sStacked, sWhead, sQkvg, sOut, sStats, sMaskPrepared, sPair, sPairPrepared, sY, sWo, sSource, sWq
+};
 
 // (the ops the nodes run: nodes.h's EVO_OP_HANDLE)
 EVO_OP_HANDLE(attention_forward_op, "gated_attention_fwd", gated_attention_fwd)
@@ -122,7 +126,8 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
               "gated attention module: `pair_source` needs `w_head` and no `transpose_head`");
     // x [B, A, A', c_in] (x_in is what the node saves, so that autograd sees in-place changes to it)
     const at::Tensor x = batch_flat(x_in);
-    const at::Tensor stacked = at::cat({w_q, w_k, w_v, w_g});  // [4 H D, c_in]
+    const at::Tensor stacked = stacked_rows({w_q, w_k, w_v, w_g});  // [4 H D, c_in]
+    const bool stacked_view = back_to_back({w_q, w_k, w_v, w_g});
     std::optional<at::Tensor> stacked_bias;
     if (b_q.has_value() || b_g.has_value()) {
       // (primitives.stacked_projection's: each bias, zeros of the first bias's dtype where none; the
@@ -157,8 +162,10 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
                                     family);  // y [B, A, A', H D]
     const at::Tensor result = linear_rows(y, w_o, b_o);  // [B, A, A', c_out]
 
-    ctx->save_for_backward({x_in, stacked, value_or_undefined(w_head), qkvg, out, stats, mask_prepared, pair,
-                            pair_prepared, y, w_o, value_or_undefined(pair_source)});
+    ctx->save_for_backward({x_in, stacked_view ? at::Tensor() : stacked, value_or_undefined(w_head), qkvg, out, stats,
+                            mask_prepared, pair, pair_prepared, y, w_o, value_or_undefined(pair_source),
+                            stacked_view ? w_q : at::Tensor(), stacked_view ? w_k : at::Tensor(),
+                            stacked_view ? w_v : at::Tensor(), stacked_view ? w_g : at::Tensor()});  // Saved order
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["transposed"] = transposed;
     ctx->saved_data["transpose_head"] = transpose_head;
@@ -184,7 +191,10 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x_in = saved[sX], &stacked = saved[sStacked], &w_head = saved[sWhead], &qkvg = saved[sQkvg];
+    const at::Tensor &x_in = saved[sX], &w_head = saved[sWhead], &qkvg = saved[sQkvg];
+    const at::Tensor stacked = saved[sStacked].defined()
+                                   ? saved[sStacked]
+                                   : stacked_rows({saved[sWq], saved[sWq + 1], saved[sWq + 2], saved[sWq + 3]});
     const at::Tensor &y = saved[sY], &w_o = saved[sWo], &pair = saved[sPair], &source = saved[sSource];
     const auto& data = ctx->saved_data;
     const Needs need(ctx);

@@ -1,6 +1,7 @@
 // What the per-module autograd nodes (modules_bindings.cpp, opm_node_bindings.cpp,
 // triangle_node_bindings.cpp) share: optional tensors as autograd's Function sees them, which gradients
-// a backward must return, and the extension's ops called through the dispatcher.
+// a backward must return, stacked parameters read without a copy, and the extension's ops called
+// through the dispatcher.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +12,8 @@
 #include <initializer_list>
 #include <optional>
 #include <vector>
+
+#include "common/bindings_common.h"
 
 namespace evoformer {
 namespace modules {
@@ -54,6 +57,36 @@ class Needs {
   AutogradContext* ctx_;
   std::vector<int64_t> edges_;
 };
+
+// Whether `parts` lie back to back in one storage, each contiguous, with one dtype and the same
+// sizes past dim 0: the rows of their stack along dim 0, in order, with no copy. The modules keep
+// the parameters of each stacked projection so (evoformer_blocks/primitives.py's pack_rows).
+inline bool back_to_back(at::TensorList parts) {
+  const at::Tensor& first = parts[0];
+  if (!first.has_storage() || first.dim() < 1) return false;
+  const c10::StorageImpl* storage = first.storage().unsafeGetStorageImpl();
+  const at::IntArrayRef trailing = first.sizes().slice(1);
+  int64_t offset = first.storage_offset();
+  for (const at::Tensor& t : parts) {
+    if (!t.has_storage() || t.storage().unsafeGetStorageImpl() != storage || t.storage_offset() != offset ||
+        t.scalar_type() != first.scalar_type() || t.dim() != first.dim() || t.sizes().slice(1) != trailing ||
+        !t.is_contiguous())
+      return false;
+    offset += t.numel();
+  }
+  return true;
+}
+
+// `parts` stacked along dim 0 ([sum of their sizes(0), *trailing]): a view of their storage where
+// they lie back to back (back_to_back), else at::cat's copy. Where the stack is a view, a node saves
+// the parts themselves instead of it and stacks them again in its backward, so that an in-place
+// change of a parameter between forward and backward raises autograd's error, as for a saved weight.
+inline at::Tensor stacked_rows(at::TensorList parts) {
+  if (!back_to_back(parts)) return at::cat(parts);
+  std::vector<int64_t> sizes(parts[0].sizes().begin(), parts[0].sizes().end());
+  for (size_t i = 1; i < parts.size(); ++i) sizes[0] += parts[i].size(0);
+  return raw_reshape(parts[0], sizes);  // (raw_reshape: the first part's storage and offset)
+}
 
 }  // namespace modules
 }  // namespace evoformer

@@ -42,7 +42,9 @@ EVO_OP_HANDLE(opm_weight_grad_op, "opm_project_weight_grad", block::opm_project_
 // Positions of the forward's arguments (after ctx): autograd wants one gradient per argument.
 enum Input : int { kM, kMask, kResidual, kW1, kB1, kW2, kB2, kWout, kBout, kEps, kInputs };
 // Positions of the saved tensors.
-enum Saved : int { sM, sMask, sStacked, sA, sB, sOuter, sDenom, sWout };
+// (sStacked: the stacked projection's weight where it is a copy; else, a view of w_1 and w_2
+// (stacked_rows), those two at sW1 and sW1 + 1)
+enum Saved : int { sM, sMask, sStacked, sA, sB, sOuter, sDenom, sWout, sW1 };
 
 struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& m, const at::Tensor& mask,
@@ -61,8 +63,9 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const int64_t batch = m.numel() / (seqs * res * m.size(-1));
     // the two projections side by side (primitives.stacked_projection), each half masked into a
     // contiguous tensor
-    const at::Tensor stacked = at::cat({w_1, w_2});  // [2 c, c_m]
-    const at::Tensor ab = linear_rows(m, stacked, at::cat({b_1, b_2}));  // [*, S, R, 2 c]
+    const at::Tensor stacked = stacked_rows({w_1, w_2});  // [2 c, c_m]
+    const bool stacked_view = back_to_back({w_1, w_2});
+    const at::Tensor ab = linear_rows(m, stacked, stacked_rows({b_1, b_2}));  // [*, S, R, 2 c]
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(ab.sizes().begin(), ab.sizes().end());
     half_sizes.back() = c;  // (each half a view of its columns of ab)
@@ -82,7 +85,8 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     if (residual.has_value()) r = reshaped(*residual, {batch, res, res, c_z});  // [B, R, R, c_z]
     const at::Tensor out = opm_project_op().call(outer, w_out, b_out, d, r);  // [B, R, R, c_z]
 
-    ctx->save_for_backward({m, mask, stacked, a3, b3, outer, d, w_out});
+    ctx->save_for_backward({m, mask, stacked_view ? at::Tensor() : stacked, a3, b3, outer, d, w_out,
+                            stacked_view ? w_1 : at::Tensor(), stacked_view ? w_2 : at::Tensor()});  // Saved order
     save_edges(ctx, {true, true, given(residual), true, true, true, true, true, given(b_out)}, kInputs);  // Input order
     ctx->saved_data["bias_dtype"] = b_1.scalar_type();
     ctx->saved_data["b_out_dtype"] = b_out.has_value() ? b_out->scalar_type() : w_out.scalar_type();
@@ -94,7 +98,9 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &m = saved[sM], &mask = saved[sMask], &stacked = saved[sStacked], &a3 = saved[sA];
+    const at::Tensor &m = saved[sM], &mask = saved[sMask], &a3 = saved[sA];
+    const at::Tensor stacked =
+        saved[sStacked].defined() ? saved[sStacked] : stacked_rows({saved[sW1], saved[sW1 + 1]});  // [2 c, c_m]
     const at::Tensor &b3 = saved[sB], &outer = saved[sOuter], &d = saved[sDenom], &w_out = saved[sWout];
     const auto& data = ctx->saved_data;
     const Needs need(ctx);

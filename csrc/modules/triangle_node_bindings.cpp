@@ -56,7 +56,11 @@ enum Input : int {
 enum Mode : int64_t { kPlain = 0, kKeep = 1, kAdd = 2 };
 // Saved tensors: z, the flat mask, the op's ten weights (block::TriangleWeight order), the forward's
 // twelve tensors for the backward, the flat scale.
-constexpr int kSavedWeights = 2, kSavedForward = kSavedWeights + block::kWeights, kSavedScale = kSavedForward + 12;
+// Saved: z, the mask, the op's weights (the stacked projections undefined where they are views of
+// the parameters: those parameters at kSavedParts, weights then biases), the forward's 12 tensors,
+// the update scale, the parameters of the stacks that are views (8, undefined otherwise).
+constexpr int kSavedWeights = 2, kSavedForward = kSavedWeights + block::kWeights, kSavedScale = kSavedForward + 12,
+              kSavedParts = kSavedScale + 1;
 
 // z [*, N, N, c_z] as [B, N, N, c_z] (z is contiguous: a view).
 at::Tensor flat_z(const at::Tensor& z) {
@@ -103,10 +107,17 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
     auto forward = triangle_forward_op().call(z, mask_flat, weights, eps, outgoing, family, true, mode == kAdd, scale);
     const at::Tensor out = raw_reshape(std::get<0>(forward), z_in.sizes());  // [*, N, N, c_z]
 
+    // (a stack that is a view of the parameters is saved as those parameters: stacked_rows)
+    const std::vector<at::Tensor> parts = params.projections();
+    const bool views[2] = {back_to_back({w_ap, w_ag, w_bp, w_bg}),
+                           given(b_ap) && back_to_back({*b_ap, *b_ag, *b_bp, *b_bg})};
     variable_list saved{z_in, value_or_undefined(mask_flat)};
     saved.insert(saved.end(), weights.begin(), weights.end());
+    if (views[0]) saved[kSavedWeights + block::kProjW] = at::Tensor();
+    if (views[1]) saved[kSavedWeights + block::kProjB] = at::Tensor();
     std::apply([&](const at::Tensor&, const auto&... rest) { (saved.push_back(rest), ...); }, forward);
     saved.push_back(value_or_undefined(scale));
+    for (int i = 0; i < 8; ++i) saved.push_back(views[i / 4] ? parts[i] : at::Tensor());
     ctx->save_for_backward(saved);
     save_edges(ctx,
                {true, given(mask), true, true, true, true, true, true, given(b_ap), given(b_ag), given(b_bp),
@@ -137,7 +148,12 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
         break;
       default: dout = flat(grads[0]);
     }
-    const std::vector<at::Tensor> weights(saved.begin() + kSavedWeights, saved.begin() + kSavedForward);
+    std::vector<at::Tensor> weights(saved.begin() + kSavedWeights, saved.begin() + kSavedForward);
+    for (const int w : {block::kProjW, block::kProjB}) {  // (stacked again where the forward's were views)
+      const int first = kSavedParts + (w == block::kProjW ? 0 : 4);
+      if (!weights[w].defined())
+        weights[w] = stacked_rows({saved[first], saved[first + 1], saved[first + 2], saved[first + 3]});
+    }
     const std::vector<at::Tensor> forward(saved.begin() + kSavedForward, saved.begin() + kSavedScale);
     const std::vector<at::Tensor> g =
         triangle_backward_op().call(dout.contiguous(), z, optional_of(saved[1]), weights, forward,

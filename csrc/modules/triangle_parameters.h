@@ -23,16 +23,24 @@ struct TriangleParameters {
   OptionalTensor b_z;
 
   // The op's ten weights (block::TriangleWeight order) as the Python path passes them: the input
-  // projections stacked [4 c, c_z] (and their biases [4 c]), absent biases as zeros of their weight's
-  // dtype (primitives.bias_or_zeros), each contiguous (_fused.kernel_parameter).
+  // projections stacked [4 c, c_z] (and their biases [4 c]; stacked_rows: views where the module
+  // keeps them back to back), absent biases as zeros of their weight's dtype
+  // (primitives.bias_or_zeros), each contiguous (_fused.kernel_parameter).
   std::vector<at::Tensor> kernel_weights() const {
-    const at::Tensor proj = at::cat({w_ap, w_ag, w_bp, w_bg});  // [4 c, c_z]
-    const at::Tensor proj_bias = given(b_ap) ? at::cat({*b_ap, *b_ag, *b_bp, *b_bg})  // [4 c]
+    const at::Tensor proj = stacked_rows({w_ap, w_ag, w_bp, w_bg});  // [4 c, c_z]
+    const at::Tensor proj_bias = given(b_ap) ? stacked_rows({*b_ap, *b_ag, *b_bp, *b_bg})  // [4 c]
                                              : cached_zeros(proj.size(0), proj.options());
     const at::Tensor gate_bias = given(b_g) ? b_g->contiguous() : cached_zeros(w_g.size(0), w_g.options());
     const at::Tensor out_bias = given(b_z) ? b_z->contiguous() : cached_zeros(w_z.size(0), w_z.options());
     return {norm_in_w.contiguous(), norm_in_b.contiguous(), proj, proj_bias, w_g.contiguous(), gate_bias,
             norm_out_w.contiguous(), norm_out_b.contiguous(), w_z.contiguous(), out_bias};
+  }
+
+  // The input projections' weights, then their biases (absent ones undefined): what stacked_rows
+  // stacks for kernel_weights' kProjW and kProjB.
+  std::vector<at::Tensor> projections() const {
+    return {w_ap, w_ag, w_bp, w_bg, value_or_undefined(b_ap), value_or_undefined(b_ag), value_or_undefined(b_bp),
+            value_or_undefined(b_bg)};
   }
 
   bool any_requires_grad() const {
