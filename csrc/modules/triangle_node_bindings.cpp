@@ -54,11 +54,10 @@ enum Input : int {
 };
 // What the node returns: the update; (z, the update); z + the update (* scale).
 enum Mode : int64_t { kPlain = 0, kKeep = 1, kAdd = 2 };
-// Saved tensors: z, the flat mask, the op's ten weights (block::TriangleWeight order), the forward's
-// twelve tensors for the backward, the flat scale.
-// Saved: z, the mask, the op's weights (the stacked projections undefined where they are views of
-// the parameters: those parameters at kSavedParts, weights then biases), the forward's 12 tensors,
-// the update scale, the parameters of the stacks that are views (8, undefined otherwise).
+// Saved tensors: z, the flat mask, the op's ten weights (block::TriangleWeight order; the stacked
+// projections undefined where they are views of the parameters), the forward's twelve tensors for
+// the backward, the flat scale, then at kSavedParts the parameters of the stacks that are views
+// (the four weights, then the four biases; undefined otherwise).
 constexpr int kSavedWeights = 2, kSavedForward = kSavedWeights + block::kWeights, kSavedScale = kSavedForward + 12,
               kSavedParts = kSavedScale + 1;
 
