@@ -250,7 +250,7 @@ class StackedParameters:
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        self._pack_stacked()
+        self._keep_stacked()  # (a module pickled without the load hook gets it here)
 
 
 def _head_major(x: torch.Tensor, weight: torch.Tensor, linear: Optional["Linear"] = None) -> torch.Tensor:

@@ -133,6 +133,20 @@ def test_deepcopy_and_pickle_keep_the_packing(name):
         assert torch.equal(a, b), key
 
 
+def test_a_module_restored_without_the_load_hook_gets_it():
+    # (a module pickled before it had the hook: restoring it packs it and registers the hook, so a
+    # later load with assign=True packs again)
+    module = MODULES["triangle_out"]()
+    state = dict(module.__dict__)
+    state.pop("_stacked_hook")
+    state["_load_state_dict_post_hooks"] = type(state["_load_state_dict_post_hooks"])()
+    restored = type(module).__new__(type(module))
+    restored.__setstate__(state)
+    separate_storages(restored)
+    restored.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
+    assert_packed(restored, "triangle_out")
+
+
 def test_separate_storages_and_pack_stacked_over_a_block():
     block = eb.EvoformerBlock(8, 4, c_hidden_msa_att=3, c_hidden_opm=2, c_hidden_mul=3, c_hidden_pair_att=3,
                               no_heads_msa=2, no_heads_pair=2, transition_n=2, msa_dropout=0.0, pair_dropout=0.0,
