@@ -239,9 +239,8 @@ class StackedParameters:
 
     def _keep_stacked(self) -> None:
         self._pack_stacked()
-        if not getattr(self, "_stacked_hook", False):
+        if _repack_after_load not in self._load_state_dict_post_hooks.values():
             self.register_load_state_dict_post_hook(_repack_after_load)
-            self._stacked_hook = True
 
     def _apply(self, fn, *args, **kwargs):
         result = super()._apply(fn, *args, **kwargs)

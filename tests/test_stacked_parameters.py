@@ -138,7 +138,6 @@ def test_a_module_restored_without_the_load_hook_gets_it():
     # later load with assign=True packs again)
     module = MODULES["triangle_out"]()
     state = dict(module.__dict__)
-    state.pop("_stacked_hook")
     state["_load_state_dict_post_hooks"] = type(state["_load_state_dict_post_hooks"])()
     restored = type(module).__new__(type(module))
     restored.__setstate__(state)
