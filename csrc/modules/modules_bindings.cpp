@@ -126,8 +126,8 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
               "gated attention module: `pair_source` needs `w_head` and no `transpose_head`");
     // x [B, A, A', c_in] (x_in is what the node saves, so that autograd sees in-place changes to it)
     const at::Tensor x = batch_flat(x_in);
-    const at::Tensor stacked = stacked_rows({w_q, w_k, w_v, w_g});  // [4 H D, c_in]
-    const bool stacked_view = back_to_back({w_q, w_k, w_v, w_g});
+    bool stacked_view = false;
+    const at::Tensor stacked = stacked_rows({w_q, w_k, w_v, w_g}, &stacked_view);  // [4 H D, c_in]
     std::optional<at::Tensor> stacked_bias;
     if (b_q.has_value() || b_g.has_value()) {
       // (primitives.stacked_projection's: each bias, zeros of the first bias's dtype where none; the

@@ -81,8 +81,11 @@ inline bool back_to_back(at::TensorList parts) {
 // they lie back to back (back_to_back), else at::cat's copy. Where the stack is a view, a node saves
 // the parts themselves instead of it and stacks them again in its backward, so that an in-place
 // change of a parameter between forward and backward raises autograd's error, as for a saved weight.
-inline at::Tensor stacked_rows(at::TensorList parts) {
-  if (!back_to_back(parts)) return at::cat(parts);
+// `is_view`, where given, says which of the two it returned.
+inline at::Tensor stacked_rows(at::TensorList parts, bool* is_view = nullptr) {
+  const bool view = back_to_back(parts);
+  if (is_view != nullptr) *is_view = view;
+  if (!view) return at::cat(parts);
   std::vector<int64_t> sizes(parts[0].sizes().begin(), parts[0].sizes().end());
   for (size_t i = 1; i < parts.size(); ++i) sizes[0] += parts[i].size(0);
   return raw_reshape(parts[0], sizes);  // (raw_reshape: the first part's storage and offset)

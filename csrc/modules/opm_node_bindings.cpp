@@ -63,8 +63,8 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const int64_t batch = m.numel() / (seqs * res * m.size(-1));
     // the two projections side by side (primitives.stacked_projection), each half masked into a
     // contiguous tensor
-    const at::Tensor stacked = stacked_rows({w_1, w_2});  // [2 c, c_m]
-    const bool stacked_view = back_to_back({w_1, w_2});
+    bool stacked_view = false;
+    const at::Tensor stacked = stacked_rows({w_1, w_2}, &stacked_view);  // [2 c, c_m]
     const at::Tensor ab = linear_rows(m, stacked, stacked_rows({b_1, b_2}));  // [*, S, R, 2 c]
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(ab.sizes().begin(), ab.sizes().end());

@@ -102,14 +102,13 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
     const at::Tensor z = flat_z(z_in);  // [B, N, N, c_z]
     const OptionalTensor mask_flat = flat_mask(mask);  // [B, N, N]
     const OptionalTensor scale = mode == kAdd ? row_scale(update_scale, z_in) : std::nullopt;  // [B, 1, N, c_z]
-    const std::vector<at::Tensor> weights = params.kernel_weights();
+    bool views[2];  // whether the stacks of the input projections' weights and biases are views
+    const std::vector<at::Tensor> weights = params.kernel_weights(&views);
     auto forward = triangle_forward_op().call(z, mask_flat, weights, eps, outgoing, family, true, mode == kAdd, scale);
     const at::Tensor out = raw_reshape(std::get<0>(forward), z_in.sizes());  // [*, N, N, c_z]
 
     // (a stack that is a view of the parameters is saved as those parameters: stacked_rows)
     const std::vector<at::Tensor> parts = params.projections();
-    const bool views[2] = {back_to_back({w_ap, w_ag, w_bp, w_bg}),
-                           given(b_ap) && back_to_back({*b_ap, *b_ag, *b_bp, *b_bg})};
     variable_list saved{z_in, value_or_undefined(mask_flat)};
     saved.insert(saved.end(), weights.begin(), weights.end());
     if (views[0]) saved[kSavedWeights + block::kProjW] = at::Tensor();

@@ -25,11 +25,14 @@ struct TriangleParameters {
   // The op's ten weights (block::TriangleWeight order) as the Python path passes them: the input
   // projections stacked [4 c, c_z] (and their biases [4 c]; stacked_rows: views where the module
   // keeps them back to back), absent biases as zeros of their weight's dtype
-  // (primitives.bias_or_zeros), each contiguous (_fused.kernel_parameter).
-  std::vector<at::Tensor> kernel_weights() const {
-    const at::Tensor proj = stacked_rows({w_ap, w_ag, w_bp, w_bg});  // [4 c, c_z]
-    const at::Tensor proj_bias = given(b_ap) ? stacked_rows({*b_ap, *b_ag, *b_bp, *b_bg})  // [4 c]
+  // (primitives.bias_or_zeros), each contiguous (_fused.kernel_parameter). `views`, where given,
+  // says whether the weights' and the biases' stacks are views (no biases: false).
+  std::vector<at::Tensor> kernel_weights(bool (*views)[2] = nullptr) const {
+    bool stacked[2] = {false, false};
+    const at::Tensor proj = stacked_rows({w_ap, w_ag, w_bp, w_bg}, &stacked[0]);  // [4 c, c_z]
+    const at::Tensor proj_bias = given(b_ap) ? stacked_rows({*b_ap, *b_ag, *b_bp, *b_bg}, &stacked[1])  // [4 c]
                                              : cached_zeros(proj.size(0), proj.options());
+    if (views != nullptr) (*views)[0] = stacked[0], (*views)[1] = stacked[1];
     const at::Tensor gate_bias = given(b_g) ? b_g->contiguous() : cached_zeros(w_g.size(0), w_g.options());
     const at::Tensor out_bias = given(b_z) ? b_z->contiguous() : cached_zeros(w_z.size(0), w_z.options());
     return {norm_in_w.contiguous(), norm_in_b.contiguous(), proj, proj_bias, w_g.contiguous(), gate_bias,
