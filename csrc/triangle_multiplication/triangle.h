@@ -71,13 +71,15 @@ struct TriangleGateBackwardParams {
   const void* mask;    // [M] or nullptr
   const void* da;      // [C, M] channel-major, rows M apart
   const void* db;      // [C, M]
-  void* dab;           // [4, C, M]: rows (a_proj, a_gate, b_proj, b_gate) x C channels
-  float* bias_part;    // [n_ctas, 4 C]: the CTA's sums of the dab rows (as rounded to T)
+  void* dab;           // [M, 4 C] per position, rows dab_ld apart: columns (a_proj, a_gate, b_proj, b_gate) x C
+  float* bias_part;    // [n_ctas, 4 C]: the CTA's sums of the dab columns (as rounded to T)
   int64_t M, x_stride;
   int K, C, c_rows;
-  bool vector_ok;      // M % 8 == 0 and 16-byte aligned da, db, dab
+  bool vector_ok;      // M % 8 == 0 and 16-byte aligned da, db
   const void* w_g = nullptr;  // no g passes
   int G = 0;
+  int64_t dab_ld = 0;          // dab's row stride
+  bool dab_vector_ok = false;  // dab's rows can be written 16 bytes at a time (dab_ld, C % 8 == 0, aligned base)
 };
 
 // The triangle multiplication's output half in one kernel (triangle_output.cuh): the channel layer
@@ -113,7 +115,7 @@ struct TriangleOutputBackwardParams {
   const void* g;      // [M, G]
   const void* dout;   // [M, G]
   const float* rstd;  // [M]: the channel layer norm's
-  void* dg;           // [M, G]
+  void* dg;           // [M, G], rows dg_ld apart
   void* dy;           // [M, G]
   void* dp;           // [C, M] channel-major
   float* dy_part;     // [ceil(M / 128), G]: per-CTA column sums of dy (as stored), then of dg
@@ -122,6 +124,7 @@ struct TriangleOutputBackwardParams {
   int64_t M;
   int C, G;
   bool vector_ok;  // dp's rows can be written 16 bytes at a time (M % 8 == 0, aligned base)
+  int64_t dg_ld = 0;  // dg's row stride (a multiple of 8, >= G; 16-byte aligned dg)
 };
 
 // Launchers, one instantiation per element type T; each checks its launch. gate_pack: half,

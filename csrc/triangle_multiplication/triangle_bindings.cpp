@@ -213,7 +213,14 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   // The output half: out = sigmoid(g) * y, y = n_hat . w_z^T + b_z (recomputed: the forward does not
   // keep it), n_hat = the channel layer norm of p. dg, dy [M, c_z], their column sums (the biases'
   // gradients, added in a fixed order by the kernels' last CTAs), dw_z, and dp [c, M] channel-major.
-  at::Tensor dg = output({s.M, s.cz}, z.options()), dy = output({s.M, s.cz}, z.options());
+  // dg is the first c_z columns of dg_ab [M, c_z + 4 group], whose others take the first channel
+  // group's dab (the edges, below), so that dx_hat's terms dg w_g + dab w_k and the gradients of w_g
+  // and of the group's rows of w_ab each come from one GEMM (rows padded to a multiple of 8).
+  const int64_t group = channel_group(s, z.element_size()), first = std::min(group, s.c);
+  const auto padded = [](int64_t n) { return (n + 7) / 8 * 8; };
+  at::Tensor dg_ab =
+      output({s.M, padded(s.cz + 4 * first)}, z.options()).narrow(1, 0, s.cz + 4 * first);  // [M, c_z + 4 group]
+  at::Tensor dg = dg_ab.narrow(1, 0, s.cz), dy = output({s.M, s.cz}, z.options());           // [M, c_z] each
   at::Tensor dp = output({s.c, s.M}, z.options());
   at::Tensor db_z = output({s.cz}, f32), db_g = output({s.cz}, f32);
   if (s.M == 0) db_z.zero_(), db_g.zero_();
@@ -226,7 +233,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     TriangleOutputBackwardParams ob{n_hat.data_ptr(), w_z.data_ptr(), w_zt.data_ptr(), b_z.data_ptr(),
                                     g.data_ptr(), dout.data_ptr(), rstd_out.data_ptr<float>(), dg.data_ptr(),
                                     dy.data_ptr(), dp.data_ptr(), sums.data(), sums.data() + ctas * s.cz,
-                                    sums.totals, s.M, int(s.c), int(s.cz), vector_ok(dp, s.M)};
+                                    sums.totals, s.M, int(s.c), int(s.cz), vector_ok(dp, s.M), dg.stride(0)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output_backward<cutlass::half_t>(ob, stream);
     else launch_triangle_output_backward<cutlass::bfloat16_t>(ob, stream);
     dw_z = rows_product(raw_transpose(dy), n_hat);  // [c_z, c]
@@ -238,12 +245,15 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     PartialSums sums(gate_ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
     float* const dy_part = sums.data();  // [gate_ctas, c_z] each
     float* const dg_part = dy_part + int64_t(gate_ctas) * s.cz;
-    SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg.data_ptr(), dy.data_ptr(),
+    at::Tensor dg_rows = output({s.M, s.cz}, z.options());  // (copied into dg's columns of dg_ab)
+    SigmoidGateBackwardParams sp{g.data_ptr(), y.data_ptr(), dout.data_ptr(), dg_rows.data_ptr(), dy.data_ptr(),
                                  dg_part, dy_part, s.M, s.cz, s.cz, s.cz, RowMap::strided(s.cz), int(s.cz),
                                  gate_threads};
     sp.totals = sums.totals;
     by_dtype(z.scalar_type(), op, [&](auto e) { launch_sigmoid_gate_backward<decltype(e)>(sp, gate_ctas, stream); });
     y.reset();
+    dg.copy_(dg_rows);
+    dg_rows.reset();
     dw_z = rows_product(raw_transpose(dy), n_hat);  // [c_z, c]
     at::Tensor dn = at::mm(dy, w_z);  // [M, c]
     dy.reset();
@@ -254,19 +264,16 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
 
   // x_hat again (its statistics are recomputed too: the same kernel as the forward)
   at::Tensor x_hat = std::get<0>(norm_rows(z, kNoParam, kNoParam, eps));  // [M, c_z]
-  // g = x_hat . w_g^T + b_g
-  at::Tensor dx = at::mm(dg, w_g);                           // [M, c_z]
-  at::Tensor dw_g = rows_product(raw_transpose(dg), x_hat);  // [c_z, c_z]
-  dg.reset();
 
-  // The edges, a group of channels at a time so that the [4 * group, M] temporaries stay small:
+  // The edges, a group of channels at a time so that the [M, 4 * group] temporaries stay small:
   // da, db from the triangle products' gradients, then the gates' backward on the recomputed
-  // projections, then the projection weights' and x_hat's gradients.
+  // projections, then the projection weights' and x_hat's gradients (the first group's together
+  // with g's: g = x_hat . w_g^T + b_g).
   const at::Tensor bias = raw_reshape(as_dtype(b_ab, at::kFloat).contiguous(), {4, s.c});
   const at::Tensor w4 = reshaped(w_ab, {4, s.c, s.cz});
-  at::Tensor dw_ab = output({4, s.c, s.cz}, w_ab.options());
+  at::Tensor dw_ab = first < s.c ? output({4, s.c, s.cz}, w_ab.options()) : at::Tensor();  // (one group: below)
   at::Tensor db_ab = s.M > 0 ? output({4, s.c}, f32) : at::zeros({4, s.c}, f32);  // the gate kernels' row sums
-  const int64_t group = channel_group(s, z.element_size());
+  at::Tensor dx, dw_g;  // [M, c_z], [c_z, c_z]
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
     // channels [c0, c0 + k) of a contiguous [c, M] tensor as [k B, N, N]
@@ -280,17 +287,21 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     at::Tensor db = outgoing ? at::bmm(raw_transpose(dpk), ak) : at::bmm(ak, dpk);
     // rows (ap, ag, bp, bg) of the group [4 k, c_z] (w_ab itself for one group)
     at::Tensor wk = k == s.c ? reshaped(w_ab, {4 * k, s.cz}) : w4.narrow(1, c0, k).reshape({4 * k, s.cz});
-    at::Tensor dab = output({4 * k, s.M}, z.options());
+    // [M, 4 k] per position (columns a_proj, a_gate, b_proj, b_gate x k): dg_ab's for the first group
+    const at::Tensor dab = c0 == 0 ? dg_ab.narrow(1, s.cz, 4 * k)
+                                   : output({s.M, padded(4 * k)}, z.options()).narrow(1, 0, 4 * k);
     if (triangle_input_fits(z, s)) {
       // the projections and gates recomputed from x_hat, their gradients and bias sums in one kernel
       const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
       at::Tensor bias_part = output({ctas, 4 * k}, f32);
       const void* const w_group = static_cast<const char*>(w4.data_ptr()) + c0 * w4.stride(1) * w4.element_size();
-      const TriangleGateBackwardParams tp{x_hat.data_ptr(), w_group,
-                                          bias.data_ptr<float>() + c0, mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
-                                          da.data_ptr(), db.data_ptr(), dab.data_ptr(), bias_part.data_ptr<float>(),
-                                          s.M, s.M > 1 ? x_hat.stride(0) : s.cz, int(s.cz), int(k), int(s.c),
-                                          s.M % 8 == 0 && aligned16(da) && aligned16(db) && aligned16(dab)};
+      TriangleGateBackwardParams tp{x_hat.data_ptr(), w_group,
+                                    bias.data_ptr<float>() + c0, mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
+                                    da.data_ptr(), db.data_ptr(), dab.data_ptr(), bias_part.data_ptr<float>(),
+                                    s.M, s.M > 1 ? x_hat.stride(0) : s.cz, int(s.cz), int(k), int(s.c),
+                                    s.M % 8 == 0 && aligned16(da) && aligned16(db)};
+      tp.dab_ld = dab.stride(0);
+      tp.dab_vector_ok = aligned16(dab) && dab.stride(0) % 8 == 0 && k % 8 == 0;
       if (z.scalar_type() == at::kHalf) launch_triangle_gate_backward<cutlass::half_t>(tp, stream);
       else launch_triangle_gate_backward<cutlass::bfloat16_t>(tp, stream);
       // [4 k] in a fixed order (the column-sum kernel, or torch's sum where a row is too wide for it)
@@ -305,24 +316,36 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
       // [4 k, chunks] partial sums, then 2 k tickets: a row's last CTA adds its partials into db_ab
       at::Tensor bias_part = output({4 * k * chunks + 2 * k}, f32);
       float* const partials = bias_part.data_ptr<float>();
+      at::Tensor dab_rows = output({4 * k, s.M}, z.options());  // [4 k, M] (copied into dab per position)
       GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
                                 mask_flat.defined() ? mask_flat.data_ptr() : nullptr, da.data_ptr(), db.data_ptr(),
-                                dab.data_ptr(), partials, s.M, s.M, s.M, s.M, int(k),
-                                vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) && vector_ok(dab, s.M)};
+                                dab_rows.data_ptr(), partials, s.M, s.M, s.M, s.M, int(k),
+                                vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) &&
+                                    vector_ok(dab_rows, s.M)};
       bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
       bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
       bp.total_stride = s.c;
       C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
       by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
+      dab.copy_(raw_transpose(dab_rows));
     }
+    da.reset(), db.reset();
+    // the group's rows of dw_ab (dw_g's before them for the first group), and x_hat's terms
+    const at::Tensor dw_rows = rows_product(raw_transpose(c0 == 0 ? dg_ab : dab), x_hat);  // [(c_z +) 4 k, c_z]
+    const at::Tensor dw_k = c0 == 0 ? dw_rows.narrow(0, s.cz, 4 * k) : dw_rows;            // [4 k, c_z]
+    if (c0 == 0) dw_g = dw_rows.narrow(0, 0, s.cz);
     if (k == s.c) {
-      at::Tensor dw_ab_rows = raw_reshape(dw_ab, {4 * s.c, s.cz});  // one group: straight into dw_ab
-      rows_product(dab, x_hat, &dw_ab_rows);
+      dw_ab = raw_reshape(dw_k, {4, s.c, s.cz});  // one group: dw_ab itself
     } else {
       raw_view(dw_ab, {4, k, s.cz}, {s.c * s.cz, s.cz, 1}, dw_ab.storage_offset() + c0 * s.cz)
-          .copy_(raw_reshape(rows_product(dab, x_hat), {4, k, s.cz}));
+          .copy_(raw_reshape(dw_k, {4, k, s.cz}));
     }
-    dx.addmm_(raw_transpose(dab), wk);
+    if (c0 == 0) {
+      dx = at::mm(dg_ab, at::cat({w_g, wk}));  // dg w_g + dab w_k: [M, c_z]
+      dg_ab.reset(), dg.reset();                 // (the loop's dab view goes with this iteration)
+    } else {
+      dx.addmm_(dab, wk);
+    }
   }
   dp.reset();
 

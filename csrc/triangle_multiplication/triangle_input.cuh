@@ -499,13 +499,15 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
 // tile (x_hat is an input here: the backward keeps it for the weight gradients), and with
 // d = mask * da (or db), s = sigmoid(gate + b_g), proj = ... + b_p:
 //   d_proj = d * s,   d_gate = d * proj * s * (1 - s)
-// written channel-major as rows of dab, and the CTA's sum of each row (of the values rounded to T,
-// as the GEMMs that follow read them) into bias_part: the lanes of a channel add their four rows,
-// shuffles add the eight lane rows, and the four row groups are added in order through shared
-// memory (no atomics: bitwise reproducible). Shared memory: the x_hat tile, one weight tile (the
-// next pass's weights are copied while this pass's epilogue runs, its da / db rows while its
-// product runs) and one [128, 128] tile whose first 64 rows receive the pass's da / db rows and are
-// overwritten by d_proj (each value by the thread that read it), the next 64 by d_gate: about
+// written per position as columns of dab ([M, 4 C], rows dab_ld apart: the host puts dg's columns
+// beside the first channel group's, so that one GEMM takes dx_hat's terms of both), and the CTA's
+// sum of each column (of the values rounded to T, as the GEMMs that follow read them) into
+// bias_part: the lanes of a channel add their four rows, shuffles add the eight lane rows, and the
+// four row groups are added in order through shared memory (no atomics: bitwise reproducible).
+// Shared memory: the x_hat tile, one weight tile (the next pass's weights are copied while this
+// pass's epilogue runs, its da / db rows while its product runs) and one [128, 128] tile whose first
+// 64 rows receive the pass's da / db rows (channel-major, as they lie in HBM) and which, once every
+// warp has read them, takes d_proj and d_gate per position ([128 positions, 64 + 64 columns]): about
 // 104 KB at c_z 128, two CTAs per SM.
 template <int kKSteps>
 struct TriangleGateBackwardTile {
@@ -542,31 +544,69 @@ __device__ __forceinline__ void triangle_gate_backward_load_d(const TriangleGate
   cp_async_commit();
 }
 
-// The gates' backward of one slot for the thread's kMTiles m16 row tiles (acc and the rows as in
-// stage_gated_slot): d = mask * the staged da / db value, overwritten by d_proj, and d_gate written
-// 64 staged rows further. `ds` points at the slot's first staged row and the warp's first row. The
-// staged values travel as 8 x 8 tiles (tile (mt, nt, hh): positions mt * 16 + 8 hh.., channels nt *
-// 8..): read with transposing ldmatrix into the accumulators' layout (a register holds channels
-// 2 t, 2 t + 1 of position g), written back with transposing stmatrix on sm_90 (two-byte stores
-// before). The sums of each channel's d_proj and d_gate over the warp's rows (of the values rounded
-// to T, as the GEMMs that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in
-// the slot).
+// Stages a slot's d_proj and d_gate (gate_backward_slot's) per position: `stage` points at the
+// warp's first position row and the slot's first column of the [128 positions, kTriInStagePitch]
+// tile; d_gate 64 columns further. The 8 x 8 tiles (positions mt * 16 + 8 hh.., channels nt * 8..)
+// go out with stmatrix on sm_90 (four-byte stores before; either is free of bank conflicts at this
+// pitch).
 template <typename T, int kMTiles>
-__device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardParams& p, const EdgeSlot& slot,
-                                                   const float* bias_proj, const float* bias_gate,
-                                                   const float (*acc)[4], const float (&mask)[kMTiles][2], T* ds,
-                                                   float* red_row, int lane) {
-  if (slot.edge >= 2) return;
-  const int g = lane / 4, t = lane % 4;
+__device__ __forceinline__ void stage_gate_grads(const uint32_t (&d_out)[2][kMTiles][4][2], T* stage, int lane) {
+#pragma unroll
+  for (int kind = 0; kind < 2; ++kind) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // lane l addresses row l % 8 of tile l / 8 = (nt of the pair, hh)
+    T* const lane_row = stage + (lane % 8 + 8 * (lane / 8 % 2)) * kTriInStagePitch + kind * 2 * kTriInSlot +
+                        8 * (lane / 16);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair)
+        stsm_x4(lane_row + mt * 16 * kTriInStagePitch + pair * 16, d_out[kind][mt][2 * pair][0],
+                d_out[kind][mt][2 * pair][1], d_out[kind][mt][2 * pair + 1][0], d_out[kind][mt][2 * pair + 1][1]);
+#else
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<uint32_t*>(stage + (mt * 16 + 8 * hh + g) * kTriInStagePitch + kind * 2 * kTriInSlot +
+                                       nt * 8 + 2 * t) = d_out[kind][mt][nt][hh];
+#endif
+  }
+}
+
+// A slot's staged da / db values for the thread's kMTiles m16 row tiles (the rows as in
+// stage_gated_slot): `ds` points at the slot's first staged row and the warp's first row. The staged
+// values travel as 8 x 8 tiles (tile (mt, nt, hh): positions mt * 16 + 8 hh.., channels nt * 8..),
+// read with transposing ldmatrix into the accumulators' layout: d_in[mt][nt][hh] holds channels
+// nt * 8 + 2 t, + 1 of position g + 8 hh.
+template <typename T, int kMTiles>
+__device__ __forceinline__ void gate_backward_load_slot(const T* ds, uint32_t (&d_in)[kMTiles][4][2], int lane) {
   // lane l addresses stored row l % 8 (channel nt * 8 + l % 8) of tile l / 8 = (nt of the pair, hh)
-  T* const lane_row = ds + (lane / 16 * 8 + lane % 8) * kTriInStagePitch + 8 * (lane / 8 % 2);
-  uint32_t d_in[kMTiles][4][2];  // [mt][nt][hh]: d at channels nt * 8 + 2 t, + 1 of position g + 8 hh
+  const T* const lane_row = ds + (lane / 16 * 8 + lane % 8) * kTriInStagePitch + 8 * (lane / 8 % 2);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair)
       ldsm_x4_trans(lane_row + pair * 16 * kTriInStagePitch + mt * 16, d_in[mt][2 * pair][0], d_in[mt][2 * pair][1],
                     d_in[mt][2 * pair + 1][0], d_in[mt][2 * pair + 1][1]);
+}
+
+// The gates' backward of one slot for the thread's kMTiles m16 row tiles (acc as in
+// stage_gated_slot): d = mask * d_in (gate_backward_load_slot's), d_proj and d_gate staged per
+// position by stage_gate_grads at `stage` (the warp's first position row, the slot's first column).
+// The sums of each channel's d_proj and d_gate over the warp's rows (of the values rounded to T, as
+// the GEMMs that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in the slot).
+template <typename T, int kMTiles>
+__device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardParams& p, const EdgeSlot& slot,
+                                                   const float* bias_proj, const float* bias_gate,
+                                                   const float (*acc)[4], const float (&mask)[kMTiles][2],
+                                                   const uint32_t (&d_in)[kMTiles][4][2], T* stage, float* red_row,
+                                                   int lane) {
+  if (slot.edge >= 2) return;
+  const int g = lane / 4, t = lane % 4;
   uint32_t d_out[2][kMTiles][4][2];  // [proj, gate][mt][nt][hh], packed as d_in
   float sums[16] = {};               // [proj, gate][nt][e]: the thread's rows of channel nt * 8 + 2 t + e
 #pragma unroll
@@ -600,36 +640,12 @@ __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardPar
   sum_rows_scattered(sums, lane);
 #pragma unroll
   for (int e = 0; e < 2; ++e) red_row[(g / 4) * 2 * kTriInSlot + (g % 4) * 8 + 2 * t + e] = sums[e];
-#pragma unroll
-  for (int kind = 0; kind < 2; ++kind) {  // d_proj over d, d_gate 64 staged rows further
-    T* const rows = ds + kind * 2 * kTriInSlot * kTriInStagePitch;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int pair = 0; pair < 2; ++pair)
-        stsm_x4_trans(lane_row + kind * 2 * kTriInSlot * kTriInStagePitch + pair * 16 * kTriInStagePitch + mt * 16,
-                      d_out[kind][mt][2 * pair][0], d_out[kind][mt][2 * pair][1], d_out[kind][mt][2 * pair + 1][0],
-                      d_out[kind][mt][2 * pair + 1][1]);
-#else
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const uint32_t v = d_out[kind][mt][nt][hh];
-          T* const cell = rows + (nt * 8 + 2 * t) * kTriInStagePitch + mt * 16 + 8 * hh + g;
-          *reinterpret_cast<uint16_t*>(cell) = uint16_t(v & 0xffffu);
-          *reinterpret_cast<uint16_t*>(cell + kTriInStagePitch) = uint16_t(v >> 16);
-        }
-#endif
-  }
+  stage_gate_grads<T, kMTiles>(d_out, stage, lane);
 }
 
 // After a pass's gate_backward_slot calls (and a barrier): the CTA's bias sums of the pass's
-// channels, red [kGroups][128] added in order into bias_part, and the staged d_proj / d_gate rows
-// (ds, [128 rows, kTriInStagePitch]) stored as rows of dab.
+// channels, red [kGroups][128] added in order into bias_part, and the staged d_proj / d_gate
+// (ds, [128 positions, kTriInStagePitch]) stored as the positions' columns of dab.
 template <typename T, int kGroups>
 __device__ __forceinline__ void gate_backward_store(const TriangleGateBackwardParams& p, const T* ds, const float* red,
                                                     int q, int64_t m0, int valid_rows) {
@@ -646,21 +662,22 @@ __device__ __forceinline__ void gate_backward_store(const TriangleGateBackwardPa
       p.bias_part[int64_t(blockIdx.x) * 4 * p.C + (2 * s.edge + kind) * p.C + ch] = total;
     }
   }
-  constexpr int kSpans = kTriInRows / 8;  // 16-byte spans of a staged row
-  const int span_col = int(threadIdx.x % unsigned(kSpans)) * 8, span_row0 = int(threadIdx.x / unsigned(kSpans));
-  if (span_col >= valid_rows) return;
-#pragma unroll
-  for (int rr = span_row0; rr < kTriInPassCols; rr += kTriInThreads / kSpans) {
+  // staged column rr: kind rr / 64 (projection, gate) of staged channel lr = rr % 64; a thread stores
+  // 8 columns (one channel run) of one position, a warp two positions' 16 runs
+  constexpr int kSpans = kTriInPassCols / 8;
+  for (int i = int(threadIdx.x); i < kTriInRows * kSpans; i += kTriInThreads) {
+    const int r = i / kSpans, rr = i % kSpans * 8;
+    if (r >= valid_rows) break;  // (r grows with i)
     const int kind = rr / (2 * kTriInSlot), lr = rr % (2 * kTriInSlot);
     const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
     const int ch = s.ch0 + lr % kTriInSlot;
     if (s.edge >= 2 || ch >= p.C) continue;
-    const T* src = ds + rr * kTriInStagePitch + span_col;
-    T* dst = static_cast<T*>(p.dab) + (int64_t(2 * s.edge + kind) * p.C + ch) * p.M + m0 + span_col;
-    if (p.vector_ok) {
+    const T* src = ds + r * kTriInStagePitch + rr;
+    T* dst = static_cast<T*>(p.dab) + (m0 + r) * p.dab_ld + (2 * s.edge + kind) * p.C + ch;
+    if (p.dab_vector_ok) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
-      for (int e = 0; e < 8 && span_col + e < valid_rows; ++e) dst[e] = src[e];
+      for (int e = 0; e < 8 && ch + e < p.C; ++e) dst[e] = src[e];
     }
   }
 }
@@ -701,8 +718,11 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_gate_backward_kerne
 
     const EdgeSlot slot(2 * q + col_half, blocks);
     const float* const bias_proj = p.b_ab + 2 * slot.edge * p.c_rows + slot.ch0;
-    gate_backward_slot<T, 2>(p, slot, bias_proj, bias_proj + p.c_rows, &acc[0][0], mask,
-                             ds + col_half * kTriInSlot * kTriInStagePitch + row_group * 32,
+    uint32_t d_in[2][4][2];
+    if (slot.edge < 2) gate_backward_load_slot<T, 2>(ds + col_half * kTriInSlot * kTriInStagePitch + row_group * 32, d_in, lane);
+    __syncthreads();  // every warp has read its d values: the tile takes the gradients per position
+    gate_backward_slot<T, 2>(p, slot, bias_proj, bias_proj + p.c_rows, &acc[0][0], mask, d_in,
+                             ds + row_group * 32 * kTriInStagePitch + col_half * kTriInSlot,
                              red + row_group * kTriInPassCols + col_half * kTriInSlot, lane);
     __syncthreads();
     gate_backward_store<T, 4>(p, ds, red, q, m0, valid_rows);

@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 // cores (rounded to T, as the forward's out used it) and s = sigmoid(g):
 //
 //   dy = dout * s    dg = dout * y * s * (1 - s)                       [M, G], written row-major
+//                                                                       (dg's rows dg_ld apart)
 //   dn_hat = dy . w_z                                                   [M, C], in registers only
 //   dp[c, m] = rstd[m] * (dn_hat - mean_c(dn_hat) - n_hat * mean_c(dn_hat * n_hat))   channel-major
 //
@@ -216,7 +217,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 // last CTAs). In HBM this reads n_hat, g and dout once and writes dg, dy and dp once; it replaces
 // y's GEMM, the gate backward kernel, dn_hat's GEMM and the channel layer norm's backward (which
 // wrote y, dn_hat and read them back). The weights' gradients (dy^T n_hat, dg^T x_hat) and dx_hat's
-// first term (dg w_g) stay cuBLAS GEMMs on the host.
+// first term (dg w_g) stay cuBLAS GEMMs on the host, which takes the latter two together with the
+// first channel group's edge terms (dg's rows are the first G columns of [dg | dab]).
 //
 // CTA: 256 threads, 128 positions, three [128, kTriInStagePitch] buffers (two CTAs per SM):
 //   A: n_hat (first product's A operand) -> g, rewritten in place as dg -> n_hat again (reloaded
@@ -320,9 +322,10 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
     const int spans = p.G / 8;
     for (int i = tid; i < valid_rows * spans; i += kTriInThreads) {
       const int r = i / spans, c = (i - r * spans) * 8;
-      const int64_t at = (m0 + r) * p.G + c;
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.dy) + at) = *reinterpret_cast<const uint4*>(ds + r * kP + c);
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.dg) + at) = *reinterpret_cast<const uint4*>(as + r * kP + c);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dy) + (m0 + r) * p.G + c) =
+          *reinterpret_cast<const uint4*>(ds + r * kP + c);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dg) + (m0 + r) * p.dg_ld + c) =
+          *reinterpret_cast<const uint4*>(as + r * kP + c);
     }
   }
   __syncthreads();  // dg is out: its buffer takes n_hat again
