@@ -650,7 +650,7 @@ template <typename T, int kGroups>
 __device__ __forceinline__ void gate_backward_store(const TriangleGateBackwardParams& p, const T* ds, const float* red,
                                                     int q, int64_t m0, int valid_rows) {
   const int blocks = edge_blocks(p.C);
-  // staged row rr: kind rr / 64 (projection, gate) of staged channel lr = rr % 64
+  // the pass's column rr (threads 0-127): kind rr / 64 (projection, gate) of staged channel lr = rr % 64
   if (threadIdx.x < kTriInPassCols) {
     const int kind = int(threadIdx.x) / (2 * kTriInSlot), lr = int(threadIdx.x) % (2 * kTriInSlot);
     const EdgeSlot s(2 * q + lr / kTriInSlot, blocks);
