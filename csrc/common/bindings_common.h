@@ -174,12 +174,11 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
 // than kRowsProductChunk, the sum runs as a batched product over S slices of K (float32 results,
 // summed over the slices in a fixed order, then rounded once): slices of a length that divides K
 // (positions are B N^2 or B N_seq N_res: such a length exists unless K is prime or nearly), else
-// equal slices and one more product of the rows left over. Elsewhere it is at::mm. With `out` ([m,
-// n], a's dtype) the product is written there.
+// equal slices and one more product of the rows left over. Elsewhere it is at::mm.
 constexpr int64_t kRowsProductChunk = 1024;
-inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b, at::Tensor* out = nullptr) {
+inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b) {
   const int64_t m = a.size(0), K = a.size(1), n = b.size(1);
-  if (K % 256 == 0 || K <= kRowsProductChunk) return out != nullptr ? at::mm_out(*out, a, b) : at::mm(a, b);
+  if (K % 256 == 0 || K <= kRowsProductChunk) return at::mm(a, b);
   // slices of at least 256 rows, at most 128 of them and at most 32 MiB of float32 results (at least
   // 8: a batch of one may be split): the shortest length in [lo, 4 lo] dividing K
   const int64_t most = std::min<int64_t>(128, std::max<int64_t>(8, (int64_t(32) << 20) / (4 * m * n)));
@@ -203,7 +202,7 @@ inline at::Tensor rows_product(const at::Tensor& a, const at::Tensor& b, at::Ten
                                    b.storage_offset() + whole * b.stride(0));
     sum.add_(product(a1, b1).select(0, 0));
   }
-  return out != nullptr ? out->copy_(sum) : as_dtype(sum, a.scalar_type());
+  return as_dtype(sum, a.scalar_type());
 }
 
 // a [B, m, K] . b [B, K, n] for a K that counts positions (the outer product mean's sum over the
