@@ -544,10 +544,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backw
               describe("delta", *delta_in));
   }
   at::Tensor delta = p.delta_ready ? *delta_in : new_empty({p.B, p.N, p.H, p.Lq}, f32);
-  // dq, dk, dv in the layouts q, k, v came in (not the kernel-layout copies: the fake sees those)
-  at::Tensor dq = dq_out.value_or(empty_in_memory_order(q_in));
-  at::Tensor dk = dk_out.value_or(empty_in_memory_order(k_in));
-  at::Tensor dv = dv_out.value_or(empty_in_memory_order(v_in));
+  // dq, dk, dv in the layouts q, k, v came in (not the kernel-layout copies: the fake sees those); a
+  // new one only where the caller gave none (value_or would allocate one either way)
+  const auto gradient = [](const std::optional<at::Tensor>& given, const at::Tensor& like) {
+    return given.has_value() ? *given : empty_in_memory_order(like);
+  };
+  at::Tensor dq = gradient(dq_out, q_in), dk = gradient(dk_out, k_in), dv = gradient(dv_out, v_in);
   at::Tensor dmask_part = need_dmask ? new_empty({p.B, p.N, p.H, p.Lk}, f32) : at::Tensor();  // [B, N, H, Lk]
   p.n_chunk_size = need_dpair ? choose_n_chunk_size(p, kernels.pair_grad_blocks_per_sm()) : p.N;
   p.n_chunks = (p.N + p.n_chunk_size - 1) / p.n_chunk_size;

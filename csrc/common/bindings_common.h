@@ -115,6 +115,13 @@ inline at::Tensor raw_transpose(const at::Tensor& t) {
   return raw_view(t, sizes, strides, t.storage_offset());
 }
 
+// t's `length` entries of dim `dim` from `start` (at::narrow's view, raw_view's way).
+inline at::Tensor raw_narrow(const at::Tensor& t, int64_t dim, int64_t start, int64_t length) {
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  sizes[dim] = length;
+  return raw_view(t, sizes, t.strides(), t.storage_offset() + start * t.stride(dim));
+}
+
 // t with other sizes, its elements in the same order: raw_reshape where t is contiguous, else
 // t.reshape (a view where the strides allow one, else a copy).
 inline at::Tensor reshaped(const at::Tensor& t, at::IntArrayRef sizes) {

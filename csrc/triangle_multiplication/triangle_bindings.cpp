@@ -219,8 +219,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const int64_t group = channel_group(s, z.element_size()), first = std::min(group, s.c);
   const auto padded = [](int64_t n) { return (n + 7) / 8 * 8; };
   at::Tensor dg_ab =
-      output({s.M, padded(s.cz + 4 * first)}, z.options()).narrow(1, 0, s.cz + 4 * first);  // [M, c_z + 4 group]
-  at::Tensor dg = dg_ab.narrow(1, 0, s.cz), dy = output({s.M, s.cz}, z.options());           // [M, c_z] each
+      raw_narrow(output({s.M, padded(s.cz + 4 * first)}, z.options()), 1, 0, s.cz + 4 * first);  // [M, c_z + 4 group]
+  at::Tensor dg = raw_narrow(dg_ab, 1, 0, s.cz), dy = output({s.M, s.cz}, z.options());           // [M, c_z] each
   at::Tensor dp = output({s.c, s.M}, z.options());
   at::Tensor db_z = output({s.cz}, f32), db_g = output({s.cz}, f32);
   if (s.M == 0) db_z.zero_(), db_g.zero_();
@@ -272,7 +272,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor bias = raw_reshape(as_dtype(b_ab, at::kFloat).contiguous(), {4, s.c});
   const at::Tensor w4 = reshaped(w_ab, {4, s.c, s.cz});
   at::Tensor dw_ab = first < s.c ? output({4, s.c, s.cz}, w_ab.options()) : at::Tensor();  // (one group: below)
-  at::Tensor db_ab = s.M > 0 ? output({4, s.c}, f32) : at::zeros({4, s.c}, f32);  // the gate kernels' row sums
+  // the gate kernels' row sums [4, c] (one group: the fused gate kernel's sums themselves, below)
+  at::Tensor db_ab = s.M == 0 ? at::zeros({4, s.c}, f32) : first < s.c ? output({4, s.c}, f32) : at::Tensor();
   at::Tensor dx, dw_g;  // [M, c_z], [c_z, c_z]
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
@@ -288,8 +289,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     // rows (ap, ag, bp, bg) of the group [4 k, c_z] (w_ab itself for one group)
     at::Tensor wk = k == s.c ? reshaped(w_ab, {4 * k, s.cz}) : w4.narrow(1, c0, k).reshape({4 * k, s.cz});
     // [M, 4 k] per position (columns a_proj, a_gate, b_proj, b_gate x k): dg_ab's for the first group
-    const at::Tensor dab = c0 == 0 ? dg_ab.narrow(1, s.cz, 4 * k)
-                                   : output({s.M, padded(4 * k)}, z.options()).narrow(1, 0, 4 * k);
+    const at::Tensor dab = c0 == 0 ? raw_narrow(dg_ab, 1, s.cz, 4 * k)
+                                   : raw_narrow(output({s.M, padded(4 * k)}, z.options()), 1, 0, 4 * k);
     if (triangle_input_fits(z, s)) {
       // the projections and gates recomputed from x_hat, their gradients and bias sums in one kernel
       const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
@@ -306,7 +307,11 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
       else launch_triangle_gate_backward<cutlass::bfloat16_t>(tp, stream);
       // [4 k] in a fixed order (the column-sum kernel, or torch's sum where a row is too wide for it)
       const at::Tensor sums = row_fits(4 * k, 4) ? column_sum(bias_part, at::kFloat) : bias_part.sum(0);
-      raw_view(db_ab, {4, k}, {s.c, 1}, db_ab.storage_offset() + c0).copy_(raw_reshape(sums.contiguous(), {4, k}));
+      if (k == s.c) {
+        db_ab = raw_reshape(sums.contiguous(), {4, k});  // (one group: all of db_ab)
+      } else {
+        raw_view(db_ab, {4, k}, {s.c, 1}, db_ab.storage_offset() + c0).copy_(raw_reshape(sums.contiguous(), {4, k}));
+      }
     } else {
       at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
       at::Tensor abk = at::mm(wk, raw_transpose(x_hat));                   // [4 k, M]
@@ -323,6 +328,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                                 vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) &&
                                     vector_ok(dab_rows, s.M)};
       bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
+      if (!db_ab.defined()) db_ab = output({4, s.c}, f32);
       bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
       bp.total_stride = s.c;
       C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
@@ -332,8 +338,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     da.reset(), db.reset();
     // the group's rows of dw_ab (dw_g's before them for the first group), and x_hat's terms
     const at::Tensor dw_rows = rows_product(raw_transpose(c0 == 0 ? dg_ab : dab), x_hat);  // [(c_z +) 4 k, c_z]
-    const at::Tensor dw_k = c0 == 0 ? dw_rows.narrow(0, s.cz, 4 * k) : dw_rows;            // [4 k, c_z]
-    if (c0 == 0) dw_g = dw_rows.narrow(0, 0, s.cz);
+    const at::Tensor dw_k = c0 == 0 ? raw_narrow(dw_rows, 0, s.cz, 4 * k) : dw_rows;       // [4 k, c_z]
+    if (c0 == 0) dw_g = raw_narrow(dw_rows, 0, 0, s.cz);
     if (k == s.c) {
       dw_ab = raw_reshape(dw_k, {4, s.c, s.cz});  // one group: dw_ab itself
     } else {
