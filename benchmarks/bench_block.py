@@ -46,7 +46,10 @@ kernel launches; autograd nodes run): exact where the times swing between proces
 instances, so that host-side changes can be compared by them; where those ATen calls go (per
 call of the block's code in the forward, per autograd node in the backward); and the host µs per
 call of the layers beneath (`layer_costs`: torch's own calls, the extension's ops called directly,
-the ops package's entries around them).
+the ops package's entries around them). With --baseline REV, a fifth side in the same rounds: revision REV's
+EvoformerBlock, its library loaded beside this one under another name (benchmarks/baseline.py; its
+extension builds on first use) with the same weights; it prints the one call's forward+backward over
+the revision's per round and the ratio of the medians.
 
 With --train, the blocks run in training mode: dropout at the preset's rates (AF2: 0.15 after the MSA
 row attention, 0.25 after each pair update), a new mask every step, as a training step runs them
@@ -58,13 +61,15 @@ those of the outgoing triangle multiplication at each N_res, once per kernel fam
 (on Hopper: the Hopper kernels and the portable ones).
 
     python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
-                                     [--train] [--triangle 384,768,1024] [--host] [--json out.json]
+                                     [--train] [--triangle 384,768,1024] [--host [--baseline REV]]
+                                     [--json out.json]
 """
 
 from __future__ import annotations
 
 import contextlib
-
+import inspect
+import statistics
 import sys
 from collections import Counter
 import time
@@ -81,6 +86,7 @@ from harness import (  # noqa: E402
     run_info_line, speedup, warm_up, write_json, fmt,
 )
 
+import baseline  # noqa: E402
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import ops  # noqa: E402
 from evoformer_blocks.ops import cutlass, module_nodes  # noqa: E402
@@ -434,16 +440,18 @@ def triangle_sweep(sizes: list[int], args) -> list[dict]:
 HOST_CASE = Case("EvoformerBlock", 16, 64)
 
 
-def host_ms(rounds: int = 5, iters: int = 20) -> dict:
+def host_ms(rounds: int = 5, iters: int = 20, baseline: str = "") -> dict:
     """Median host ms of the forward and of the backward of the default block at HOST_CASE, and every
     round's (forward, backward) pair (see the module docstring), with the block's nodes as one call
     and, under ``"per_module"``, ``"composed"`` and ``"separate"``, called module by module
     (``ops.module_nodes.per_module``), with the modules composing their ops
     (``ops.module_nodes.composed``) and as one call with the stacked parameters each in a storage of
-    its own (``primitives.separate_storages``): the rounds alternate between the four, so that all
-    see the same machine."""
-    _, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
-    leaves = [m.requires_grad_(True), z.requires_grad_(True), *block.parameters()]
+    its own (``primitives.separate_storages``); with ``baseline`` (a git revision), under
+    ``"baseline"`` the same block of that revision's library (benchmarks/baseline.py: loaded beside
+    this one, the same weights): the rounds alternate between them all, so that all see the same
+    machine."""
+    cfg, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
+    m.requires_grad_(True), z.requires_grad_(True)
     @contextlib.contextmanager
     def separate():  # (the stacked projections' parameters each in a storage of its own)
         separate_storages(block)
@@ -454,14 +462,19 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
 
     modes = {"nodes": contextlib.nullcontext, "per_module": module_nodes.per_module, "composed": module_nodes.composed,
              "separate": separate}
+    blocks = dict.fromkeys(modes, block)
+    if baseline:
+        modes["baseline"] = contextlib.nullcontext
+        blocks["baseline"] = baseline_block(baseline, cfg, block)
+    leaves = {name: [m, z, *b.parameters()] for name, b in blocks.items()}
 
-    def forward():
-        return sum(o.float().sum() for o in block(m, z, msa_mask, pair_mask))
+    def forward(name):
+        return sum(o.float().sum() for o in blocks[name](m, z, msa_mask, pair_mask))
 
-    for mode in modes.values():
+    for name, mode in modes.items():
         with mode():
             for _ in range(5):
-                torch.autograd.grad(forward(), leaves)
+                torch.autograd.grad(forward(name), leaves[name])
     torch.cuda.synchronize()
     per_round = {name: [] for name in modes}
     for _ in range(rounds):
@@ -470,9 +483,9 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
             with mode():
                 for _ in range(iters):
                     t0 = time.perf_counter()
-                    loss = forward()
+                    loss = forward(name)
                     t1 = time.perf_counter()
-                    torch.autograd.grad(loss, leaves)
+                    torch.autograd.grad(loss, leaves[name])
                     fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
             torch.cuda.synchronize()
             per_round[name].append((fwd / iters * 1e3, bwd / iters * 1e3))
@@ -481,13 +494,34 @@ def host_ms(rounds: int = 5, iters: int = 20) -> dict:
         ordered = sorted(per_round[name], key=sum)
         median = ordered[len(ordered) // 2]
         with mode():
-            loss = forward()
-            counts = {"fwd": host_operations(forward),
-                      "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves))}
+            loss = forward(name)
+            counts = {"fwd": host_operations(partial(forward, name)),
+                      "bwd": host_operations(lambda: torch.autograd.grad(loss, leaves[name]))}
         parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
         results[name] = {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1],
                          "rounds": per_round[name], "operations": counts, "parts": parts}
-    return {**results["nodes"], **{name: results[name] for name in ("per_module", "composed", "separate")}}
+    if baseline:
+        # the one call's forward+backward over the baseline's, per round and of the medians
+        ratios = [sum(ours) / sum(base) for ours, base in zip(per_round["nodes"], per_round["baseline"])]
+        results["baseline"].update(revision=baseline, ratios=ratios, ratio_of_medians=(
+            (results["nodes"]["fwd_ms"] + results["nodes"]["bwd_ms"])
+            / (results["baseline"]["fwd_ms"] + results["baseline"]["bwd_ms"])))
+    return {**results["nodes"], **{name: results[name] for name in results if name != "nodes"}}
+
+
+def baseline_block(revision: str, cfg: dict, block: torch.nn.Module) -> torch.nn.Module:
+    """`block`'s class from revision `revision`'s library (baseline.load), with block's arguments
+    that its constructor takes, block's weights, dtype, device and mode; exits where the weights do
+    not fit (the revision's block is not the same module)."""
+    library = baseline.load(revision)
+    cls = getattr(library, type(block).__name__)
+    accepted = inspect.signature(cls.__init__).parameters
+    other = cls(**{k: v for k, v in cfg.items() if k in accepted})
+    other = other.to(next(block.parameters()).device, DTYPE).train(block.training)
+    mismatch = other.load_state_dict(block.state_dict(), strict=False)
+    if mismatch.missing_keys or mismatch.unexpected_keys:
+        raise SystemExit(f"--baseline {revision}: its {cls.__name__} does not take this one's weights: {mismatch}")
+    return other
 
 
 def _host_us_per_call(fn, iters: int = 100) -> float:
@@ -608,22 +642,35 @@ def main() -> None:
                           "with --triangle, those of the outgoing triangle multiplication per kernel family")
     cli.add_argument("--triangle", default="", help="N_res list for the triangle multiplication sweep, e.g. 384,768,1024")
     cli.add_argument("--host", action="store_true", help="host time of the default block with the GPU idle")
+    cli.add_argument("--baseline", default="",
+                     help="with --host: a git revision whose block is timed in the same rounds (benchmarks/baseline.py)")
     cli.add_argument("--train", action="store_true", help="the blocks in training mode (dropout at the preset's rates)")
     args = cli.parse()
     if (args.triangle or args.host) and not any(a.startswith("--shapes") for a in sys.argv[1:]):
         args.shapes = []  # the sweep or the host timing alone
     print(run_info_line(), flush=True)
     results = []
+    if args.baseline and not args.host:
+        cli.error("--baseline goes with --host")
     if args.host:
-        host = host_ms()
-        for what, h in (("the C++ nodes as one call", host), ("the C++ nodes module by module", host["per_module"]),
-                        ("composing the ops", host["composed"]),
-                        ("the one call, stacked parameters each in a storage of its own", host["separate"])):
+        host = host_ms(baseline=args.baseline)
+        shown = [("the C++ nodes as one call", host), ("the C++ nodes module by module", host["per_module"]),
+                 ("composing the ops", host["composed"]),
+                 ("the one call, stacked parameters each in a storage of its own", host["separate"])]
+        if args.baseline:
+            shown.append((f"revision {args.baseline}'s block", host["baseline"]))
+        for what, h in shown:
             rounds = ", ".join(f"{f:.2f} / {b:.2f}" for f, b in h["rounds"])
             print(f"\n## host time, {h['case']}, GPU idle, {what}: forward {h['fwd_ms']:.2f} ms, backward "
                   f"{h['bwd_ms']:.2f} ms (median round; rounds forward / backward: {rounds}); ATen calls "
                   f"{h['operations']['fwd']['aten']} / {h['operations']['bwd']['aten']}, autograd nodes "
                   f"{h['operations']['bwd']['autograd_nodes']}", flush=True)
+        if args.baseline:
+            ratios = host["baseline"]["ratios"]
+            print(f"\nthe one call's forward+backward over revision {args.baseline}'s, per round: "
+                  f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f}, "
+                  f"{sum(r <= 0.5 for r in ratios)} of {len(ratios)} at or below half); ratio of the medians "
+                  f"{host['baseline']['ratio_of_medians']:.3f}", flush=True)
         for part, ops in host["operations"].items():
             print(f"{part}: {ops['aten']} ATen calls, {ops['launches']} kernel launches, "
                   f"{ops['autograd_nodes']} autograd nodes", flush=True)

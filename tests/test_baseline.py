@@ -1,0 +1,52 @@
+"""benchmarks/baseline.py: a git revision of the library loaded beside the checkout's under another name
+(the host-time A/B of `bench_block.py --host --baseline REV`). CPU only: the renamed package imports,
+nothing of the checkout's names is left where two libraries in one process would collide, and its
+EvoformerBlock takes the checkout's weights."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import re, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import baseline
+import evoformer_blocks as ours
+library = baseline.load("HEAD")
+assert library.__name__ == "evoformer_baseline", library.__name__
+folder = Path(library.__file__).resolve().parents[1]
+assert not str(folder).startswith(str(Path.cwd().resolve())), folder
+from evoformer_baseline.ops import _build
+assert _build.OP_NAMESPACE == "evoformer_baseline_cuda", _build.OP_NAMESPACE
+assert _build.SOURCE_DIR.resolve() == (folder / "csrc").resolve(), _build.SOURCE_DIR
+left = [str(p) for p in (folder / "csrc").rglob("*") if p.is_file()
+        and re.search(r"\bevoformer\b|evoformer_blocks", p.read_text())]
+assert not left, left
+left = [str(p) for p in (folder / "evoformer_baseline").rglob("*.py") if "evoformer_blocks" in p.read_text()]
+assert not left, left
+args = dict(c_m=32, c_z=16, c_hidden_msa_att=8, c_hidden_opm=4, c_hidden_mul=16, c_hidden_pair_att=8,
+            no_heads_msa=2, no_heads_pair=2)
+theirs = library.EvoformerBlock(**args)
+theirs.load_state_dict(ours.EvoformerBlock(**args).state_dict(), strict=True)
+assert baseline.load("HEAD") is library
+print("ok")
+"""
+
+
+def test_baseline_loads_a_revision_beside_the_package(tmp_path):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs a git checkout of the repository")
+    env = dict(os.environ, EVOFORMER_BLOCKS_BASELINE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    prepared = [p.name for p in tmp_path.iterdir()]
+    assert len(prepared) == 1 and re.fullmatch(r"[0-9a-f]{12}", prepared[0]), prepared
