@@ -451,7 +451,8 @@ def host_ms(rounds: int = 5, iters: int = 20, baseline: str = "") -> dict:
     this one, the same weights): the rounds alternate between them all, so that all see the same
     machine."""
     cfg, block, m, z, msa_mask, pair_mask = build(HOST_CASE)
-    m.requires_grad_(True), z.requires_grad_(True)
+    m.requires_grad_(True)
+    z.requires_grad_(True)
     @contextlib.contextmanager
     def separate():  # (the stacked projections' parameters each in a storage of its own)
         separate_storages(block)
