@@ -35,12 +35,26 @@ def _git(*args: str) -> bytes:
     return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True).stdout
 
 
+def _prepared(folder: Path) -> bool:
+    return (folder / PACKAGE / "__init__.py").is_file()
+
+
 def prepare(rev: str) -> Path:
-    """The folder holding revision `rev`'s renamed package and sources (made once per commit)."""
-    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    """The folder holding revision `rev`'s renamed package and sources (made once per commit). Where
+    git cannot resolve `rev` (a copy of the working tree without the repository's history, as on a
+    remote GPU machine), a folder prepared elsewhere and copied into the baselines' folder serves when
+    exactly one prepared folder's name (the commit's first 12 hex digits) starts with `rev`."""
     root = Path(os.environ.get("EVOFORMER_BLOCKS_BASELINE_DIR", Path(tempfile.gettempdir()) / "evoformer_blocks_baselines"))
+    try:
+        commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    except (OSError, subprocess.CalledProcessError) as error:
+        found = [f for f in root.glob(f"{rev.lower()[:12]}*") if len(f.name) == 12 and _prepared(f)]
+        if len(found) == 1:
+            return found[0]
+        raise RuntimeError(f"revision {rev!r}: git cannot resolve it here ({error}) and {root} holds "
+                           f"{len(found)} prepared folders matching it (one is needed)") from error
     folder = root / commit[:12]
-    if (folder / PACKAGE / "__init__.py").is_file():
+    if _prepared(folder):
         return folder
     staging = root / f"{commit[:12]}.{os.getpid()}"
     with tarfile.open(fileobj=io.BytesIO(_git("archive", "--format=tar", commit, "evoformer_blocks", "csrc",
@@ -60,7 +74,7 @@ def prepare(rev: str) -> Path:
     try:
         staging.rename(folder)  # (a process preparing the same commit at the same time: the first one's stays)
     except OSError:
-        if not (folder / PACKAGE / "__init__.py").is_file():
+        if not _prepared(folder):
             raise
     return folder
 

@@ -61,7 +61,7 @@ those of the outgoing triangle multiplication at each N_res, once per kernel fam
 (on Hopper: the Hopper kernels and the portable ones).
 
     python benchmarks/bench_block.py [--shapes all|0,1] [--impls default,compiled,...] [--breakdown] [--profile]
-                                     [--train] [--triangle 384,768,1024] [--host [--baseline REV]]
+                                     [--train] [--triangle 384,768,1024] [--host [--baseline REV] [--rounds R]]
                                      [--json out.json]
 """
 
@@ -645,6 +645,7 @@ def main() -> None:
     cli.add_argument("--host", action="store_true", help="host time of the default block with the GPU idle")
     cli.add_argument("--baseline", default="",
                      help="with --host: a git revision whose block is timed in the same rounds (benchmarks/baseline.py)")
+    cli.add_argument("--rounds", type=int, default=5, help="with --host: alternating rounds (median over them)")
     cli.add_argument("--train", action="store_true", help="the blocks in training mode (dropout at the preset's rates)")
     args = cli.parse()
     if (args.triangle or args.host) and not any(a.startswith("--shapes") for a in sys.argv[1:]):
@@ -654,7 +655,7 @@ def main() -> None:
     if args.baseline and not args.host:
         cli.error("--baseline goes with --host")
     if args.host:
-        host = host_ms(baseline=args.baseline)
+        host = host_ms(rounds=args.rounds, baseline=args.baseline)
         shown = [("the C++ nodes as one call", host), ("the C++ nodes module by module", host["per_module"]),
                  ("composing the ops", host["composed"]),
                  ("the one call, stacked parameters each in a storage of its own", host["separate"])]

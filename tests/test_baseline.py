@@ -50,3 +50,28 @@ def test_baseline_loads_a_revision_beside_the_package(tmp_path):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
     prepared = [p.name for p in tmp_path.iterdir()]
     assert len(prepared) == 1 and re.fullmatch(r"[0-9a-f]{12}", prepared[0]), prepared
+
+
+def test_baseline_prepared_folder_serves_without_git(tmp_path, monkeypatch):
+    """Where git cannot resolve the revision (a copy of the working tree without history), a folder
+    prepared elsewhere serves when exactly one prepared folder's name starts with the revision."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import baseline
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def no_git(*args):
+        raise OSError("git: not found")
+
+    monkeypatch.setattr(baseline, "_git", no_git)
+    monkeypatch.setenv("EVOFORMER_BLOCKS_BASELINE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="0 prepared folders"):
+        baseline.prepare("abcdef1")
+    for name in ("abcdef123456", "abcdef999999"):
+        (tmp_path / name / baseline.PACKAGE).mkdir(parents=True)
+        (tmp_path / name / baseline.PACKAGE / "__init__.py").write_text("")
+    (tmp_path / "abcdef123456.77").mkdir()  # (a staging folder, never a match)
+    assert baseline.prepare("abcdef1234") == tmp_path / "abcdef123456"
+    with pytest.raises(RuntimeError, match="2 prepared folders"):
+        baseline.prepare("abcdef")

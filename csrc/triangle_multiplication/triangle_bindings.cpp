@@ -272,8 +272,11 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor bias = raw_reshape(as_dtype(b_ab, at::kFloat).contiguous(), {4, s.c});
   const at::Tensor w4 = reshaped(w_ab, {4, s.c, s.cz});
   at::Tensor dw_ab = first < s.c ? output({4, s.c, s.cz}, w_ab.options()) : at::Tensor();  // (one group: below)
-  // the gate kernels' row sums [4, c] (one group: the fused gate kernel's sums themselves, below)
-  at::Tensor db_ab = s.M == 0 ? at::zeros({4, s.c}, f32) : first < s.c ? output({4, s.c}, f32) : at::Tensor();
+  // the gate kernels' row sums [4, c] (one group through the fused gate kernel: its sums themselves, below)
+  const bool fused_gates = triangle_input_fits(z, s);
+  at::Tensor db_ab = s.M == 0                        ? at::zeros({4, s.c}, f32)
+                     : first < s.c || !fused_gates ? output({4, s.c}, f32)
+                                                   : at::Tensor();
   at::Tensor dx, dw_g;  // [M, c_z], [c_z, c_z]
   for (int64_t c0 = 0; c0 < s.c; c0 += group) {
     const int64_t k = std::min(group, s.c - c0);
@@ -291,7 +294,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     // [M, 4 k] per position (columns a_proj, a_gate, b_proj, b_gate x k): dg_ab's for the first group
     const at::Tensor dab = c0 == 0 ? raw_narrow(dg_ab, 1, s.cz, 4 * k)
                                    : raw_narrow(output({s.M, padded(4 * k)}, z.options()), 1, 0, 4 * k);
-    if (triangle_input_fits(z, s)) {
+    if (fused_gates) {
       // the projections and gates recomputed from x_hat, their gradients and bias sums in one kernel
       const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
       at::Tensor bias_part = output({ctas, 4 * k}, f32);
@@ -328,7 +331,6 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                                 vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) &&
                                     vector_ok(dab_rows, s.M)};
       bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
-      if (!db_ab.defined()) db_ab = output({4, s.c}, f32);
       bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
       bp.total_stride = s.c;
       C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
