@@ -85,20 +85,5 @@ inline void launch_pair_grad(void (*kernel)(AttentionParams, Extra...), const At
   check_launch(name);
 }
 
-// CTAs of `kernel` (`threads` threads, `smem_bytes` of dynamic shared memory) resident per SM on the
-// current device; queried once per device and kernel. Failures name `name`.
-template <auto kKernel>
-int resident_ctas_per_sm(int threads, int smem_bytes, const char* name) {
-  static std::atomic<int> cache[kCachedDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
-  return once_per_device(cache, device, [&](int) {
-    int blocks = 0;
-    allow_dynamic_smem(kKernel, smem_bytes, name);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
-      check_launch(name);
-    return blocks;
-  });
-}
 
 }  // namespace evoformer

@@ -1,5 +1,6 @@
 // The launch check every kernel family's launchers use, the shared-memory allowance they raise
-// before a launch, and the per-device cache of what they ask the driver once per device.
+// before a launch, the per-device cache of what they ask the driver once per device, and the
+// occupancy query that sizes persistent grids.
 #pragma once
 
 #include <atomic>
@@ -58,6 +59,22 @@ int once_per_device(std::atomic<int> (&cache)[kCachedDevices], int device, Ask&&
   const int value = ask(device);
   if (kept) cache[device].store(value + 1, std::memory_order_relaxed);
   return value;
+}
+
+// CTAs of `kernel` (`threads` threads, `smem_bytes` of dynamic shared memory) resident per SM on the
+// current device; queried once per device and kernel. Failures name `name`.
+template <auto kKernel>
+int resident_ctas_per_sm(int threads, int smem_bytes, const char* name) {
+  static std::atomic<int> cache[kCachedDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
+  return once_per_device(cache, device, [&](int) {
+    int blocks = 0;
+    allow_dynamic_smem(kKernel, smem_bytes, name);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, smem_bytes) != cudaSuccess)
+      check_launch(name);
+    return blocks;
+  });
 }
 
 }  // namespace evoformer

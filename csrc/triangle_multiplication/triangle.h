@@ -102,6 +102,7 @@ struct TriangleOutputParams {
   const void* residual;
   const void* scale;
   int64_t n_res;
+  int sm_count;  // the device's SMs: the kernel's persistent grid is sm_count x its resident CTAs per SM
 };
 
 // The output half's backward in one kernel (triangle_output.cuh), under the same limits: with y =

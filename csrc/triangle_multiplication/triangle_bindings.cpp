@@ -163,6 +163,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
     TriangleOutputParams op_params{p.data_ptr(), g.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), out.data_ptr(),
                                    for_backward ? n_hat.data_ptr() : nullptr, rstd_out.data_ptr<float>(), s.M, int(s.c),
                                    int(s.cz), float(eps), vector_ok(p, s.M)};
+    op_params.sm_count = current_sm_count();
     if (add_in_kernel) {
       op_params.residual = z.data_ptr();
       op_params.scale = update_scale.has_value() ? update_scale->data_ptr() : nullptr;

@@ -2,20 +2,33 @@
 // (triangle_output.cuh), half and bfloat16, one instantiation per bucket of the widths (64, 128); the
 // forward also without bounds checks where c and c_z fill the bucket and one pass (C == the bucket,
 // G == 128) and rows are 16-byte aligned.
+#include <algorithm>
+
 #include "triangle_multiplication/triangle_output.cuh"
 
 namespace evoformer {
 namespace block {
 
 namespace {
+// One persistent grid: as many CTAs as are resident at once (p.sm_count x the kernel's CTAs per SM),
+// each walking the tiles gridDim.x apart (one per tile where there are fewer tiles).
+template <auto kKernel>
+void launch_persistent(const TriangleOutputParams& p, int smem_bytes, cudaStream_t stream, const char* name) {
+  const int64_t tiles = (p.M + kTriInRows - 1) / kTriInRows;
+  const int64_t resident = int64_t(p.sm_count) * resident_ctas_per_sm<kKernel>(kTriInThreads, smem_bytes, name);
+  allow_dynamic_smem(kKernel, smem_bytes, name);
+  kKernel<<<unsigned(std::max<int64_t>(1, std::min(tiles, resident))), kTriInThreads, smem_bytes, stream>>>(p);
+  check_launch(name);
+}
+
 template <typename T, int kKSteps>
 void launch_bucket(const TriangleOutputParams& p, cudaStream_t stream) {
   constexpr int kSmem = TriangleOutputTile<kKSteps>::template bytes<T>();
   constexpr const char* kName = "evoformer triangle output";
   if (p.C == 16 * kKSteps && p.G == kTriInPassCols && p.vector_ok)
-    launch_on_position_tiles(triangle_output_kernel<T, kKSteps, true>, p, p.M, kSmem, stream, kName);
+    launch_persistent<triangle_output_kernel<T, kKSteps, true>>(p, kSmem, stream, kName);
   else
-    launch_on_position_tiles(triangle_output_kernel<T, kKSteps, false>, p, p.M, kSmem, stream, kName);
+    launch_persistent<triangle_output_kernel<T, kKSteps, false>>(p, kSmem, stream, kName);
 }
 }  // namespace
 

@@ -12,8 +12,12 @@
 // p and g once and writes out and n_hat once; it replaces the channel layer norm, the y GEMM and the
 // gate kernel (which read n_hat, y and g back).
 //
-// CTA: 256 threads, 128 positions. The p tile [C, 128] (channel-major, as the triangle products
-// leave it), w_z [G, C] and the g tile [128, G] are copied into shared memory (cp.async). The
+// CTA: 256 threads, 128 positions per tile; a persistent grid (as many CTAs as are resident) whose
+// CTAs walk the tiles gridDim.x apart. w_z [G, C] is copied into shared memory once per CTA, the p
+// tile [C, 128] (channel-major, as the triangle products leave it) and the g tile [128, G] per tile
+// (cp.async), the next tile's p while this tile's epilogue runs and its g once this tile's out has
+// left the g buffer (against one CTA per tile, the kernel 0.28-0.30 -> 0.25-0.26 ms at N_res 1024 and
+// 0.160-0.166 -> 0.148-0.155 at 768; H200, one process, bitwise the same results). The
 // statistics take eight lanes of a warp per four positions (every eighth channel each, in
 // registers, summed by shuffles); the tile is normalised in place and stays channel-major, so it is
 // the GEMM's A operand read with transposing ldmatrix (positions m, channels k), and n_hat goes to
@@ -28,6 +32,13 @@
 
 namespace evoformer {
 namespace block {
+
+// threadIdx.x by a volatile read, which the compiler neither hoists out of a loop nor merges
+__device__ __forceinline__ unsigned fresh_thread_index() {
+  unsigned tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid;
+}
 
 template <int kKSteps>
 struct TriangleOutputTile {
@@ -53,13 +64,17 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
   T* const ps = reinterpret_cast<T*>(tri_out_smem);  // [kK, kSP]: p, then n_hat (channel-major)
   T* const wb = ps + Tile::kPElems;                   // [128, kPitch]: w_z
   T* const gs = wb + Tile::kWBuffer;                  // [128, kSP]: g, then out
-  const int64_t m0 = int64_t(blockIdx.x) * kTriInRows;
-  const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
-
-  // p tile (group 0): channel rows, 16 bytes along positions (plain loads where rows are unaligned)
-  {
+  const int tiles = int((p.M + kTriInRows - 1) / kTriInRows);
+  const auto rows_of = [&](int64_t tile) {
+    const int64_t m0 = tile * kTriInRows;
+    return int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
+  };
+  // p tile: channel rows, 16 bytes along positions (plain loads where rows are unaligned)
+  const auto load_p = [&](int64_t tile, unsigned tid) {
     constexpr int kSpans = kTriInRows / 8;
-    const int col = int(threadIdx.x % unsigned(kSpans)) * 8, c0 = int(threadIdx.x / unsigned(kSpans));
+    const int64_t m0 = tile * kTriInRows;
+    const int valid_rows = rows_of(tile);
+    const int col = int(tid % unsigned(kSpans)) * 8, c0 = int(tid / unsigned(kSpans));
     const T* const src0 = static_cast<const T*>(p.p) + m0 + col;
 #pragma unroll
     for (int c = c0; c < Tile::kK; c += kTriInThreads / kSpans) {
@@ -71,137 +86,158 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
         for (int e = 0; e < 8; ++e) dst[e] = ok && col + e < valid_rows ? src0[int64_t(c) * p.M + e] : T(0.f);
       }
     }
-    cp_async_commit();
-  }
-  // w_z (group 1) and the g tile (group 2)
+  };
+  const auto load_g = [&](int64_t tile, unsigned tid) {
+    load_tile_async<T, kTriInRows, kTriInPassCols, kSP, kTriInThreads>(
+        gs, static_cast<const T*>(p.g) + tile * kTriInRows * p.G, p.G, rows_of(tile), p.G, tid);
+  };
+
+  // The CTA's tiles blockIdx.x, + gridDim.x, ...: w_z once (group 0), the first tile's p and g (groups
+  // 1, 2); every later tile's p is copied while the previous tile's epilogue runs, its g once that
+  // tile's out has left the g buffer (one group each, committed also when empty, so that the waits
+  // below always count the same).
   load_tile_async<T, kTriInPassCols, Tile::kK, Tile::kPitch, kTriInThreads>(wb, static_cast<const T*>(p.w_z), p.C,
                                                                             p.G, p.C, threadIdx.x);
   cp_async_commit();
-  load_tile_async<T, kTriInRows, kTriInPassCols, kSP, kTriInThreads>(gs, static_cast<const T*>(p.g) + m0 * p.G, p.G,
-                                                                     valid_rows, p.G, threadIdx.x);
+  load_p(blockIdx.x, threadIdx.x);
   cp_async_commit();
-  cp_async_wait<2>();
-  __syncthreads();
-
-  // Layer norm over the channels of each position, from registers: a thread holds four consecutive
-  // positions of every eighth channel (group cg = lane % 8: channels cg, cg + 8, ...), read and
-  // written back 8 bytes at a time (lanes ordered so that a half-warp's reads cover the 32 banks
-  // once); the eight groups of a position are lanes of one warp, so its sums meet by shuffles. Two
-  // passes over the registers (mean, then the centred squares), one over shared memory.
-  {
-    constexpr int kGroups = 8, kPerThread = Tile::kK / kGroups;
-    static_assert(kTriInThreads / 32 * (32 / kGroups) * 4 == kTriInRows, "a warp covers 16 positions x 8 groups");
-    const int lane = int(threadIdx.x % 32u), cg = lane % kGroups;
-    const int pos0 = (int(threadIdx.x / 32u) * (32 / kGroups) + lane / kGroups) * 4;
-    uint2 v[kPerThread];  // channel cg + 8 j at positions pos0 .. pos0 + 3 (zeros past C)
-    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+  load_g(blockIdx.x, threadIdx.x);
+  cp_async_commit();
+  for (int tile = int(blockIdx.x); tile < tiles; tile += int(gridDim.x)) {
+    // the thread index read afresh per tile (volatile): what derives from it is not kept across the loop
+    const unsigned tid = fresh_thread_index();
+    const int64_t m0 = int64_t(tile) * kTriInRows;
+    const int next = tile + int(gridDim.x);
+    const int valid_rows = rows_of(tile);
+    cp_async_wait<1>();  // w_z and this tile's p (its g may still be in flight)
+    __syncthreads();
+    // Layer norm over the channels of each position, from registers: a thread holds four consecutive
+    // positions of every eighth channel (group cg = lane % 8: channels cg, cg + 8, ...), read and
+    // written back 8 bytes at a time (lanes ordered so that a half-warp's reads cover the 32 banks
+    // once); the eight groups of a position are lanes of one warp, so its sums meet by shuffles. Two
+    // passes over the registers (mean, then the centred squares), one over shared memory.
+    {
+      constexpr int kGroups = 8, kPerThread = Tile::kK / kGroups;
+      static_assert(kTriInThreads / 32 * (32 / kGroups) * 4 == kTriInRows, "a warp covers 16 positions x 8 groups");
+      const int lane = int(tid % 32u), cg = lane % kGroups;
+      const int pos0 = (int(tid / 32u) * (32 / kGroups) + lane / kGroups) * 4;
+      uint2 v[kPerThread];  // channel cg + 8 j at positions pos0 .. pos0 + 3 (zeros past C)
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      v[j] = *reinterpret_cast<const uint2*>(ps + (cg + kGroups * j) * kSP + pos0);
-      const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
-      sum[0] += lo.x, sum[1] += lo.y, sum[2] += hi.x, sum[3] += hi.y;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) sum[k] = segment_sum(sum[k], kGroups);
-    float mean[4], sq[4] = {0.f, 0.f, 0.f, 0.f};
-    const float inv_c = 1.f / float(p.C);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) mean[k] = sum[k] * inv_c;
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      if (!kWhole && cg + kGroups * j >= p.C) continue;
-      const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
-      const float x[4] = {lo.x - mean[0], lo.y - mean[1], hi.x - mean[2], hi.y - mean[3]};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) sq[k] = fmaf(x[k], x[k], sq[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) sq[k] = segment_sum(sq[k], kGroups);
-    float rstd[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) rstd[k] = rsqrtf(sq[k] * inv_c + p.eps);
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      if (!kWhole && cg + kGroups * j >= p.C) continue;
-      const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
-      const uint2 out{pack2<T>((lo.x - mean[0]) * rstd[0], (lo.y - mean[1]) * rstd[1]),
-                      pack2<T>((hi.x - mean[2]) * rstd[2], (hi.y - mean[3]) * rstd[3])};
-      *reinterpret_cast<uint2*>(ps + (cg + kGroups * j) * kSP + pos0) = out;
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k)  // lanes cg = 0 .. 3 write the statistics of positions pos0 + cg
-      if (cg == k && pos0 + k < valid_rows) p.rstd[m0 + pos0 + k] = rstd[k];
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the normalised tile, w_z and g are in
-
-  // y = n_hat . w_z^T: A from the channel-major tile (transposing ldmatrix), B from w_z rows. The A
-  // fragments are n_hat's rows [position, C] as stored: each register holds two channels of one
-  // position, so they go to HBM from there as 4-byte stores (the warps of column half h take the
-  // k-steps of parity h; a k-step's two stores per position fill a 32-byte sector).
-  const int warp = threadIdx.x / 32u, lane = threadIdx.x % 32u;
-  const int g = lane / 4, t = lane % 4;
-  const int row_group = warp % 4, col_half = warp / 4;
-  float acc[2][8][4];
-  const int mat = lane / 8;
-  T* const n_hat = static_cast<T*>(p.n_hat);
-  triangle_pass_products<T, kKSteps>(
-      acc,
-      [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          ldsm_x4_trans(ps + (kk * 16 + (mat / 2) * 8 + lane % 8) * kSP + row_group * 32 + mt * 16 + (mat % 2) * 8,
-                        af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
-          if (kk % 2 != col_half) continue;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {  // register i: position g + 8 (i % 2), channels 2t (+ 8 for i >= 2)
-            const int r = row_group * 32 + mt * 16 + g + 8 * (i % 2), c = kk * 16 + 8 * (i / 2) + 2 * t;
-            if (n_hat != nullptr && r < valid_rows && (kWhole || c < p.C))
-              *reinterpret_cast<uint32_t*>(n_hat + (m0 + r) * p.C + c) = af[mt][i];
-          }
-        }
-      },
-      wb, col_half, lane);
-
-  // out = sigmoid(g) * y over the g tile (each value rewritten by the thread that reads it), y rounded
-  // to T as the backward recomputes it
-  add_column_bias<T, true, kWhole>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int n = col_half * 64 + nt * 8 + 2 * t;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-        T* const gp = gs + r * kSP + n;
-        const float2 gv = unpack2<T>(*reinterpret_cast<const uint32_t*>(gp));  // (one 4-byte load)
-        store2<T>(gp, sigmoid_gated<T>(gv.x, acc[mt][nt][2 * hh]),
-                  sigmoid_gated<T>(gv.y, acc[mt][nt][2 * hh + 1]));
+      for (int j = 0; j < kPerThread; ++j) {
+        v[j] = *reinterpret_cast<const uint2*>(ps + (cg + kGroups * j) * kSP + pos0);
+        const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
+        sum[0] += lo.x, sum[1] += lo.y, sum[2] += hi.x, sum[3] += hi.y;
       }
-  }
-  __syncthreads();
-  // out rows [position, G] (G a multiple of 8: whole 16-byte spans)
-  {
-    constexpr int kSpans = kTriInPassCols / 8;
-    const int col = int(threadIdx.x % unsigned(kSpans)) * 8, r0 = int(threadIdx.x / unsigned(kSpans));
-    if (kWhole || col < p.G) {
 #pragma unroll
-      for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
-        if (r >= valid_rows) break;
-        const int64_t at = (m0 + r) * p.G + col;
-        uint4 piece = *reinterpret_cast<const uint4*>(gs + r * kSP + col);
-        if (p.residual != nullptr) {  // the block's residual add (and its dropout's scale) on the way out
-          const T* scale = nullptr;
-          if (p.scale != nullptr) {
-            const int64_t m = m0 + r, j = m % p.n_res, b = m / (p.n_res * p.n_res);
-            scale = static_cast<const T*>(p.scale) + (b * p.n_res + j) * p.G + col;
+      for (int k = 0; k < 4; ++k) sum[k] = segment_sum(sum[k], kGroups);
+      float mean[4], sq[4] = {0.f, 0.f, 0.f, 0.f};
+      const float inv_c = 1.f / float(p.C);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mean[k] = sum[k] * inv_c;
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        if (!kWhole && cg + kGroups * j >= p.C) continue;
+        const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
+        const float x[4] = {lo.x - mean[0], lo.y - mean[1], hi.x - mean[2], hi.y - mean[3]};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sq[k] = fmaf(x[k], x[k], sq[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sq[k] = segment_sum(sq[k], kGroups);
+      float rstd[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rstd[k] = rsqrtf(sq[k] * inv_c + p.eps);
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        if (!kWhole && cg + kGroups * j >= p.C) continue;
+        const float2 lo = unpack2<T>(v[j].x), hi = unpack2<T>(v[j].y);
+        const uint2 out{pack2<T>((lo.x - mean[0]) * rstd[0], (lo.y - mean[1]) * rstd[1]),
+                        pack2<T>((hi.x - mean[2]) * rstd[2], (hi.y - mean[3]) * rstd[3])};
+        *reinterpret_cast<uint2*>(ps + (cg + kGroups * j) * kSP + pos0) = out;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k)  // lanes cg = 0 .. 3 write the statistics of positions pos0 + cg
+        if (cg == k && pos0 + k < valid_rows) p.rstd[m0 + pos0 + k] = rstd[k];
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the normalised tile, w_z and g are in
+
+    // y = n_hat . w_z^T: A from the channel-major tile (transposing ldmatrix), B from w_z rows. The A
+    // fragments are n_hat's rows [position, C] as stored: each register holds two channels of one
+    // position, so they go to HBM from there as 4-byte stores (the warps of column half h take the
+    // k-steps of parity h; a k-step's two stores per position fill a 32-byte sector).
+    const int warp = tid / 32u, lane = tid % 32u;
+    const int g = lane / 4, t = lane % 4;
+    const int row_group = warp % 4, col_half = warp / 4;
+    float acc[2][8][4];
+    const int mat = lane / 8;
+    T* const n_hat = static_cast<T*>(p.n_hat);
+    triangle_pass_products<T, kKSteps>(
+        acc,
+        [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            ldsm_x4_trans(ps + (kk * 16 + (mat / 2) * 8 + lane % 8) * kSP + row_group * 32 + mt * 16 + (mat % 2) * 8,
+                          af[mt][0], af[mt][1], af[mt][2], af[mt][3]);
+            if (kk % 2 != col_half) continue;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // register i: position g + 8 (i % 2), channels 2t (+ 8 for i >= 2)
+              const int r = row_group * 32 + mt * 16 + g + 8 * (i % 2), c = kk * 16 + 8 * (i / 2) + 2 * t;
+              if (n_hat != nullptr && r < valid_rows && (kWhole || c < p.C))
+                *reinterpret_cast<uint32_t*>(n_hat + (m0 + r) * p.C + c) = af[mt][i];
+            }
           }
-          piece = add_to_residual<T>(piece, static_cast<const T*>(p.residual) + at, scale);
+        },
+        wb, col_half, lane);
+
+    __syncthreads();  // every warp's products have read the p tile: it takes the next tile's p
+    if (next < tiles) load_p(next, tid);
+    cp_async_commit();
+
+    // out = sigmoid(g) * y over the g tile (each value rewritten by the thread that reads it), y rounded
+    // to T as the backward recomputes it
+    add_column_bias<T, true, kWhole>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int n = col_half * 64 + nt * 8 + 2 * t;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+          T* const gp = gs + r * kSP + n;
+          const float2 gv = unpack2<T>(*reinterpret_cast<const uint32_t*>(gp));  // (one 4-byte load)
+          store2<T>(gp, sigmoid_gated<T>(gv.x, acc[mt][nt][2 * hh]),
+                    sigmoid_gated<T>(gv.y, acc[mt][nt][2 * hh + 1]));
         }
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + at) = piece;
+    }
+    __syncthreads();
+    // out rows [position, G] (G a multiple of 8: whole 16-byte spans)
+    {
+      constexpr int kSpans = kTriInPassCols / 8;
+      const int col = int(tid % unsigned(kSpans)) * 8, r0 = int(tid / unsigned(kSpans));
+      if (kWhole || col < p.G) {
+#pragma unroll
+        for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
+          if (r >= valid_rows) break;
+          const int64_t at = (m0 + r) * p.G + col;
+          uint4 piece = *reinterpret_cast<const uint4*>(gs + r * kSP + col);
+          if (p.residual != nullptr) {  // the block's residual add (and its dropout's scale) on the way out
+            const T* scale = nullptr;
+            if (p.scale != nullptr) {
+              const int64_t m = m0 + r, j = m % p.n_res, b = m / (p.n_res * p.n_res);
+              scale = static_cast<const T*>(p.scale) + (b * p.n_res + j) * p.G + col;
+            }
+            piece = add_to_residual<T>(piece, static_cast<const T*>(p.residual) + at, scale);
+          }
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + at) = piece;
+        }
       }
     }
+    __syncthreads();  // out has left the g buffer: it takes the next tile's g
+    if (next < tiles) load_g(next, tid);
+    cp_async_commit();
   }
 }
 
