@@ -85,5 +85,4 @@ inline void launch_pair_grad(void (*kernel)(AttentionParams, Extra...), const At
   check_launch(name);
 }
 
-
 }  // namespace evoformer
