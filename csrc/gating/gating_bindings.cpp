@@ -229,9 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_i
     }
   }
   if (need_db && !db.defined()) {
-    const at::Tensor biased = bias_from > 0 ? raw_view(dy, {dy.size(0), C - bias_from}, {dy.stride(0), dy.stride(1)},
-                                                       dy.storage_offset() + bias_from * dy.stride(1))
-                                            : dy;  // [rows, out - bias_from]
+    // [rows, out - bias_from]
+    const at::Tensor biased = bias_from > 0 ? raw_narrow(dy, 1, bias_from, C - bias_from) : dy;
     db = sum_kernel ? column_sum_rows(biased, bias_dtype) : at::sum(biased, {0}, false, at::kFloat).to(bias_dtype);
   }
   at::Tensor dx, dw;

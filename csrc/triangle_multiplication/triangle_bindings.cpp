@@ -314,7 +314,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
       if (k == s.c) {
         db_ab = raw_reshape(sums.contiguous(), {4, k});  // (one group: all of db_ab)
       } else {
-        raw_view(db_ab, {4, k}, {s.c, 1}, db_ab.storage_offset() + c0).copy_(raw_reshape(sums.contiguous(), {4, k}));
+        raw_narrow(db_ab, 1, c0, k).copy_(raw_reshape(sums.contiguous(), {4, k}));  // this group's columns
       }
     } else {
       at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
