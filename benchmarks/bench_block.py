@@ -440,13 +440,13 @@ def triangle_sweep(sizes: list[int], args) -> list[dict]:
 HOST_CASE = Case("EvoformerBlock", 16, 64)
 
 
-def host_ms(rounds: int = 5, iters: int = 20, baseline: str = "") -> dict:
+def host_ms(rounds: int = 5, iters: int = 20, revision: str = "") -> dict:
     """Median host ms of the forward and of the backward of the default block at HOST_CASE, and every
     round's (forward, backward) pair (see the module docstring), with the block's nodes as one call
     and, under ``"per_module"``, ``"composed"`` and ``"separate"``, called module by module
     (``ops.module_nodes.per_module``), with the modules composing their ops
     (``ops.module_nodes.composed``) and as one call with the stacked parameters each in a storage of
-    its own (``primitives.separate_storages``); with ``baseline`` (a git revision), under
+    its own (``primitives.separate_storages``); with ``revision`` (a git revision), under
     ``"baseline"`` the same block of that revision's library (benchmarks/baseline.py: loaded beside
     this one, the same weights): the rounds alternate between them all, so that all see the same
     machine."""
@@ -464,9 +464,9 @@ def host_ms(rounds: int = 5, iters: int = 20, baseline: str = "") -> dict:
     modes = {"nodes": contextlib.nullcontext, "per_module": module_nodes.per_module, "composed": module_nodes.composed,
              "separate": separate}
     blocks = dict.fromkeys(modes, block)
-    if baseline:
+    if revision:
         modes["baseline"] = contextlib.nullcontext
-        blocks["baseline"] = baseline_block(baseline, cfg, block)
+        blocks["baseline"] = baseline_block(revision, cfg, block)
     leaves = {name: [m, z, *b.parameters()] for name, b in blocks.items()}
 
     def forward(name):
@@ -501,10 +501,10 @@ def host_ms(rounds: int = 5, iters: int = 20, baseline: str = "") -> dict:
         parts = {direction: ops.pop("parts") for direction, ops in counts.items()}
         results[name] = {"case": HOST_CASE.label(), "fwd_ms": median[0], "bwd_ms": median[1],
                          "rounds": per_round[name], "operations": counts, "parts": parts}
-    if baseline:
+    if revision:
         # the one call's forward+backward over the baseline's, per round and of the medians
         ratios = [sum(ours) / sum(base) for ours, base in zip(per_round["nodes"], per_round["baseline"])]
-        results["baseline"].update(revision=baseline, ratios=ratios, ratio_of_medians=(
+        results["baseline"].update(revision=revision, ratios=ratios, ratio_of_medians=(
             (results["nodes"]["fwd_ms"] + results["nodes"]["bwd_ms"])
             / (results["baseline"]["fwd_ms"] + results["baseline"]["bwd_ms"])))
     return {**results["nodes"], **{name: results[name] for name in results if name != "nodes"}}
@@ -655,7 +655,7 @@ def main() -> None:
     if args.baseline and not args.host:
         cli.error("--baseline goes with --host")
     if args.host:
-        host = host_ms(rounds=args.rounds, baseline=args.baseline)
+        host = host_ms(rounds=args.rounds, revision=args.baseline)
         shown = [("the C++ nodes as one call", host), ("the C++ nodes module by module", host["per_module"]),
                  ("composing the ops", host["composed"]),
                  ("the one call, stacked parameters each in a storage of its own", host["separate"])]
