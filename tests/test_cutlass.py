@@ -376,6 +376,29 @@ def test_matches_reference(dtype, head_dim, variant, length):
     check_against_reference(*inputs)
 
 
+# A -inf pair-bias entry leaves its key out of the row, as in eager, and as a -inf mask bias on that key
+# would. Every row keeps finite keys (a row of -inf alone is NaN in eager).
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+def test_minus_inf_pair_bias_leaves_keys_out(dtype, head_dim):
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 3, 70, 70, 2, head_dim, dtype, "both", seed=head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    excluded = torch.rand(pair_bias.shape, generator=gen, device="cuda") < 0.3
+    excluded[..., :4] = False
+    pair_bias = pair_bias.masked_fill(excluded, float("-inf"))
+    check_against_reference(q, k, v, mask_bias, pair_bias)
+    # the same bits as leaving those keys out by the mask bias, which is per key of a row n: one query
+    # and one head per row, so that the pair bias is per key too
+    q0, k0, v0 = q[:, :, :1, :1], k[:, :, :, :1], v[:, :, :, :1]  # [1, 3, 1, 1, D], [1, 3, 70, 1, D] x 2
+    pair0 = pair_bias[:, :, :1, :1]  # [1, 1, 1, 1, 70]: head 0, query 0
+    out_pair = ops.evoformer_attention(q0, k0, v0, mask_bias, pair0, backend="cutlass")
+    out_mask = ops.evoformer_attention(q0, k0, v0, mask_bias.masked_fill(torch.isinf(pair0), float("-inf")),
+                                       pair0.masked_fill(torch.isinf(pair0), 0.0), backend="cutlass")
+    assert torch.isfinite(out_pair).all()
+    torch.testing.assert_close(out_pair, out_mask, rtol=0.0, atol=0.0)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("variant", ["mask", "pair", "both"])
@@ -638,6 +661,7 @@ def test_auto_falls_back_for_unsupported_inputs():
 
 @gpu
 def test_compile_fullgraph():
+    torch._dynamo.reset()  # a graph compiled under another kernel-family setting would be reused
     q, k, v, mask_bias, pair_bias = make_inputs(1, 2, 24, 24, 2, 32, torch.bfloat16, "both")
     q.requires_grad_(True)
 
