@@ -4,7 +4,7 @@
 // asynchronously to the softmax of the other warpgroups on the SM, and no B fragments pass through
 // registers.
 //
-// CTA = EVOFORMER_SM90_WARPGROUPS warpgroups (default 1: 128 threads, 4 CTAs per SM) x 64 query
+// CTA = EVOFORMER_SM90_WARPGROUPS warpgroups (default 1: 128 threads, 5 CTAs per SM) x 64 query
 // rows each, of one (b, n, h), on the same RowTileGrid as the sm80 kernel. The tiles of each key
 // block (K, V, the pair and mask tiles) arrive by TMA through the key-block pipeline
 // (sm90_pipeline.cuh, shared with the dQ kernel). Key step j: wait for block j, one CTA barrier
@@ -35,6 +35,14 @@
 // benchmark suite (see benchmarks/DESIGN.md): the per-step barrier then spans 4 warps instead of 8.
 #ifndef EVOFORMER_SM90_WARPGROUPS
 #define EVOFORMER_SM90_WARPGROUPS 1
+#endif
+// Warps per SM the forward is compiled for where shared memory allows (registers per thread capped at
+// 65536 / (32 * this)). 20 (five CTAs of one warpgroup at D = 32: 96 registers, 48 bytes spilled with
+// a 16-bit pair bias) against 16 (four, 117 registers, no spills): the pair-biased forward 2-6 % faster
+// on the suite, bitwise the same outputs (benchmarks/DESIGN.md); without a pair bias it takes 95
+// registers either way, which five CTAs hold already.
+#ifndef EVOFORMER_SM90_FWD_WARPS_PER_SM
+#define EVOFORMER_SM90_FWD_WARPS_PER_SM 20
 #endif
 
 namespace evoformer {
@@ -82,8 +90,9 @@ struct ForwardConfig {
   static constexpr int kOnesBytes = smem_align(8 * kBlockN * 2);
   // + base alignment
   static constexpr int kSmemBytes = kSmemAlign + kQBytes + kRingBytes + kOnesBytes + Tma::kBarrierBytes;
-  // CTAs per SM compiled for (caps registers per thread): 16 warps per SM where shared memory allows.
-  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, 512 / kThreads);
+  // CTAs per SM compiled for (caps registers per thread): EVOFORMER_SM90_FWD_WARPS_PER_SM warps per SM
+  // where shared memory allows.
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, EVOFORMER_SM90_FWD_WARPS_PER_SM * 32 / kThreads);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
   static_assert(kKVBytes % kSmemAlign == 0 && kPairBytes % kSmemAlign == 0, "swizzled TMA tiles stay 1024-aligned");
 };
