@@ -202,7 +202,6 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     const int64_t heads = data.at("heads").toInt(), width = data.at("width_q").toInt();
 
     variable_list result(kInputs);
-    const int64_t c = x_in.size(-1);
     const at::Tensor x = batch_flat(x_in);  // [B, A, A', c_in]
     const at::Tensor& grad = grads[0];  // [*, A, A', c_out]
     const at::Tensor dres = reshaped(grad, {x.size(0), x.size(1), x.size(2), grad.size(-1)});  // [B, A, A', c_out]
@@ -250,11 +249,11 @@ struct GatedAttentionNode : public torch::autograd::Function<GatedAttentionNode>
     if (need(kX)) result[kX] = raw_reshape(dx, x_in.sizes());
     if (need_weights) {  // dw [4 H D, c_in] contiguous: the four weights' gradients as row blocks
       for (int i = 0; i < 4; ++i)
-        if (need(kWq + i)) result[kWq + i] = raw_view(dw, {width, c}, {c, 1}, dw.storage_offset() + i * width * c);
+        if (need(kWq + i)) result[kWq + i] = raw_narrow(dw, 0, i * width, width);
     }
     if (need_biases) {  // sums [4 H D - bias_from]
-      if (need_bq) result[kBq] = raw_view(sums, {width}, {1}, sums.storage_offset());
-      if (need(kBg)) result[kBg] = raw_view(sums, {width}, {1}, sums.storage_offset() + sums.size(0) - width);
+      if (need_bq) result[kBq] = raw_narrow(sums, 0, 0, width);
+      if (need(kBg)) result[kBg] = raw_narrow(sums, 0, sums.size(0) - width, width);
     }
     return result;
   }

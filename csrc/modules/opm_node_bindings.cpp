@@ -67,11 +67,9 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const at::Tensor stacked = stacked_rows({w_1, w_2}, &stacked_view);  // [2 c, c_m]
     const at::Tensor ab = linear_rows(m, stacked, stacked_rows({b_1, b_2}));  // [*, S, R, 2 c]
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
-    std::vector<int64_t> half_sizes(ab.sizes().begin(), ab.sizes().end());
-    half_sizes.back() = c;  // (each half a view of its columns of ab)
-    const int64_t second = ab.storage_offset() + c * ab.stride(-1);
-    const at::Tensor a = at::mul(raw_view(ab, half_sizes, ab.strides(), ab.storage_offset()), mask_c);  // [*, S, R, c]
-    const at::Tensor b = at::mul(raw_view(ab, half_sizes, ab.strides(), second), mask_c);  // [*, S, R, c]
+    const int64_t last = ab.dim() - 1;  // (each half a view of its columns of ab)
+    const at::Tensor a = at::mul(raw_narrow(ab, last, 0, c), mask_c);  // [*, S, R, c]
+    const at::Tensor b = at::mul(raw_narrow(ab, last, c, c), mask_c);  // [*, S, R, c]
     // the mean's denominator eps + (pairs of residues both unmasked in a sequence: a GEMM over the
     // sequences, rows_bmm as the composed path's _pair_counts)
     const at::Tensor mask3 = reshaped(mask, {batch, seqs, res});  // [B, S, R]
@@ -128,7 +126,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const at::Tensor d_ab = new_empty(ab_sizes, m.options());
     for (int64_t i = 0; i < 2; ++i) {  // da = b (d o)^T, then db = a (d o): [B, S, R c]
       const at::Tensor product = i == 0 ? rows_bmm(b3, raw_transpose(d_outer)) : rows_bmm(a3, d_outer);
-      at::Tensor half = raw_view(d_ab, half_sizes, d_ab.strides(), d_ab.storage_offset() + i * c);  // [*, S, R, c]
+      at::Tensor half = raw_narrow(d_ab, d_ab.dim() - 1, i * c, c);  // [*, S, R, c]
       at::mul_out(half, raw_reshape(product, half_sizes), mask_c);
     }
 
@@ -137,11 +135,10 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     auto [dm, dw, sums] = block::linear_bwd(d_ab, m, stacked, std::nullopt, need(kM), need_weights, need_biases,
                                             data.at("bias_dtype").toScalarType(), bias_from);
     if (need(kM)) result[kM] = dm;
-    const int64_t c_m = stacked.size(1);
-    if (need(kW1)) result[kW1] = raw_view(dw, {c, c_m}, {c_m, 1}, dw.storage_offset());
-    if (need(kW2)) result[kW2] = raw_view(dw, {c, c_m}, {c_m, 1}, dw.storage_offset() + c * c_m);
-    if (need(kB1)) result[kB1] = raw_view(sums, {c}, {1}, sums.storage_offset());
-    if (need(kB2)) result[kB2] = raw_view(sums, {c}, {1}, sums.storage_offset() + sums.size(0) - c);
+    if (need(kW1)) result[kW1] = raw_narrow(dw, 0, 0, c);  // [c, c_m] row blocks of [2 c, c_m]
+    if (need(kW2)) result[kW2] = raw_narrow(dw, 0, c, c);
+    if (need(kB1)) result[kB1] = raw_narrow(sums, 0, 0, c);
+    if (need(kB2)) result[kB2] = raw_narrow(sums, 0, sums.size(0) - c, c);
     return result;
   }
 };

@@ -164,10 +164,10 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
     if (need(kNormInB)) result[kNormInB] = grad(block::kNormInB);
     // the stacked projections' gradients [4 c, c_z] and [4 c] as four row blocks each (a_p, a_g, b_p, b_g)
     const at::Tensor &dproj = grad(block::kProjW), &dproj_bias = grad(block::kProjB);
-    const int64_t c = dproj.size(0) / 4, c_z = dproj.size(1);
+    const int64_t c = dproj.size(0) / 4;
     for (int i = 0; i < 4; ++i) {
-      if (need(kWap + i)) result[kWap + i] = raw_view(dproj, {c, c_z}, {c_z, 1}, dproj.storage_offset() + i * c * c_z);
-      if (need(kBap + i)) result[kBap + i] = raw_view(dproj_bias, {c}, {1}, dproj_bias.storage_offset() + i * c);
+      if (need(kWap + i)) result[kWap + i] = raw_narrow(dproj, 0, i * c, c);
+      if (need(kBap + i)) result[kBap + i] = raw_narrow(dproj_bias, 0, i * c, c);
     }
     if (need(kWg)) result[kWg] = grad(block::kGateW);
     if (need(kBg)) result[kBg] = grad(block::kGateB);

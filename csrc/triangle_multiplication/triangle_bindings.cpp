@@ -284,14 +284,14 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     // channels [c0, c0 + k) of a contiguous [c, M] tensor as [k B, N, N]
     const auto stack = [&](const at::Tensor& t) {
       return t.is_contiguous() ? raw_view(t, {k * s.B, s.N, s.N}, {s.N * s.N, s.N, 1}, t.storage_offset() + c0 * s.M)
-                               : t.narrow(0, c0, k).reshape({k * s.B, s.N, s.N});
+                               : raw_narrow(t, 0, c0, k).reshape({k * s.B, s.N, s.N});
     };
     at::Tensor dpk = stack(dp), ak = stack(a), bk = stack(b);
     // outgoing p = a b^T: da = dp b, db = dp^T a;  incoming p = a^T b: da = b dp^T, db = a dp
     at::Tensor da = outgoing ? at::bmm(dpk, bk) : at::bmm(bk, raw_transpose(dpk));
     at::Tensor db = outgoing ? at::bmm(raw_transpose(dpk), ak) : at::bmm(ak, dpk);
     // rows (ap, ag, bp, bg) of the group [4 k, c_z] (w_ab itself for one group)
-    at::Tensor wk = k == s.c ? reshaped(w_ab, {4 * k, s.cz}) : w4.narrow(1, c0, k).reshape({4 * k, s.cz});
+    at::Tensor wk = k == s.c ? reshaped(w_ab, {4 * k, s.cz}) : raw_narrow(w4, 1, c0, k).reshape({4 * k, s.cz});
     // [M, 4 k] per position (columns a_proj, a_gate, b_proj, b_gate x k): dg_ab's for the first group
     const at::Tensor dab = c0 == 0 ? raw_narrow(dg_ab, 1, s.cz, 4 * k)
                                    : raw_narrow(output({s.M, padded(4 * k)}, z.options()), 1, 0, 4 * k);
@@ -317,7 +317,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
         raw_narrow(db_ab, 1, c0, k).copy_(raw_reshape(sums.contiguous(), {4, k}));  // this group's columns
       }
     } else {
-      at::Tensor bk4 = bias.narrow(1, c0, k).contiguous();                 // [4, k]
+      at::Tensor bk4 = raw_narrow(bias, 1, c0, k).contiguous();            // [4, k]
       at::Tensor abk = at::mm(wk, raw_transpose(x_hat));                   // [4 k, M]
       const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
       const int chunks = int(std::max<int64_t>(
