@@ -6,7 +6,8 @@
 # Knobs (defaults in csrc/attention/, grep -rn EVOFORMER_ there): EVOFORMER_FWD_D32_* and
 # EVOFORMER_FWD_D64_* (WARPS, MTILES, BLOCK_N, MIN_BLOCKS) and EVOFORMER_BWD_MIN_BLOCKS act on the
 # portable kernels, which a Hopper GPU runs as IMPLS=cutlass-sm80; EVOFORMER_SM90_WARPGROUPS and
-# EVOFORMER_SM90_FWD_WARPS_PER_SM act on the Hopper forward. IMPLS (default cutlass) is passed to bench_attention.py --impls.
+# EVOFORMER_SM90_FWD_WARPS_PER_SM act on the Hopper forward. IMPLS (default cutlass) is passed to
+# bench_attention.py --impls.
 set -u
 shapes=$1; shift
 for flags in "$@"; do
