@@ -131,8 +131,9 @@ struct DkdvConfig {
   // copies' issue (about 115 instructions per thread: addresses, predicates, the statistics' loads)
   // runs while the tensor cores work, instead of between the barrier and the products. Measured
   // (H200, one process, dK/dV kernel alone, bf16 D = 32, two instances): MSA column (no pair bias)
-  // 0.580 -> 0.471 and 0.589 -> 0.477 ms; with a pair bias (168 registers, 32 bytes spilled, against
-  // 153) MSA row 0.327 -> 0.346 and 0.380 -> 0.354, triangle N768 1.752 -> 1.825 and 2.009 -> 1.828.
+  // 0.580 -> 0.471 and 0.589 -> 0.477 ms; with a 16-bit pair bias (168 registers, 32-36 bytes
+  // spilled, against 153) MSA row 0.327 -> 0.346 and 0.380 -> 0.354, triangle N768 1.752 -> 1.825
+  // and 2.009 -> 1.828.
   // A float32 pair bias keeps the copies first (52 bytes would spill; not measured).
   static constexpr bool kCopiesBehindScores = !kOverlap && kPair != kPairFloat;
   static constexpr int kSmemBytes = kSmemAlign + 2 * kKVBytes + kStages * kStageBytes;
