@@ -6,9 +6,9 @@
 // dK/dV: CTA = one warpgroup (128 threads) x 64 keys of one (b, n, h), on the sm80 kernel's
 // RowTileGrid; query step i: wait for block i's tiles (one barrier), start S^T at the biases and
 // dP^T at -delta, issue S^T = K.Q^T and dP^T = V.dO^T, start copying block i + 1 (before the
-// products at D > 32 or with a float32 pair bias: DkdvConfig::kCopiesBehindScores), form
-// P^T = exp2((S^T - m) * scale_log2 - l) and dS^T = P^T * (dP^T - delta) in registers (the row sums
-// of dS^T are the mask-bias gradient), then issue dV += P^T.dO and dK += dS^T.Q and wait for them.
+// products at D > 32: DkdvConfig::kCopiesBehindScores), form P^T = exp2((S^T - m) * scale_log2 - l)
+// and issue dV += P^T.dO, then form dS^T = P^T * (dP^T - delta) (its row sums are the mask-bias
+// gradient) and issue dK += dS^T.Q, and wait for both.
 // Q, dO, the pair tile and the statistics live in a 2-stage ring. At D > 32 (DkdvConfig::kOverlap)
 // block i's dV and dK products are issued in step i + 1, behind S^T and dP^T of block i + 1, and run
 // while that block's P^T and dS^T are formed; the ring then has three stages.
@@ -131,11 +131,14 @@ struct DkdvConfig {
   // copies' issue (about 115 instructions per thread: addresses, predicates, the statistics' loads)
   // runs while the tensor cores work, instead of between the barrier and the products. Measured
   // (H200, one process, dK/dV kernel alone, bf16 D = 32, two instances): MSA column (no pair bias)
-  // 0.580 -> 0.471 and 0.589 -> 0.477 ms; with a 16-bit pair bias (168 registers, 32-36 bytes
-  // spilled, against 153) MSA row 0.327 -> 0.346 and 0.380 -> 0.354, triangle N768 1.752 -> 1.825
-  // and 2.009 -> 1.828.
-  // A float32 pair bias keeps the copies first (52 bytes would spill; not measured).
-  static constexpr bool kCopiesBehindScores = !kOverlap && kPair != kPairFloat;
+  // 0.580 -> 0.471 and 0.589 -> 0.477 ms; with a pair bias (168 registers, 32 bytes spilled, against
+  // 153) MSA row 0.327 -> 0.346 and 0.380 -> 0.354, triangle N768 1.752 -> 1.825 and 2.009 -> 1.828.
+  // With dV's and dK's products issued one at a time (the step's body) no variant spills: 160
+  // registers with a 16-bit pair bias, 158 with a float32 one, 154 without. Against the copies
+  // behind the products with the two issued together (H200, one process, dK/dV kernel alone):
+  // MSA row 0.348 -> 0.332 ms, triangle N768 1.841 -> 1.741; float32 pair bias (which had kept the
+  // copies first) MSA row 0.390 -> 0.367, triangle N768 2.171 -> 2.028; MSA column unchanged.
+  static constexpr bool kCopiesBehindScores = !kOverlap;
   static constexpr int kSmemBytes = kSmemAlign + 2 * kKVBytes + kStages * kStageBytes;
   // S^T, dP^T, their A-operand copies and dK, dV stay in registers (about 100 + D per thread): the
   // register cap of 4 CTAs per SM (128) spills, 3 (168) fits D = 32, 2 (255) the wider heads.
@@ -270,6 +273,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     for (int kk = 0; kk < size<2>(tGrdS); ++kk) gemm(mma_g, tGrdS(_, _, kk), tGrQ(_, _, kk), tGrdK);
     warpgroup_commit_batch();
   };
+  // One of those products issued alone, as its own batch (without kOverlap): dV's (a = P^T, b = dO)
+  // or dK's (a = dS^T, b = Q), with b block ib's tile in shared memory.
+  auto issue_one = [&](auto& acc, auto& a, Element* b) {
+    Tensor tGrB = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(b), typename Cfg::LayoutQt{}));
+    warpgroup_fence_operand(acc);
+    warpgroup_fence_operand(a);
+    warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(a); ++kk) gemm(mma_g, a(_, _, kk), tGrB(_, _, kk), acc);
+    warpgroup_commit_batch();
+  };
 
   for (int ib = 0; ib < n_blocks; ++ib) {
     const int st = ib % Cfg::kStages;
@@ -305,32 +319,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 
     // P^T = exp2((S^T - m) * scale_log2 - l) with (m, l) of the query (column); dS^T = P^T * (dP^T - delta),
     // whose row sums are the mask-bias gradient.
+    if constexpr (Cfg::kOverlap) {
 #pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt) {
-      const float2 c[2] = {sStats[qt * 8 + 2 * t], sStats[qt * 8 + 2 * t + 1]};
+      for (int qt = 0; qt < kQTiles; ++qt) {
+        const float2 c[2] = {sStats[qt * 8 + 2 * t], sStats[qt * 8 + 2 * t + 1]};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        st_[qt][e] = fast_exp2(fmaf(st_[qt][e] - c[e % 2].x, p.scale_log2, -c[e % 2].y));
-        dpt[qt][e] *= st_[qt][e];
-        dmask_acc[e / 2] += dpt[qt][e];
+        for (int e = 0; e < 4; ++e) {
+          st_[qt][e] = fast_exp2(fmaf(st_[qt][e] - c[e % 2].x, p.scale_log2, -c[e % 2].y));
+          dpt[qt][e] *= st_[qt][e];
+          dmask_acc[e / 2] += dpt[qt][e];
+        }
       }
-    }
-    auto to_a_operands = [&] {
+      if (ib + 1 < n_blocks) store_pending((ib + 1) % Cfg::kStages);
+      warpgroup_wait<0>();  // block ib - 1's products done: pa and dsa may change
 #pragma unroll
       for (int kc = 0; kc < kBlockM / 16; ++kc) {
         c_to_a_frag<Element>(pa[kc], st_, kc);
         c_to_a_frag<Element>(dsa[kc], dpt, kc);
       }
-    };
-    if constexpr (Cfg::kOverlap) {
-      if (ib + 1 < n_blocks) store_pending((ib + 1) % Cfg::kStages);
-      warpgroup_wait<0>();  // block ib - 1's products done: pa and dsa may change
-      to_a_operands();
     } else {
-      to_a_operands();
-      issue_grads(ib);
+      // P^T first, into dV's product; then dS^T into dK's (ptxas still schedules dS^T's arithmetic
+      // above both products; this order is what leaves the pair-biased kernel unspilled)
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; ++qt) {
+        const float2 c[2] = {sStats[qt * 8 + 2 * t], sStats[qt * 8 + 2 * t + 1]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st_[qt][e] = fast_exp2(fmaf(st_[qt][e] - c[e % 2].x, p.scale_log2, -c[e % 2].y));
+      }
+#pragma unroll
+      for (int kc = 0; kc < kBlockM / 16; ++kc) c_to_a_frag<Element>(pa[kc], st_, kc);
+      issue_one(tGrdV, tGrP, do_smem(st));
+      scores.fence();
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; ++qt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          dpt[qt][e] *= st_[qt][e];
+          dmask_acc[e / 2] += dpt[qt][e];
+        }
+#pragma unroll
+      for (int kc = 0; kc < kBlockM / 16; ++kc) c_to_a_frag<Element>(dsa[kc], dpt, kc);
+      issue_one(tGrdK, tGrdS, q_smem(st));
       if (ib + 1 < n_blocks) store_pending((ib + 1) % Cfg::kStages);
       warpgroup_wait<0>();
+      warpgroup_fence_operand(tGrP);  // (the tensor cores read P^T and dS^T from these until the wait)
+      warpgroup_fence_operand(tGrdS);
     }
     warpgroup_fence_operand(tGrdV);
     warpgroup_fence_operand(tGrdK);
