@@ -23,7 +23,8 @@
 // ring, K in a 3-stage one.
 //
 // Pair-bias gradient: the sm80 kernel's grid and chunking (PairGradTile), S and dP on wgmma, the pair
-// tile read once into registers, each row n's Q, dO, K, V and mask tiles by TMA (RowStepTma).
+// tile copied once (read into registers once above D = 32, per row step at D = 32), each row n's Q,
+// dO, K, V and mask tiles by TMA (RowStepTma).
 #pragma once
 
 #include <type_traits>
@@ -564,16 +565,22 @@ struct DpairConfig {
   static constexpr int kStages = Tma::kStages;
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kSmemBytes = kSmemAlign + kPairBytes + kRingBytes + Tma::kBarrierBytes;
-  // S, dP and the dS sum in registers (about 100 per thread): 3 CTAs per SM (168 registers) at
-  // D = 32, 2 above, where shared memory allows.
-  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 3 : 2);
+  // S, dP and the dS sum in registers (about 100 per thread). Above D = 32 (2 CTAs per SM, as shared
+  // memory allows) the pair tile is read into registers once (kPairInRegisters: 32 more per
+  // thread); at D = 32 each row step reads it from shared memory, as the forward does, which keeps
+  // the kernel under the 128 registers of 4 CTAs per SM (115 against 151 and 3 CTAs). Measured
+  // (H200, one process, kernel alone, 16-bit pair bias): MSA row 0.212 -> 0.191 ms, triangle N768
+  // 1.336 -> 1.251; a float32 pair bias -3 to -6 %.
+  static constexpr bool kPairInRegisters = kHeadDim > 32;
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 4 : 2);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
 // Pair-bias gradient: CTA = a [64 queries, 64 keys] tile of (b, h) and a chunk of rows n
 // (PairGradTile); per row n: S = Q.K^T and dP = dO.V^T on wgmma, dS = P * (dP - delta), summed in
 // registers over the chunk and written once. Row n's tiles come by TMA (RowStepTma, thread 0 issues
-// row n + 1's while row n is computed); the pair tile once by cp.async, read into registers.
+// row n + 1's while row n is computed); the pair tile once by cp.async (DpairConfig::kPairInRegisters
+// says where each step reads it from).
 template <typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     backward_sm90_dpair_kernel(const AttentionParams p, const __grid_constant__ RowStepMaps maps) {
@@ -636,17 +643,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 
-  // The pair tile is the same for every row n: read once into registers, keys past Lk at -inf, so
-  // that each row's scores start at fma(pair, 1 / scale, mask) (add_key_biases, as the forward's).
+  // The pair tile is the same for every row n. With kPairInRegisters it is read into registers once,
+  // keys past Lk at -inf, so that each row's scores start at fma(pair, 1 / scale, mask)
+  // (add_key_biases, as the forward's); else each row step reads it (init_block_scores).
   float pair_reg[kNTiles][4];
   cp_async_wait<0>();  // the pair tile has landed
   __syncthreads();     // ... everyone's, with row 0's statistics and the initialised barriers
-  load_bias_tile<kNTiles, Cfg::kPairPitch, false>(pair_reg, sPair, warp_row0, lane);
+  if constexpr (Cfg::kPairInRegisters) {
+    load_bias_tile<kNTiles, Cfg::kPairPitch, false>(pair_reg, sPair, warp_row0, lane);
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
+    for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
+      for (int e = 0; e < 4; ++e)
+        if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
+  }
 
   const bool has_mask = p.mask_scaled != nullptr;
   for (int step = 0; step < steps; ++step) {
@@ -668,7 +678,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       delta_row[r] = delta_smem(st)[warp_row0 + lane / 4 + 8 * r];
     }
     const float* sMask = has_mask ? mask_smem(st) : nullptr;
-    add_key_biases<true, false, kNTiles>(s, pair_reg, sMask, tile.rows_k, p.inv_scale, lane);
+    if constexpr (Cfg::kPairInRegisters)
+      add_key_biases<true, false, kNTiles>(s, pair_reg, sMask, tile.rows_k, p.inv_scale, lane);
+    else
+      init_block_scores<true, kNTiles, Cfg::kPairPitch>(s, sMask, sPair, warp_row0, tile.rows_k, p.inv_scale, lane);
     start_at_minus_delta<kNTiles>(dp, delta_row);
     Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 0)), typename Cfg::LayoutQ{}));
     Tensor tSrdO = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(tile_smem(st, 1)), typename Cfg::LayoutQ{}));
