@@ -257,32 +257,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     for (int e = 0; e < 4; ++e) dk[dt][e] = 0.f, dv[dt][e] = 0.f;
   float dmask_acc[2] = {0.f, 0.f};
 
+  // b (dO or Q: block ib's tile in shared memory) as the B operand of dV's or dK's product
+  auto b_operand = [&](Element* b) {
+    return thr_g.partition_fragment_B(make_tensor(make_smem_ptr(b), typename Cfg::LayoutQt{}));
+  };
+  // acc += a . b with a (P^T or dS^T) in registers: the wgmma instructions only (the callers fence,
+  // arrive and commit)
+  auto product = [&](auto& acc, auto& a, auto& tGrB) {
+#pragma unroll
+    for (int kk = 0; kk < size<2>(a); ++kk) gemm(mma_g, a(_, _, kk), tGrB(_, _, kk), acc);
+  };
   // dV += P^T_{ib}.dO_{ib};  dK += dS^T_{ib}.Q_{ib}, with P^T and dS^T in registers (pa, dsa), issued
-  // without waiting.
+  // as one batch without waiting (kOverlap).
   auto issue_grads = [&](int ib) {
     const int st = ib % Cfg::kStages;
-    Tensor tGrdO = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(do_smem(st)), typename Cfg::LayoutQt{}));
-    Tensor tGrQ = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(q_smem(st)), typename Cfg::LayoutQt{}));
+    Tensor tGrdO = b_operand(do_smem(st));
+    Tensor tGrQ = b_operand(q_smem(st));
     warpgroup_fence_operand(tGrdV);
     warpgroup_fence_operand(tGrdK);
     warpgroup_fence_operand(tGrP);
     warpgroup_fence_operand(tGrdS);
     warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tGrP); ++kk) gemm(mma_g, tGrP(_, _, kk), tGrdO(_, _, kk), tGrdV);
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tGrdS); ++kk) gemm(mma_g, tGrdS(_, _, kk), tGrQ(_, _, kk), tGrdK);
+    product(tGrdV, tGrP, tGrdO);
+    product(tGrdK, tGrdS, tGrQ);
     warpgroup_commit_batch();
   };
-  // One of those products issued alone, as its own batch (without kOverlap): dV's (a = P^T, b = dO)
-  // or dK's (a = dS^T, b = Q), with b block ib's tile in shared memory.
+  // One of those products issued alone, as its own batch (without kOverlap).
   auto issue_one = [&](auto& acc, auto& a, Element* b) {
-    Tensor tGrB = thr_g.partition_fragment_B(make_tensor(make_smem_ptr(b), typename Cfg::LayoutQt{}));
+    Tensor tGrB = b_operand(b);
     warpgroup_fence_operand(acc);
     warpgroup_fence_operand(a);
     warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < size<2>(a); ++kk) gemm(mma_g, a(_, _, kk), tGrB(_, _, kk), acc);
+    product(acc, a, tGrB);
     warpgroup_commit_batch();
   };
 
