@@ -38,11 +38,20 @@ TORCH_INC=$(python3 -c "
 import torch.utils.cpp_extension as ce
 print(' '.join('-I' + p for p in ce.include_paths()))")
 # shellcheck disable=SC2086
-for define in "" -DEVOFORMER_SM90A; do
-  for cpp in $(find "$SRC" -name '*.cpp' | sort); do
+compile_cpp() {  # compile_cpp <defines> <files...>
+  local define=$1 tag
+  tag=$(echo "$define" | tr -d ' ')
+  shift
+  for cpp in "$@"; do
     g++ -std=c++17 -O1 -fPIC -w $define $TORCH_INC -I"$OBJ/shim" -I"$CUDA_INC" -I"$CUTLASS_INC" -I"$SRC" \
-      -c "$cpp" -o "$OBJ/$(basename "$cpp" .cpp)$define.o"
+      -c "$cpp" -o "$OBJ/$(basename "$cpp" .cpp)$tag.o"
   done
+}
+for define in "" -DEVOFORMER_SM90A; do
+  compile_cpp "$define" $(find "$SRC" -name '*.cpp' | sort)
 done
+# A Hopper-only build's core library (the portable 16-bit kernels in a library of their own): only the
+# files that read the macro differ.
+compile_cpp "-DEVOFORMER_SM90A -DEVOFORMER_PORTABLE_APART" $(grep -l EVOFORMER_PORTABLE_APART $(find "$SRC" -name '*.cpp') | sort)
 count=$(find "$OBJ" -name '*.o' | wc -l)
 echo "compile_kernels: $count objects (sm_80 + sm_90 + sm_90a) in $(( $(date +%s) - start )) s"

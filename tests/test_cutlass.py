@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,6 +161,29 @@ def test_build_starts_the_longest_compiles_first():
     portable = [i for i, n in enumerate(names) if "_sm80" in n]
     assert portable == list(range(len(names) - len(portable), len(names)))  # the short units last
     assert all(len(hopper) <= names.index(n) < portable[0] for n in names if n.endswith("_bindings"))
+
+
+def test_hopper_only_build_keeps_the_portable_16bit_kernels_apart():
+    # An all-9.0a build leaves the 36 portable 16-bit instantiations out of the core library (they
+    # build on first use of the sm80 family); any other build holds everything but their entry point.
+    everything = _build.sources()
+    names = lambda paths: sorted(p.stem for p in paths)  # noqa: E731
+    portable = [p for p in everything if re.match(r"(forward|backward)_sm80_(fp16|bf16)_", p.stem)]
+    table = json.loads(cutlass.TABLE_PATH.read_text())
+    per_direction = len(table["head_dim"]["buckets"]) * len(table["pair_kinds"]) * 2  # two 16-bit dtypes
+    assert len(portable) == 2 * per_direction
+    entry = [p for p in everything if p.stem == "portable_kernels"]
+    assert len(entry) == 1
+    for arch in ("9.0a", "9.0a;9.0a+PTX"):
+        assert _build.portable_apart(arch)
+        core = _build.core_sources(arch)
+        assert names(core) == names(set(everything) - set(portable) - set(entry))
+        assert "-DEVOFORMER_PORTABLE_APART" in _build._flags(arch)[0] + _build._flags(arch)[1]
+    for arch in ("8.0", "8.0;9.0a", "8.6", "9.0"):
+        assert not _build.portable_apart(arch)
+        assert names(_build.core_sources(arch)) == names(set(everything) - set(entry))
+        assert "-DEVOFORMER_PORTABLE_APART" not in _build._flags(arch)[0] + _build._flags(arch)[1]
+    assert names(_build.portable_sources()) == sorted(names(portable + entry) + ["attention"])
 
 
 def test_generated_kernel_sources_are_current():
@@ -698,6 +722,47 @@ def test_more_than_2_pow_31_elements():
     assert rel_error(out[:, tail], ref) < 2e-2
     for leaf, sub_leaf in zip(leaves[:3], sub_leaves):
         assert rel_error(leaf.grad[:, tail], sub_leaf.grad) < 3e-2
+
+
+PORTABLE_APART_CASE = """
+import torch
+from evoformer_blocks.ops import _build
+name = _build.load()  # the core library only
+ops = getattr(torch.ops, _build.OP_NAMESPACE)
+q = torch.randn(1, 2, 40, 2, 32, device="cuda", dtype=torch.bfloat16)
+for call in (lambda: ops.forward(q, q, q, None, None, 0.25, "sm80"), lambda: ops.attach_portable_kernels("/nonexistent.so")):
+    try:
+        call()
+        print("no error")
+    except RuntimeError as exc:
+        print(str(exc).splitlines()[0])
+ops.forward(q.float(), q.float(), q.float(), None, None, 0.25, "sm80")  # float32 (TF32) kernels: the core's
+torch.cuda.synchronize()
+print("float32 ok")
+"""
+
+
+@gpu
+def test_portable_16bit_kernels_apart_load_on_first_use():
+    # A Hopper-only build keeps the portable 16-bit kernels in a second library: a fresh process that
+    # asks the core library for them before it is attached gets a clear error, a bad path another;
+    # through evoformer_blocks (kernel_family) it builds, attaches and runs them.
+    if not _build.portable_apart(_build.arch_list()):
+        pytest.skip("this build holds the portable kernels itself")
+    result = subprocess.run([sys.executable, "-c", PORTABLE_APART_CASE], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 3, result.stdout + result.stderr[-4000:]
+    assert "portable (sm80) 16-bit kernels in a library built on first use, and it is not loaded" in lines[0]
+    assert "cannot open the portable kernels' library `/nonexistent.so`" in lines[1]
+    assert lines[2] == "float32 ok"
+    assert _build.load_portable() is not None
+    assert _build.status()["portable"].split(": ")[1] == "built"
+    q = torch.randn(1, 2, 40, 2, 32, device="cuda", dtype=torch.float16)
+    out, *_ = getattr(torch.ops, _build.OP_NAMESPACE).forward(q, q, q, None, None, 0.25, "sm80")
+    scores = torch.einsum("bnqhd,bnkhd->bnhqk", q.float(), q.float()) * 0.25  # [B, N, H, Lq, Lk]
+    expected = torch.einsum("bnhqk,bnkhd->bnqhd", torch.softmax(scores, dim=-1), q.float())  # [B, N, L, H, D]
+    assert (out.float() - expected).abs().max().item() < 1e-2
 
 
 @gpu

@@ -7,6 +7,9 @@
 // Ops (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), CUDA only:
 //   available_kernel_families(int device) -> str[]: the families this build can run on that device
 //       ("sm80": compute capability >= 8.0; "sm90": also a build with sm_90a code and a 9.0 device).
+//   attach_portable_kernels(str library) -> (): a build whose architectures are all 9.0a keeps the
+//       portable 16-bit kernels in a second library (portable_kernels.cu); this opens it, after which
+//       the sm80 family runs 16-bit inputs too. Raises in other builds (they hold those kernels).
 //   forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family)
 //       -> (out [B,N,Lq,H,D], stats [B,N,H,Lq,2] fp32, mask_prepared, pair_prepared)
 //       mask_prepared: the prepared mask float32 [B|1, N|1, Lk_pad] (evoformer_attention.h), [0] without
@@ -37,10 +40,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <iterator>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -51,22 +58,14 @@
 
 #include "attention/attention_ops.h"
 #include "attention/evoformer_attention.h"
+#include "attention/kernel_entries.h"
 #include "common/bindings_common.h"
 #include "gating/gating_ops.h"
 
 namespace evoformer {
 namespace {
 
-using Launcher = void (*)(const AttentionParams&, cudaStream_t);
-using BlocksQuery = int (*)();
-
 enum class Family { kSm80, kSm90 };
-
-// One instantiation's entry points in one family.
-struct Kernels {
-  Launcher forward, backward;
-  BlocksQuery pair_grad_blocks_per_sm;
-};
 
 std::string describe(const char* name, const at::Tensor& t) {
   return message::join(name, ": shape=", t.sizes(), " dtype=", t.scalar_type(), " device=", t.device(),
@@ -90,61 +89,73 @@ int head_dim_bucket(int64_t head_dim) {
   return 0;
 }
 
-// pick(integral_constant<kHeadDimBuckets[i]>) for the bucket `bucket` (one of those up to kMaxBucket).
-template <typename R, int kMaxBucket = limits::kMaxHeadDim, size_t I = 0, typename Pick>
-R by_bucket(int bucket, Pick&& pick) {
-  constexpr int kBucket = limits::kHeadDimBuckets[I];
-  if constexpr (I + 1 == std::size(limits::kHeadDimBuckets) || limits::kHeadDimBuckets[I + 1] > kMaxBucket) {
-    return pick(std::integral_constant<int, kBucket>{});
-  } else {
-    return bucket == kBucket ? pick(std::integral_constant<int, kBucket>{})
-                             : by_bucket<R, kMaxBucket, I + 1>(bucket, pick);
-  }
-}
+#ifdef EVOFORMER_PORTABLE_APART
+// A Hopper-only build keeps the portable 16-bit instantiations in a library of their own
+// (portable_kernels.cu), which attach_portable_kernels opens; its entry point, or null before that.
+std::atomic<PortableEntry> portable_entry{nullptr};
 
-// pick(integral_constant<kKinds[i]>) for the pair kind `pair` (one of kKinds).
-template <typename R, const auto& kKinds, size_t I = 0, typename Pick>
-R by_pair_kind(int pair, Pick&& pick) {
-  constexpr int kKind = kKinds[I];
-  if constexpr (I + 1 == std::size(kKinds)) {
-    return pick(std::integral_constant<int, kKind>{});
-  } else {
-    return pair == kKind ? pick(std::integral_constant<int, kKind>{}) : by_pair_kind<R, kKinds, I + 1>(pair, pick);
-  }
+Kernels portable_16bit_kernels(bool bfloat16, int bucket, int pair) {
+  const PortableEntry entry = portable_entry.load(std::memory_order_acquire);
+  EVO_CHECK(entry != nullptr, "evoformer attention: this build keeps the portable (sm80) 16-bit kernels in a library "
+            "built on first use, and it is not loaded: choose the family through evoformer_blocks "
+            "(EVOFORMER_BLOCKS_KERNELS=sm80, ops.cutlass.kernel_family), which builds and loads it");
+  Kernels kernels{};
+  EVO_CHECK(entry(bfloat16, bucket, pair, &kernels) == 1 && kernels.forward != nullptr,
+            "evoformer attention: the portable kernels' library holds no instantiation for bucket ", bucket,
+            " and pair kind ", pair);
+  return kernels;
 }
+#endif
 
 // The one place that maps (family, dtype, head dim, pair kind) to an instantiation's entry points.
 Kernels kernels_for(Family family, at::ScalarType dtype, int head_dim, int pair) {
   const int bucket = head_dim_bucket(head_dim);
-  auto entries = [family](auto element, auto dim, auto kind) -> Kernels {
+  auto entries = [family, bucket, pair](auto element) -> Kernels {
     using E = decltype(element);
-    constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
-    if (family == Family::kSm90)
-      return {&launch_forward_sm90<E, D, P>, &launch_backward_sm90<E, D, P>, &pair_grad_blocks_per_sm_sm90<E, D, P>};
-    return {&launch_forward_sm80<E, D, P>, &launch_backward_sm80<E, D, P>, &pair_grad_blocks_per_sm_sm80<E, D, P>};
-  };
-#define EVOFORMER_DTYPE_CASE(scalar, element)                                  \
-  if (dtype == at::k##scalar)                                                  \
-    return by_bucket<Kernels>(bucket, [&](auto dim) {                          \
-      return by_pair_kind<Kernels, limits::kPairKinds>(                        \
-          pair, [&](auto kind) { return entries(element{}, dim, kind); });     \
+    return by_shape<limits::kMaxHeadDim, limits::kPairKinds>(bucket, pair, [family](auto dim, auto kind) {
+      constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
+      if (family == Family::kSm90) return sm90_kernels<E, D, P>();
+#ifdef EVOFORMER_PORTABLE_APART
+      return portable_16bit_kernels(std::is_same_v<E, cutlass::bfloat16_t>, D, P);
+#else
+      return sm80_kernels<E, D, P>();
+#endif
     });
+  };
+#define EVOFORMER_DTYPE_CASE(scalar, element) \
+  if (dtype == at::k##scalar) return entries(element{});
   EVOFORMER_KERNEL_ELEMENTS(EVOFORMER_DTYPE_CASE)
 #undef EVOFORMER_DTYPE_CASE
   if (dtype == at::kFloat) {  // TF32: the sm80 family only, its buckets and pair kinds (guard_qkv checked D)
     EVO_CHECK(family == Family::kSm80, "evoformer attention: float32 inputs run on the sm80 kernel family only "
               "(TF32 tensor cores); pass family `sm80`");
     EVO_CHECK(pair != kPairFloat, "evoformer attention: float32 inputs take a float32 pair bias as kPairInput");
-    return by_bucket<Kernels, limits::kTf32MaxHeadDim>(bucket, [&](auto dim) {
-      return by_pair_kind<Kernels, limits::kTf32PairKinds>(pair, [&](auto kind) {
-        constexpr int D = decltype(dim)::value, P = decltype(kind)::value;
-        return Kernels{&launch_forward_sm80<float, D, P>, &launch_backward_sm80<float, D, P>,
-                       &pair_grad_blocks_per_sm_sm80<float, D, P>};
-      });
+    return by_shape<limits::kTf32MaxHeadDim, limits::kTf32PairKinds>(bucket, pair, [](auto dim, auto kind) {
+      return sm80_kernels<float, decltype(dim)::value, decltype(kind)::value>();
     });
   }
   EVO_CHECK(false, "evoformer attention: no kernels for dtype ", dtype);
   return Kernels{};
+}
+
+// The op attach_portable_kernels: opens the portable 16-bit kernels' library of a Hopper-only build
+// (once; later calls return at once) and dispatches the sm80 family's 16-bit calls to it.
+void attach_portable_kernels(const std::string& library) {
+#ifdef EVOFORMER_PORTABLE_APART
+  static std::mutex opening;
+  const std::lock_guard<std::mutex> lock(opening);
+  if (portable_entry.load(std::memory_order_acquire) != nullptr) return;
+  void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);  // kept open for the process's life
+  const char* why = handle == nullptr ? dlerror() : nullptr;
+  EVO_CHECK(handle != nullptr, "evoformer attention: cannot open the portable kernels' library `", library, "`: ",
+            why ? why : "unknown error");
+  void* entry = dlsym(handle, kPortableEntryName);
+  EVO_CHECK(entry != nullptr, "evoformer attention: `", library, "` has no entry point ", kPortableEntryName);
+  portable_entry.store(reinterpret_cast<PortableEntry>(entry), std::memory_order_release);
+#else
+  EVO_CHECK(false, "evoformer attention: this build holds the portable kernels itself; `", library,
+            "` was not needed");
+#endif
 }
 
 std::vector<std::string> available_kernel_families(int64_t device) {
@@ -695,6 +706,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_attention_bwd(
 // that torch.compile traces); the extension registers the kernels.
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CompositeExplicitAutograd, m) {
   m.impl("available_kernel_families", &evoformer::available_kernel_families);
+  m.impl("attach_portable_kernels", &evoformer::attach_portable_kernels);
 }
 
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {

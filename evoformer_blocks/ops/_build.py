@@ -11,6 +11,12 @@
 - CUTLASS headers: ``$CUTLASS_PATH`` (its ``include/``) or the ``nvidia-cutlass`` wheel's
   ``cutlass_library/source/include``, found without importing the package.
 - Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else the visible GPU's compute capability.
+- Two libraries where every architecture is 9.0a (an H100/H200 build): 16-bit attention runs on the
+  Hopper kernels there, so the portable 16-bit attention instantiations (36 translation units, about
+  a sixth of the compile work) are left out of the core library and built into a second one, with
+  ``attention/portable_kernels.cu`` and ``attention/attention.cu``, the first time the sm80 family is
+  chosen for 16-bit inputs (``EVOFORMER_BLOCKS_KERNELS=sm80``; :func:`load_portable`). Every other
+  build is one library holding everything (``portable_kernels.cu`` left out).
 - Cache: the extension name carries a hash of torch/CUDA versions, the architectures, the CUTLASS
   version and every source and header, so a stale build is never reused; builds live in torch's
   extension directory (``TORCH_EXTENSIONS_DIR``) and are shared across processes.
@@ -61,6 +67,13 @@ def cuda_flags() -> list[str]:
 
 _loaded: Optional[str] = None  # name of the loaded extension
 _load_error: Optional[str] = None
+_portable_loaded: Optional[str] = None  # name of the attached portable kernels' library
+
+# The portable 16-bit attention instantiations (generate.py's file names) and the entry point of their
+# library: what a Hopper-only build keeps apart (module docstring).
+PORTABLE_16BIT_UNIT = re.compile(r"^(forward|backward)_sm80_(fp16|bf16)_")
+PORTABLE_ENTRY_UNIT = "portable_kernels"
+PORTABLE_SHARED_UNITS = ("attention",)  # attention.cu: the delta pass and mask preparation they launch
 
 
 def cutlass_include_dir() -> Path:
@@ -103,6 +116,27 @@ def sources() -> list[Path]:
     if clashes:
         raise RuntimeError(f"kernel sources under {SOURCE_DIR} share file names {clashes}: their objects would clash")
     return found
+
+
+def portable_apart(arch: str) -> bool:
+    """Whether a build for ``arch`` keeps the portable 16-bit attention kernels in a library of their
+    own: every architecture is 9.0a, where 16-bit attention runs on the Hopper kernels."""
+    return all(entry.startswith("9.0a") for entry in arch.split(";"))
+
+
+def core_sources(arch: str) -> list[Path]:
+    """The core library's translation units for ``arch``: :func:`sources` less the portable
+    kernels' entry point, and less the portable 16-bit instantiations where :func:`portable_apart`."""
+    apart = portable_apart(arch)
+    return [s for s in sources()
+            if s.stem != PORTABLE_ENTRY_UNIT and not (apart and PORTABLE_16BIT_UNIT.match(s.stem))]
+
+
+def portable_sources() -> list[Path]:
+    """The portable kernels' library: the portable 16-bit instantiations, their entry point and the
+    host code they launch (attention.cu)."""
+    return [s for s in sources() if PORTABLE_16BIT_UNIT.match(s.stem) or s.stem == PORTABLE_ENTRY_UNIT
+            or (s.parent.name == "attention" and s.stem in PORTABLE_SHARED_UNITS)]
 
 
 def compile_order(paths: list[Path]) -> list[Path]:
@@ -153,6 +187,8 @@ def has_sm90a(arch: str) -> bool:
 def _flags(arch: str) -> tuple[list[str], list[str]]:
     """(CUDA flags, C++ flags) of a build for ``arch``."""
     define = ["-DEVOFORMER_SM90A"] if has_sm90a(arch) else []
+    if portable_apart(arch):
+        define.append("-DEVOFORMER_PORTABLE_APART")
     return cuda_flags() + define, CXX_FLAGS + define
 
 
@@ -167,11 +203,12 @@ def build_key(arch: str, include_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _target(arch: str, include_dir: Path) -> tuple[str, Path, Path]:
-    """(extension name, build directory, library path) of the build for these inputs."""
+def _target(arch: str, include_dir: Path, library: str = "cuda") -> tuple[str, Path, Path]:
+    """(extension name, build directory, library path) of the build for these inputs: the core
+    library (``library="cuda"``) or the portable kernels' (``"portable"``)."""
     from torch.utils import cpp_extension
 
-    name = f"evoformer_blocks_cuda_{build_key(arch, include_dir)}"
+    name = f"evoformer_blocks_{library}_{build_key(arch, include_dir)}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     return name, build_dir, build_dir / f"{name}.so"
 
@@ -224,28 +261,19 @@ def missing_prerequisite() -> Optional[str]:
     return None
 
 
-def load() -> str:
-    """Builds (once, under a lock) and loads the extension; returns its name. Raises on failure
-    (:class:`CannotBuildHere` where a prerequisite is missing)."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
+def _build_and_load(library_kind: str, what: str, srcs: list[Path], arch: str, include_dir: Path) -> str:
+    """Builds (once, under a lock) and loads one library of ``srcs`` for ``arch``; returns its name."""
     from torch.utils import cpp_extension
 
-    missing = missing_prerequisite()
-    if missing is not None:
-        raise CannotBuildHere(missing)
-    include_dir = cutlass_include_dir()
-    arch = arch_list()
-    srcs = compile_order(sources())
-    name, build_dir, library = _target(arch, include_dir)
+    srcs = compile_order(srcs)
+    name, build_dir, library = _target(arch, include_dir, library_kind)
     verbose = os.environ.get("EVOFORMER_BLOCKS_VERBOSE_BUILD", "0") not in ("", "0")
     previous_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     with _file_lock(build_dir.parent / f"{name}.lock"):
         fresh = not library.exists()
         if fresh:
             print(
-                f"evoformer_blocks: compiling {len(srcs)} CUDA/C++ sources for compute capability {arch} "
+                f"evoformer_blocks: compiling {len(srcs)} CUDA/C++ sources ({what}) for compute capability {arch} "
                 f"(CUTLASS {cutlass_version(include_dir)}, MAX_JOBS={os.environ.get('MAX_JOBS', 'auto')}) ...",
                 file=sys.stderr,
                 flush=True,
@@ -270,11 +298,45 @@ def load() -> str:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = previous_arch
         if fresh:
             print(
-                f"evoformer_blocks: built the CUDA kernels in {time.perf_counter() - start:.1f} s ({build_dir})",
+                f"evoformer_blocks: built {what} in {time.perf_counter() - start:.1f} s ({build_dir})",
                 file=sys.stderr,
                 flush=True,
             )
-    _loaded = name
+    return name
+
+
+def load() -> str:
+    """Builds (once, under a lock) and loads the extension; returns its name. Raises on failure
+    (:class:`CannotBuildHere` where a prerequisite is missing)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    missing = missing_prerequisite()
+    if missing is not None:
+        raise CannotBuildHere(missing)
+    include_dir = cutlass_include_dir()
+    arch = arch_list()
+    _loaded = _build_and_load("cuda", "the CUDA kernels", core_sources(arch), arch, include_dir)
+    return _loaded
+
+
+def load_portable() -> Optional[str]:
+    """Where the core library keeps the portable 16-bit attention kernels apart (:func:`portable_apart`),
+    builds (once, under a lock) their library and attaches it to the core library, so that the sm80
+    family runs 16-bit inputs; returns its name, or None where the core library holds them itself.
+    Loads the core library first. Raises as :func:`load` does."""
+    global _portable_loaded
+    if _portable_loaded is not None:
+        return _portable_loaded
+    load()
+    arch = arch_list()
+    if not portable_apart(arch):
+        return None
+    include_dir = cutlass_include_dir()
+    name = _build_and_load("portable", "the portable 16-bit attention kernels", portable_sources(), arch, include_dir)
+    _, _, library = _target(arch, include_dir, "portable")
+    getattr(torch.ops, OP_NAMESPACE).attach_portable_kernels(str(library))
+    _portable_loaded = name
     return name
 
 
@@ -315,4 +377,8 @@ def status() -> dict[str, str]:
     built = library.exists()
     info["arch"] = arch
     info["build"] = f"{'built' if built else 'not built yet (builds on first use)'}: {build_dir}"
+    if portable_apart(arch):
+        _, portable_dir, portable = _target(arch, include_dir, "portable")
+        state = "built" if portable.exists() else "not built yet (builds when the sm80 family runs 16-bit inputs)"
+        info["portable"] = f"the portable 16-bit attention kernels apart, {len(portable_sources())} files: {state}: {portable_dir}"
     return info

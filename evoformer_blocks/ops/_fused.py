@@ -23,6 +23,7 @@ from . import _build
 SCHEMAS = (
     # attention
     "available_kernel_families(int device) -> str[]",
+    "attach_portable_kernels(str library) -> ()",
     "forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
     "gated_forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family, "

@@ -286,6 +286,8 @@ def _family(index: int) -> str:
         raise ValueError(f"environment variable {KERNELS_ENV} must be unset, `auto` or `sm80`, got {choice!r}")
     if choice == "auto" and "sm90" in available_kernel_families(index):
         return "sm90"
+    if _build.load_error() is None:  # (where the kernels build: tracing the fakes needs no build)
+        _build.load_portable()  # a Hopper-only build keeps the portable 16-bit kernels apart: builds them once
     return "sm80"
 
 
@@ -296,7 +298,8 @@ def kernel_family(device: Optional[torch.device] = None, dtype: Optional[torch.d
     is unset or ``auto``, else ``"sm80"`` (the portable kernels; ``EVOFORMER_BLOCKS_KERNELS=sm80``
     forces them); float32 (TF32 tensor cores) always ``"sm80"``. Any other value of the variable
     raises ValueError. The variable is read at every forward (a backward runs the family of its
-    forward). Builds the kernels on first use."""
+    forward). Builds the kernels on first use; on a Hopper-only build the portable 16-bit kernels are
+    a library of their own, built the first time ``"sm80"`` is chosen there."""
     if dtype is not None and dtype == TF32_DTYPE:
         return TF32_FAMILY
     index = torch.device(device if device is not None else "cuda").index
