@@ -563,14 +563,14 @@ struct DpairConfig {
   using MmaS = SsMma<Element, kBlockN, kHeadDim>;  // S = Q.K^T and dP = dO.V^T
   using Tma = RowStepTma<Element, kHeadDim, kBlockM, kBlockN>;  // Q, dO, K, V and mask tiles per row n
 
-  // Shared memory: the pair tile, then two stages (one per row n) of {Q, dO, K, V (swizzled TMA
-  // tiles, 1024-byte aligned), mask tile, stats (float2), delta}, then the stages' barriers.
+  // Shared memory: the pair tile (at D = 32; above, it lands in the second stage: kPairAreaBytes),
+  // then two stages (one per row n) of {Q, dO, K, V (swizzled TMA tiles, 1024-byte aligned), mask
+  // tile, stats (float2), delta}, then the stages' barriers.
   static constexpr int kTileBytes = smem_align(64 * kHeadDim * 2);  // Q, dO, K or V
   static constexpr int kPairBytes = smem_align(kPair ? kBlockM * kPairPitch * int(sizeof(PairT)) : 0);
   static constexpr int kStageBytes = smem_align(4 * kTileBytes + Tma::kMaskBytes + kBlockM * 12);
   static constexpr int kStages = Tma::kStages;
   static constexpr int kRingBytes = kStages * kStageBytes;
-  static constexpr int kSmemBytes = kSmemAlign + kPairBytes + kRingBytes + Tma::kBarrierBytes;
   // S, dP and the dS sum in registers (about 100 per thread). Above D = 32 (2 CTAs per SM, as shared
   // memory allows) the pair tile is read into registers once (kPairInRegisters: 32 more per
   // thread); at D = 32 each row step reads it from shared memory, as the forward does, which keeps
@@ -578,7 +578,13 @@ struct DpairConfig {
   // (H200, one process, kernel alone, 16-bit pair bias): MSA row 0.212 -> 0.191 ms, triangle N768
   // 1.336 -> 1.251; a float32 pair bias -3 to -6 %.
   static constexpr bool kPairInRegisters = kHeadDim > 32;
-  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 4 : 2);
+  // With kPairInRegisters the pair tile is copied into the second ring stage, which row step 1's
+  // copies overwrite only after every warp has read the tile into registers: no area of its own, so
+  // that at D = 64 three CTAs fit an SM (67 KB each instead of 76).
+  static constexpr int kPairAreaBytes = kPairInRegisters ? 0 : kPairBytes;
+  static_assert(!kPairInRegisters || kPairBytes <= kStageBytes, "the pair tile fits a ring stage");
+  static constexpr int kSmemBytes = kSmemAlign + kPairAreaBytes + kRingBytes + Tma::kBarrierBytes;
+  static constexpr int kMinBlocksPerSM = ctas_per_sm(kSmemBytes, kHeadDim <= 32 ? 4 : 3);
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
 };
 
@@ -599,8 +605,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 
   extern __shared__ __align__(16) char smem_raw[];
   char* smem = aligned_smem(smem_raw);
-  PairT* sPair = reinterpret_cast<PairT*>(smem);  // [kBlockM][kPairPitch]
-  char* ring = smem + Cfg::kPairBytes;
+  char* ring = smem + Cfg::kPairAreaBytes;
+  // [kBlockM][kPairPitch]: its own area, or (kPairInRegisters) the second ring stage until row 1
+  PairT* sPair = reinterpret_cast<PairT*>(Cfg::kPairInRegisters ? ring + Cfg::kStageBytes : smem);
   uint64_t* row_full = reinterpret_cast<uint64_t*>(ring + Cfg::kRingBytes);  // [Tma::kStages]
   auto tile_smem = [&](int st, int i) {  // i: 0 Q, 1 dO, 2 K, 3 V
     return reinterpret_cast<Element*>(ring + st * Cfg::kStageBytes + i * Cfg::kTileBytes);
@@ -629,7 +636,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
     Cfg::Tma::issue(maps, row_full, p, step, b, tile.n_begin + step, h, tile.m0, tile.n0, tile_smem(st, 0),
                     tile_smem(st, 1), tile_smem(st, 2), tile_smem(st, 3), mask_smem(st));
   };
-  Cfg::Tma::template start<kThreads>(row_full, issue_row, p, ring, Cfg::kRingBytes);
+  // (the second stage, where the pair tile is in flight with kPairInRegisters, is zeroed after it is read)
+  Cfg::Tma::template start<kThreads>(row_full, issue_row, p, ring,
+                                     Cfg::kPairInRegisters ? Cfg::kStageBytes : Cfg::kRingBytes);
   // Row n's statistics are loaded into registers one step ahead and stored to its stage after the
   // products of the row before are issued.
   PendingRowStats pending;
@@ -662,6 +671,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
+    __syncthreads();  // every warp has read the tile: row step 1 may take its stage
+    if (Cfg::Tma::RowsQ::narrow(p.D)) {  // that stage's unwritten columns zeroed, as the prologue does
+      char* stage1 = ring + Cfg::kStageBytes;
+      for (int i = tid * 16; i < Cfg::kStageBytes; i += kThreads * 16)
+        *reinterpret_cast<uint4*>(stage1 + i) = make_uint4(0, 0, 0, 0);
+      cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
+      __syncthreads();
+    }
   }
 
   const bool has_mask = p.mask_scaled != nullptr;
