@@ -102,46 +102,65 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 && kDelta ? kGat
   store_cta_column_sums<2>(th, rs.slot, rs.rows_per_cta, p.C, sums, gate_sums, part, p.C, p.totals);
 }
 
+// Adds the rows x (masked by relu_out > 0 and stored to p.masked where kRelu) that this thread's row
+// slot visits into sums, in row order, with the next kAhead rows' chunks in flight.
+template <int kAhead, bool kRelu, typename T, int kChunks>
+__device__ __forceinline__ void add_column_rows(const ColumnSumParams& p, const RowSlots<T, kChunks>& rs,
+                                                float (&sums)[1][kChunks][Vec<T>::kSize]) {
+  const RowNormThread<T, kChunks>& th = rs.th;
+  const int64_t step = rs.row_step();
+  RowChunks<kChunks> next_x[kAhead], next_y[kAhead];  // rows row + a * step
+#pragma unroll
+  for (int a = 0; a < kAhead; ++a) {
+    next_x[a].load(th, p.x, p.x_stride, rs.first_row() + a * step, p.M, p.C);
+    if constexpr (kRelu) next_y[a].load(th, p.relu_out, p.relu_stride, rs.first_row() + a * step, p.M, p.C);
+  }
+  for (int64_t first = rs.first_row(); first < p.M; first += kAhead * step) {
+#pragma unroll
+    for (int a = 0; a < kAhead; ++a) {
+      const int64_t row = first + a * step;
+      if (row >= p.M) break;
+      Vec<T> x[kChunks], y[kChunks];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        x[c].unpack(next_x[a].raw[c]);
+        if constexpr (kRelu) y[c].unpack(next_y[a].raw[c]);
+      }
+      next_x[a].load(th, p.x, p.x_stride, row + kAhead * step, p.M, p.C);
+      if constexpr (kRelu) next_y[a].load(th, p.relu_out, p.relu_stride, row + kAhead * step, p.M, p.C);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (!th.valid(c, p.C)) continue;
+        if constexpr (kRelu) {  // the ReLU's backward: x where relu_out > 0, else 0
+#pragma unroll
+          for (int e = 0; e < Vec<T>::kSize; ++e) x[c].v[e] = y[c].v[e] > 0.f ? x[c].v[e] : 0.f;
+          x[c].store(static_cast<T*>(p.masked) + row * p.masked_stride + th.col(c));
+        }
+#pragma unroll
+        for (int e = 0; e < Vec<T>::kSize; ++e) sums[0][c][e] += x[c].v[e];
+      }
+    }
+  }
+}
+
 // part[blockIdx.x, :] = the sum of x's rows blockIdx.x's row slots visit (see ColumnSumParams; with
-// p.relu_out, of x masked by relu_out > 0, which is also written to p.masked). The next row's chunks
-// are loaded before the current one is masked, stored and added (as the row layer norms do), so
-// that the masked stores do not hold back the loads behind them.
+// p.relu_out, of x masked by relu_out > 0, which is also written to p.masked). Each thread adds its
+// rows in row order while the next ones load: one row ahead with a ReLU (whose masked stores keep
+// more in flight, as the row layer norms' stores do), 4 / kChunks rows (64 bytes) ahead without one
+// (a pure read with one row per thread in flight ran at about half of HBM's rate on 128- and
+// 256-channel rows). The sums do not depend on how far ahead the loads run.
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kBlockOpThreads) column_sum_kernel(ColumnSumParams p) {
-  constexpr int kVec = Vec<T>::kSize;
   extern __shared__ float column_sums[];  // [rows_per_cta][C]
   const RowSlots<T, kChunks> rs(p.row_threads);
-  const RowNormThread<T, kChunks>& th = rs.th;
-  const bool relu = p.relu_out != nullptr;
-  float sums[1][kChunks][kVec];
+  float sums[1][kChunks][Vec<T>::kSize];
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) sums[0][c][e] = 0.f;
-  RowChunks<kChunks> next_x, next_y;  // the next row's chunks, in flight
-  next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
-  if (relu) next_y.load(th, p.relu_out, p.relu_stride, rs.first_row(), p.M, p.C);
-  for (int64_t row = rs.first_row(); row < p.M; row += rs.row_step()) {
-    Vec<T> x[kChunks], y[kChunks];
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      x[c].unpack(next_x.raw[c]);
-      if (relu) y[c].unpack(next_y.raw[c]);  // (loaded only with a ReLU)
-    }
-    next_x.load(th, p.x, p.x_stride, row + rs.row_step(), p.M, p.C);
-    if (relu) next_y.load(th, p.relu_out, p.relu_stride, row + rs.row_step(), p.M, p.C);
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      if (!th.valid(c, p.C)) continue;
-      if (relu) {  // (uniform) the ReLU's backward: x where relu_out > 0, else 0
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) x[c].v[e] = y[c].v[e] > 0.f ? x[c].v[e] : 0.f;
-        x[c].store(static_cast<T*>(p.masked) + row * p.masked_stride + th.col(c));
-      }
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) sums[0][c][e] += x[c].v[e];
-    }
-  }
+    for (int e = 0; e < Vec<T>::kSize; ++e) sums[0][c][e] = 0.f;
+  if (p.relu_out != nullptr) add_column_rows<1, true>(p, rs, sums);
+  else add_column_rows<4 / kChunks, false>(p, rs, sums);
+  const RowNormThread<T, kChunks>& th = rs.th;
   float* const part[1] = {p.part};
   store_cta_column_sums<1>(th, rs.slot, rs.rows_per_cta, p.C, sums, column_sums, part, p.C, p.totals);
 }
