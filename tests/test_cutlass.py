@@ -161,6 +161,9 @@ def test_build_starts_the_longest_compiles_first():
     portable = [i for i, n in enumerate(names) if "_sm80" in n]
     assert portable == list(range(len(names) - len(portable), len(names)))  # the short units last
     assert all(len(hopper) <= names.index(n) < portable[0] for n in names if n.endswith("_bindings"))
+    host = [n for n in names if "_sm90" not in n and "_sm80" not in n]
+    slow = [n for n in _build.SLOW_HOST_UNITS if n in host]
+    assert len(slow) == len(_build.SLOW_HOST_UNITS) and host[:len(slow)] == slow  # (each names a source)
 
 
 def test_hopper_only_build_keeps_the_portable_16bit_kernels_apart():

@@ -139,14 +139,23 @@ def portable_sources() -> list[Path]:
             or (s.parent.name == "attention" and s.stem in PORTABLE_SHARED_UNITS)]
 
 
+# The bindings and launchers that take longest to compile (18-23 s each on an H200 machine's 16 cores,
+# 2026-11-30 build log; the others 5-13 s), longest first: started with the first bindings, not after
+# them by path, so that none of them starts in the build's last seconds.
+SLOW_HOST_UNITS = ("modules_bindings", "triangle_output", "triangle_node_bindings", "opm_node_bindings", "gating",
+                   "layer_norm")
+
+
 def compile_order(paths: list[Path]) -> list[Path]:
     """``paths`` with the longest compiles first (ninja starts a fresh build's jobs in the order
     given, so a long unit started in the last wave sets the build's end): the Hopper units (the
     triangle multiplication's, then the attention backward's and forward's, 18-38 s each on the
-    build machine's 16 cores), then the bindings and the block ops' launchers (14-21 s), then the
-    portable attention instantiations (backward, then forward: 5-11 s), larger head dims first within
-    each group. Replayed on one build's measured unit times, the path order ends at 108.5 s, this
-    order at 88.5 s (1,354 s of compile work on 16 cores: 84.7 s if perfectly packed)."""
+    build machine's 16 cores), then the bindings and the block ops' launchers (SLOW_HOST_UNITS
+    first, 18-23 s, then the rest, 5-13 s), then the portable attention instantiations (backward,
+    then forward: 5-11 s), larger head dims first within each group. Replayed on the unit times of
+    one H200 build of the core library (65 sources, 975 s of compile work: 60.9 s if perfectly
+    packed on 16 cores), the path order ends at 81.2 s, this order at 64.1 s (69.0 with the
+    bindings and launchers in path order; that build's ninja ended at 69.5 s)."""
 
     def cost_rank(path: Path) -> tuple:
         stem = path.stem
@@ -157,7 +166,8 @@ def compile_order(paths: list[Path]) -> list[Path]:
             tier = 4 if stem.startswith("backward") else 5
         else:
             tier = 3
-        return tier, -int(head_dim.group(1)) if head_dim else 0, str(path)
+        slow = SLOW_HOST_UNITS.index(stem) if tier == 3 and stem in SLOW_HOST_UNITS else len(SLOW_HOST_UNITS)
+        return tier, slow, -int(head_dim.group(1)) if head_dim else 0, str(path)
 
     return sorted(paths, key=cost_rank)
 
