@@ -13,7 +13,7 @@
 - Architectures: ``TORCH_CUDA_ARCH_LIST`` if set, else the visible GPU's compute capability.
 - Two libraries where every architecture is 9.0a (an H100/H200 build): 16-bit attention runs on the
   Hopper kernels there, so the portable 16-bit attention instantiations (36 translation units, about
-  a sixth of the compile work) are left out of the core library and built into a second one, with
+  a fifth of the compile work) are left out of the core library and built into a second one, with
   ``attention/portable_kernels.cu`` and ``attention/attention.cu``, the first time the sm80 family is
   chosen for 16-bit inputs (``EVOFORMER_BLOCKS_KERNELS=sm80``; :func:`load_portable`). Every other
   build is one library holding everything (``portable_kernels.cu`` left out).
