@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from evoformer_blocks import ops
-from evoformer_blocks.ops import _dispatch
+from evoformer_blocks.ops import _dispatch, _fused, cutlass
+from evoformer_blocks.ops._dispatch import constant_result
 from evoformer_blocks.ops import DS4Sci_EvoformerAttention, evoformer_attention
 
 F64 = torch.float64
@@ -652,3 +655,27 @@ def test_isolated_registry_undoes_every_change(recording_backends, monkeypatch):
     ]
     left_open.__exit__(None, None, None)  # closes on the state it was opened on
     assert ops.get_default_backend() == "auto"
+
+
+def test_constant_result_marks_as_torch_compiler_does():
+    # _dispatch.constant_result sets the one attribute torch.compiler.assume_constant_result sets (it
+    # skips importing torch._dynamo); if torch changes how it marks a function, this fails.
+    def theirs():
+        return 1
+
+    def ours():
+        return 1
+
+    before = set(vars(theirs))
+    torch.compiler.assume_constant_result(theirs)
+    marks = {k: v for k, v in vars(theirs).items() if k not in before}
+    constant_result(ours)
+    assert marks and vars(ours) == marks
+    for fn in (_dispatch._capability, cutlass._family, _fused._extension_error):
+        assert all(getattr(fn, k, None) == v for k, v in marks.items()), fn.__qualname__
+
+
+def test_import_leaves_torch_dynamo_unimported():
+    code = "import sys, evoformer_blocks; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr

@@ -57,10 +57,18 @@ class OpInputs(Protocol):
     def selection_key(self) -> tuple: ...
 
 
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (about 1.8 s
+    of the package's import on a CPU machine): that decorator only sets the attribute below, which
+    dynamo reads when it traces a call to ``fn`` (tests/test_ops.py checks that it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 _capabilities: dict[int, tuple[int, int]] = {}
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _capability(index: int) -> tuple[int, int]:
     """The compute capability of CUDA device ``index``, asked once per device (every op call
     selects a backend, and the driver query costs tens of microseconds)."""

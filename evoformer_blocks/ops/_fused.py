@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from . import _build
+from ._dispatch import constant_result
 
 # Shapes and meanings: the header comments of each family's bindings, csrc/*/*_bindings.cpp
 # (attention/attention_bindings.cpp, layer_norm/, triangle_multiplication/, outer_product_mean/, gating/,
@@ -104,7 +105,7 @@ def kernels():
     return getattr(torch.ops, _build.OP_NAMESPACE)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _extension_error() -> str:
     """'' when the kernels are built (building them on first call), else why not."""
     return _build.load_error() or ""

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from . import _build, _fused, _keep
-from ._dispatch import ATTENTION_OP, Backend, Capabilities, register
+from ._dispatch import ATTENTION_OP, Backend, Capabilities, constant_result, register
 from ._inputs import AttentionInputs, gated_views
 
 Tensor = torch.Tensor
@@ -277,7 +277,7 @@ def available_kernel_families(index: int) -> tuple[str, ...]:
     return families
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _family(index: int) -> str:
     """kernel_family of CUDA device ``index`` (a constant to torch.compile: the choice made when a
     graph is traced stays with that graph)."""
