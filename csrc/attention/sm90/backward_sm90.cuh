@@ -672,13 +672,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
       for (int e = 0; e < 4; ++e)
         if (nt * 8 + 2 * (lane % 4) + e % 2 >= tile.rows_k) pair_reg[nt][e] = -kInf;
     __syncthreads();  // every warp has read the tile: row step 1 may take its stage
-    if (Cfg::Tma::RowsQ::narrow(p.D)) {  // that stage's unwritten columns zeroed, as the prologue does
-      char* stage1 = ring + Cfg::kStageBytes;
-      for (int i = tid * 16; i < Cfg::kStageBytes; i += kThreads * 16)
-        *reinterpret_cast<uint4*>(stage1 + i) = make_uint4(0, 0, 0, 0);
-      cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
-      __syncthreads();
-    }
+    // that stage's unwritten columns zeroed, as the prologue zeroed the first
+    Cfg::Tma::template zero_rings<kThreads>(Cfg::Tma::RowsQ::narrow(p.D), ring + Cfg::kStageBytes, Cfg::kStageBytes);
   }
 
   const bool has_mask = p.mask_scaled != nullptr;

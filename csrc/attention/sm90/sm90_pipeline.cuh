@@ -46,20 +46,25 @@ struct StageBarriers {
     Barrier::wait(&full[step % kStages], (step / kStages) % 2);
   }
 
-  // Prologue: where the copies leave columns of their tiles unwritten (`narrow`: rows narrower than
-  // the tiles), every thread of the CTA (kThreads where the caller knows it, else blockDim.x) zeroes
-  // the rings [rings, rings + ring_bytes) first (the products read those columns); then thread 0
-  // initialises the barriers and issues step 0 (issue(0)).
+  // Where the copies leave columns of their tiles unwritten (`narrow`: rows narrower than the tiles),
+  // every thread of the CTA (kThreads where the caller knows it, else blockDim.x) zeroes the rings
+  // [rings, rings + ring_bytes) (the products read those columns), fenced before later copies and
+  // synced; nothing otherwise.
+  template <int kThreads = 0>
+  __device__ __forceinline__ static void zero_rings(bool narrow, char* rings, int ring_bytes) {
+    if (!narrow) return;
+    const int threads = kThreads > 0 ? kThreads : int(blockDim.x);
+    for (int i = int(threadIdx.x) * 16; i < ring_bytes; i += threads * 16)
+      *reinterpret_cast<uint4*>(rings + i) = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
+    __syncthreads();
+  }
+
+  // Prologue: zero_rings, then thread 0 initialises the barriers and issues step 0 (issue(0)).
   template <int kThreads = 0, typename Issue>
   __device__ __forceinline__ static void start(uint64_t* full, Issue&& issue, bool narrow, char* rings,
                                                int ring_bytes) {
-    if (narrow) {
-      const int threads = kThreads > 0 ? kThreads : int(blockDim.x);
-      for (int i = int(threadIdx.x) * 16; i < ring_bytes; i += threads * 16)
-        *reinterpret_cast<uint4*>(rings + i) = make_uint4(0, 0, 0, 0);
-      cutlass::arch::fence_view_async_shared();  // the zeros before the copies (async proxy)
-      __syncthreads();
-    }
+    zero_rings<kThreads>(narrow, rings, ring_bytes);
     if (threadIdx.x == 0) {
       init(full);
       issue(0);
