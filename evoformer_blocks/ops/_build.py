@@ -67,7 +67,9 @@ def cuda_flags() -> list[str]:
 
 _loaded: Optional[str] = None  # name of the loaded extension
 _load_error: Optional[str] = None
-_portable_loaded: Optional[str] = None  # name of the attached portable kernels' library
+_loaded_arch: Optional[str] = None  # the architectures it was built for
+# the attached portable kernels' library's name, "" where the core library holds them; None: not asked yet
+_portable_loaded: Optional[str] = None
 
 # The portable 16-bit attention instantiations (generate.py's file names) and the entry point of their
 # library: what a Hopper-only build keeps apart (module docstring).
@@ -271,8 +273,9 @@ def missing_prerequisite() -> Optional[str]:
     return None
 
 
-def _build_and_load(library_kind: str, what: str, srcs: list[Path], arch: str, include_dir: Path) -> str:
-    """Builds (once, under a lock) and loads one library of ``srcs`` for ``arch``; returns its name."""
+def _build_and_load(library_kind: str, what: str, srcs: list[Path], arch: str, include_dir: Path) -> tuple[str, Path]:
+    """Builds (once, under a lock) and loads one library of ``srcs`` for ``arch``; returns its name
+    and path."""
     from torch.utils import cpp_extension
 
     srcs = compile_order(srcs)
@@ -312,13 +315,13 @@ def _build_and_load(library_kind: str, what: str, srcs: list[Path], arch: str, i
                 file=sys.stderr,
                 flush=True,
             )
-    return name
+    return name, library
 
 
 def load() -> str:
     """Builds (once, under a lock) and loads the extension; returns its name. Raises on failure
     (:class:`CannotBuildHere` where a prerequisite is missing)."""
-    global _loaded
+    global _loaded, _loaded_arch
     if _loaded is not None:
         return _loaded
     missing = missing_prerequisite()
@@ -326,7 +329,8 @@ def load() -> str:
         raise CannotBuildHere(missing)
     include_dir = cutlass_include_dir()
     arch = arch_list()
-    _loaded = _build_and_load("cuda", "the CUDA kernels", core_sources(arch), arch, include_dir)
+    _loaded, _ = _build_and_load("cuda", "the CUDA kernels", core_sources(arch), arch, include_dir)
+    _loaded_arch = arch
     return _loaded
 
 
@@ -334,20 +338,19 @@ def load_portable() -> Optional[str]:
     """Where the core library keeps the portable 16-bit attention kernels apart (:func:`portable_apart`),
     builds (once, under a lock) their library and attaches it to the core library, so that the sm80
     family runs 16-bit inputs; returns its name, or None where the core library holds them itself.
-    Loads the core library first. Raises as :func:`load` does."""
+    Loads the core library first. Raises as :func:`load` does. Answered once per process (the
+    cutlass backend asks at every forward that chooses sm80)."""
     global _portable_loaded
-    if _portable_loaded is not None:
-        return _portable_loaded
-    load()
-    arch = arch_list()
-    if not portable_apart(arch):
-        return None
-    include_dir = cutlass_include_dir()
-    name = _build_and_load("portable", "the portable 16-bit attention kernels", portable_sources(), arch, include_dir)
-    _, _, library = _target(arch, include_dir, "portable")
-    getattr(torch.ops, OP_NAMESPACE).attach_portable_kernels(str(library))
-    _portable_loaded = name
-    return name
+    if _portable_loaded is None:
+        load()
+        if not portable_apart(_loaded_arch):
+            _portable_loaded = ""
+        else:
+            name, library = _build_and_load("portable", "the portable 16-bit attention kernels", portable_sources(),
+                                            _loaded_arch, cutlass_include_dir())
+            getattr(torch.ops, OP_NAMESPACE).attach_portable_kernels(str(library))
+            _portable_loaded = name
+    return _portable_loaded or None
 
 
 def load_error() -> Optional[str]:
