@@ -196,14 +196,21 @@ def _kernel_names(fn) -> set[str]:
     return {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
 
 
-def test_triangle_runs_the_input_kernel_of_its_family(kernel_family):
-    z = torch.randn(20, 20, 64, device=DEV, dtype=torch.bfloat16)
-    w = {k: v.to(DEV) for k, v in triangle_weights(64, 32, torch.bfloat16).items()}
+# On Hopper, c_z = c = 128 with N_res^2 % 8 == 0 runs the kernel with the weights resident on a
+# persistent grid; other widths, or rows that cannot be stored 16 bytes at a time, the tiled one.
+@pytest.mark.parametrize("n, c_z, c, hopper_kernel", [(20, 64, 32, "triangle_input_sm90_kernel"),
+                                                      (24, 128, 128, "triangle_input_sm90_resident_kernel"),
+                                                      (21, 128, 128, "triangle_input_sm90_kernel"),
+                                                      (24, 128, 64, "triangle_input_sm90_kernel")])
+def test_triangle_runs_the_input_kernel_of_its_family(n, c_z, c, hopper_kernel, kernel_family):
+    z = torch.randn(n, n, c_z, device=DEV, dtype=torch.bfloat16)
+    w = {k: v.to(DEV) for k, v in triangle_weights(c_z, c, torch.bfloat16).items()}
     names = _kernel_names(lambda: _triangle(z, None, w, "outgoing", "cutlass"))
-    hopper = [name for name in names if "triangle_input_sm90_kernel" in name]
+    hopper = [name for name in names if "triangle_input_sm90" in name]
     portable = [name for name in names if "triangle_input_kernel" in name]
     if cutlass.kernel_family() == "sm90":
         assert hopper and not portable, names
+        assert all(f"{hopper_kernel}<" in name for name in hopper), names
     else:
         assert portable and not hopper, names
 
@@ -214,7 +221,8 @@ def test_triangle_runs_the_input_kernel_of_its_family(kernel_family):
 # tiles and N_res^2 % 8 == 0 (the Hopper input kernel: c % 32 == 0, c_z in {64, 128, 256}; the output
 # kernel, both families: c in {64, 128}, c_z == 128): N_res 100, 300, 48 and 40 run it (48: the c_z
 # 64 bucket of the input kernel; 40: the c 64 bucket of the output kernel), the others the checked
-# kernels.
+# kernels. On Hopper N_res 100 and 300 run the input kernel with resident weights (c_z = c = 128), the
+# last of their 64-position tiles partial, 300 with more tiles than its persistent grid's warpgroups.
 @pytest.mark.parametrize("batch, n, c_z, c", [((), 1, 32, 16), ((), 7, 32, 16), ((2,), 37, 64, 32), ((), 100, 128, 128),
                                               ((), 257, 128, 64), ((), 19, 136, 72), ((), 9, 264, 24),
                                               ((2,), 23, 48, 40), ((), 300, 128, 128), ((), 48, 64, 32),

@@ -59,6 +59,7 @@ struct TriangleInputParams {
   bool vector_ok;      // a and b rows can be stored 16 bytes at a time (M % 8 == 0, aligned bases)
   int c_rows = 0;      // channels between w_ab's / b_ab's four row blocks (C)
   bool hopper = false; // run the sm_90a (wgmma) kernel: only where block_hopper_kernels() says so
+  int sm_count = 0;    // the device's SMs (the Hopper kernel's persistent grid at c_z = c = 128)
 };
 
 // Its backward for the edges (a group of C channels of c_rows): the projections and gates recomputed

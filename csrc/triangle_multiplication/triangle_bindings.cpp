@@ -128,6 +128,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
                                  int(s.cz), float(eps), s.M % 8 == 0 && aligned16(a) && aligned16(b)};
     tp.c_rows = int(s.c);
     tp.hopper = hopper && aligned16(bias) && aligned16(b_g);  // (the Hopper kernel copies the biases 16 bytes at a time)
+    tp.sm_count = current_sm_count();
     if (z.scalar_type() == at::kHalf) launch_triangle_input<cutlass::half_t>(tp, stream);
     else launch_triangle_input<cutlass::bfloat16_t>(tp, stream);
   } else {

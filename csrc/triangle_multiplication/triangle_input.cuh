@@ -294,16 +294,16 @@ inline void launch_on_position_tiles(void (*kernel)(Params), const Params& p, in
 }
 
 // Layer norm of the z tile in place (x_hat, no affine: it is folded into the weights), element (r, c)
-// at xs + offset_of(r, c); mean and rstd of the valid rows to p.mean / p.rstd. Two lanes per row;
+// at xs + offset_of(r, c); mean and rstd of the valid rows to p.mean / p.rstd. Two lanes per row
+// (threads tid = 2 r, 2 r + 1 of those that normalise the tile);
 // lane h of the pair reads the 16-byte chunks c with (c / 4) % 2 == h (the pair's two 64-byte runs
 // fall on different banks) once into registers, then passes over them three times: sum, squared
 // deviations, normalised values written back. kWhole: K == kK (no chunk past K).
 template <typename T, int kK, bool kWhole = false, typename OffsetOf>
 __device__ __forceinline__ void triangle_input_normalise(const TriangleInputParams& p, T* xs, OffsetOf&& offset_of,
-                                                         int64_t m0, int valid_rows) {
+                                                         int64_t m0, int valid_rows, int tid = int(threadIdx.x)) {
   constexpr int kChunks = kK / 16;  // per lane
-  static_assert(kTriInThreads == 2 * kTriInRows, "two lanes per row");
-  const int r = threadIdx.x / 2u, h = threadIdx.x % 2u;
+  const int r = int(unsigned(tid) / 2u), h = int(unsigned(tid) % 2u);  // two lanes per row
   const auto chunk_col = [h](int j) { return ((j / 4) * 8 + h * 4 + j % 4) * 8; };
   const auto chunk = [&](int j) { return xs + offset_of(r, chunk_col(j)); };
   // the lane's chunks, read once and kept as raw bytes (columns past K are zeros, not written back)
@@ -371,22 +371,24 @@ __device__ __forceinline__ void stage_gated_slot(const TriangleInputParams& p, c
     }
 }
 
-// Stores edge pass q's staged [64 channel rows (slots 2q, 2q + 1), 128 positions] (pitch
-// kTriInStagePitch) as channel rows of a or b: a thread stores 8 positions from `col` of staged rows
-// lr0, lr0 + 16, ... kWhole: every slot whole (C % 32 == 0) and p.vector_ok.
-template <typename T, bool kWhole = false>
+// Stores edge pass q's staged [64 channel rows (slots 2q, 2q + 1), kPositions positions] (pitch
+// kPitch) as channel rows of a or b: of the kThreads threads that store it, thread tid stores 8
+// positions from `col` of staged rows lr0, lr0 + kThreads / (kPositions / 8), ... kWhole: every slot
+// whole (C % 32 == 0) and p.vector_ok.
+template <typename T, bool kWhole = false, int kPositions = kTriInRows, int kThreads = kTriInThreads,
+          int kPitch = kTriInStagePitch>
 __device__ __forceinline__ void triangle_input_store_edges(const TriangleInputParams& p, const T* stage, int q,
-                                                           int64_t m0, int valid_rows) {
-  constexpr int kSpans = kTriInRows / 8;
+                                                           int64_t m0, int valid_rows, int tid = int(threadIdx.x)) {
+  constexpr int kSpans = kPositions / 8;
   const int blocks = edge_blocks(p.C);
-  const int col = int(threadIdx.x % unsigned(kSpans)) * 8, lr0 = int(threadIdx.x / unsigned(kSpans));
+  const int col = int(unsigned(tid) % unsigned(kSpans)) * 8, lr0 = int(unsigned(tid) / unsigned(kSpans));
   if (col >= valid_rows) return;
 #pragma unroll
-  for (int lr = lr0; lr < 2 * kTriInSlot; lr += kTriInThreads / kSpans) {
+  for (int lr = lr0; lr < 2 * kTriInSlot; lr += kThreads / kSpans) {
     const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
     const int ch = slot.ch0 + lr % kTriInSlot;
     if (!kWhole && (slot.edge >= 2 || ch >= p.C)) continue;
-    const T* src = stage + lr * kTriInStagePitch + col;
+    const T* src = stage + lr * kPitch + col;
     T* dst = static_cast<T*>(slot.edge == 0 ? p.a : p.b) + int64_t(ch) * p.M + m0 + col;
     if (kWhole || p.vector_ok) {  // M % 8 == 0: a whole span
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -396,19 +398,20 @@ __device__ __forceinline__ void triangle_input_store_edges(const TriangleInputPa
   }
 }
 
-// Stores a g pass's staged [128 positions, 128 columns from n0] (pitch kTriInStagePitch) as rows of
-// g (G is a multiple of 8: whole 16-byte spans).
-template <typename T>
+// Stores a g pass's staged [kRows positions, kCols columns from n0] (pitch kPitch) as rows of g (G is a
+// multiple of 8: whole 16-byte spans), by kThreads threads (tid: the thread's index among them).
+template <typename T, int kRows = kTriInRows, int kCols = kTriInPassCols, int kThreads = kTriInThreads,
+          int kPitch = kTriInStagePitch>
 __device__ __forceinline__ void triangle_input_store_g(const TriangleInputParams& p, const T* stage, int n0,
-                                                       int64_t m0, int valid_rows) {
-  constexpr int kSpans = kTriInPassCols / 8;
-  const int col = int(threadIdx.x % unsigned(kSpans)) * 8, r0 = int(threadIdx.x / unsigned(kSpans));
+                                                       int64_t m0, int valid_rows, int tid = int(threadIdx.x)) {
+  constexpr int kSpans = kCols / 8;
+  const int col = int(unsigned(tid) % unsigned(kSpans)) * 8, r0 = int(unsigned(tid) / unsigned(kSpans));
   if (n0 + col >= p.G) return;
 #pragma unroll
-  for (int r = r0; r < kTriInRows; r += kTriInThreads / kSpans) {
+  for (int r = r0; r < kRows; r += kThreads / kSpans) {
     if (r >= valid_rows) break;
     *reinterpret_cast<uint4*>(static_cast<T*>(p.g) + (m0 + r) * p.G + n0 + col) =
-        *reinterpret_cast<const uint4*>(stage + r * kTriInStagePitch + col);
+        *reinterpret_cast<const uint4*>(stage + r * kPitch + col);
   }
 }
 

@@ -90,7 +90,8 @@ __device__ __forceinline__ void triangle_input_load_bias(const Params& p, void* 
 // four instructions per slot instead of 32 two-byte stores. `stage` points at the slot's first
 // staged row and the warp's first position (16 positions per warp). kWhole (C % 32 == 0): no channel
 // is past C, and a thread's two adjacent channels' biases come in one 8-byte load each.
-template <typename T, bool kWhole>
+// kPitch: elements between staged rows.
+template <typename T, bool kWhole, int kPitch = kTriInStagePitch>
 __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams& p, const EdgeSlot& slot,
                                                       const float* bias_proj, const float* bias_gate,
                                                       const float (*acc)[4], const float (&mask)[1][2], T* stage,
@@ -130,7 +131,7 @@ __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams&
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {
     const int nt = 2 * pair + tile / 2, hh = tile % 2;
-    stsm_x4_trans(stage + (nt * 8 + k) * kTriInStagePitch + 8 * hh, packed[2 * pair][0], packed[2 * pair][1],
+    stsm_x4_trans(stage + (nt * 8 + k) * kPitch + 8 * hh, packed[2 * pair][0], packed[2 * pair][1],
                       packed[2 * pair + 1][0], packed[2 * pair + 1][1]);
   }
 }
@@ -263,6 +264,201 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   }
   __syncthreads();  // the last pass's results are staged
   store_pass(passes - 1);
+#endif
+}
+
+
+// The AF2/AF3 widths (c_z = c = G = 128: four edge passes and one g pass) on a persistent grid, one
+// CTA per SM, with every pass's weights resident in shared memory for the CTA's life and its two
+// warpgroups working apart: warpgroup wg takes 64-position tiles 2 blockIdx.x + wg, + 2 gridDim.x, ...
+// with an x_hat tile and a staging area of its own, so it never waits for the other, whose layer
+// norm, epilogues and stores fill the SM while this one's products run.
+//
+// Why (the kernel above at N_res 1024, clock64 per phase, every 16th CTA): a CTA lives 27.2k cycles,
+// 3.4k of them copying its z tile and 2.2k normalising it while its own tensor cores idle; per pass
+// the stores of the previous pass (2.1k) and the next pass's weight copies (0.8-1.1k of issue, 32 KB
+// of L2 reads per pass and CTA) run while the two warpgroups wait for each other at every barrier.
+// Here the weights are read once per SM, the next tile's z is copied while the last pass's epilogue
+// runs, and pass q + 1's product runs while pass q's epilogue and stores do (two accumulator sets:
+// 128 registers of the 255 one CTA per SM allows).
+//
+// Shared memory: the five passes' weights [128 columns, 128] (LayoutW, 160 KB), per warpgroup an
+// x_hat tile [64, 128] (LayoutX, 16 KB) and a staging area [64 rows, 64 + 8] (an edge pass's two
+// slots' channels by 64 positions, or half a g pass: 64 positions by 64 columns), the biases.
+template <typename T>
+struct TriangleInputResidentTile {
+  static constexpr int kK = 128, kKSteps = kK / 16, kEdgePasses = 4, kPasses = kEdgePasses + 1;
+  static constexpr int kRows = 64;                 // positions per warpgroup tile
+  static constexpr int kThreads = 128;             // per warpgroup
+  static constexpr int kPitch = 64 + 8;            // elements per staged row
+  using LayoutX = typename sm90::RowTileLayouts<T, kRows, kK>::RowMajor;
+  using LayoutW = typename sm90::RowTileLayouts<T, kTriInPassCols, kK>::RowMajor;
+  using Mma = sm90::SsMma<T, kTriInPassCols, kK>;  // [64, 128] = x_hat [64, kK] . weights [128, kK]^T
+  static constexpr int kWeightBytes = kTriInPassCols * kK * int(sizeof(T));
+  static constexpr int kXBytes = kRows * kK * int(sizeof(T));
+  static constexpr int kStageBytes = kRows * kPitch * int(sizeof(T));
+  static constexpr int kBiasBytes = kTriInPassCols * 4;  // a pass's biases (floats; a g pass's in T)
+  static constexpr int kXOffset = kPasses * kWeightBytes;
+  static constexpr int kStageOffset = kXOffset + 2 * kXBytes;
+  static constexpr int kBiasOffset = kStageOffset + 2 * kStageBytes;
+  static constexpr int kSmemBytes = sm90::kSmemAlign + kBiasOffset + kPasses * kBiasBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
+  static_assert(kXBytes % sm90::kSmemAlign == 0 && kWeightBytes % sm90::kSmemAlign == 0, "aligned tiles");
+};
+
+// Whether triangle_input_sm90_resident_kernel runs p: the widths it is built for, whole 16-byte stores.
+inline bool triangle_input_resident(const TriangleInputParams& p) {
+  return p.K == 128 && p.C == 128 && p.G == 128 && p.c_rows == p.C && p.vector_ok;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTriInThreads, 1) triangle_input_sm90_resident_kernel(TriangleInputParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Tile = TriangleInputResidentTile<T>;
+  static_assert(kTriInThreads == 2 * Tile::kThreads, "two warpgroups");
+  extern __shared__ __align__(16) char tri_res_smem[];
+  char* const smem = sm90::aligned_smem(tri_res_smem);
+  T* const weights = reinterpret_cast<T*>(smem);
+  char* const biases = smem + Tile::kBiasOffset;
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128u), 0);  // warp-uniform
+  const int tid = int(threadIdx.x % 128u), lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int row0 = tid / 32 * 16 + g;  // the thread's rows of its warpgroup's tile: row0, row0 + 8
+  T* const xs = reinterpret_cast<T*>(smem + Tile::kXOffset + wg * Tile::kXBytes);
+  T* const stage = reinterpret_cast<T*>(smem + Tile::kStageOffset + wg * Tile::kStageBytes);
+  const auto wg_sync = [wg] { asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(Tile::kThreads) : "memory"); };
+  const auto x_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutX, T>(r, c); };
+  const sm90::SwizzledTileCopy<Tile::kRows, Tile::kK, Tile::kThreads> z_copy(tid, x_offset);
+
+  const int64_t n_tiles = (p.M + Tile::kRows - 1) / Tile::kRows, tile_step = 2 * int64_t(gridDim.x);
+  // Starts the copy of tile `tile`'s z rows into xs (one cp.async group, empty past the last tile).
+  const auto load_z = [&](int64_t tile) {
+    if (tile < n_tiles) {
+      const int64_t m0 = tile * Tile::kRows;
+      const int valid = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
+      z_copy(xs, static_cast<const T*>(p.z) + m0 * p.z_stride, p.z_stride, valid, p.K);
+    }
+    cp_async_commit();
+  };
+
+  // every pass's weights and biases (five groups), then the first tile's z
+#pragma unroll 1
+  for (int q = 0; q < Tile::kPasses; ++q) {
+    triangle_input_load_bias<T, true>(p, biases + q * Tile::kBiasBytes, q);
+    triangle_input_load_weights<T, Tile::kKSteps, true>(
+        p, weights + q * (Tile::kWeightBytes / int(sizeof(T))), q,
+        [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutW, T>(r, c); });
+  }
+  int64_t tile = 2 * int64_t(blockIdx.x) + wg;
+  load_z(tile);
+  cp_async_wait<0>();
+  cutlass::arch::fence_view_async_shared();  // this thread's weight copies -> tensor cores
+  __syncthreads();  // the weights and biases every thread copied (the last CTA-wide barrier)
+
+  typename Tile::Mma mma;
+  auto thr = mma.get_thread_slice(tid);
+  Tensor tXr = thr.partition_fragment_A(make_tensor(make_smem_ptr(xs), typename Tile::LayoutX{}));
+  Tensor acc0 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<kTriInPassCols>>{});
+  Tensor acc1 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<kTriInPassCols>>{});
+  static_assert(size(acc0) == kTriInPassCols / 2, "sixteen n8 accumulator tiles per thread");
+
+  // pass q's product into acc (committed as one wgmma batch)
+  const auto issue = [&](int q, auto& acc) {
+    Tensor tWr = thr.partition_fragment_B(
+        make_tensor(make_smem_ptr(weights + q * (Tile::kWeightBytes / int(sizeof(T)))), typename Tile::LayoutW{}));
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;  // the first k-step overwrites the accumulators
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tXr); ++kk) {
+      gemm(mma, tXr(_, _, kk), tWr(_, _, kk), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+
+#pragma unroll 1
+  for (; tile < n_tiles; tile += tile_step) {
+    const int64_t m0 = tile * Tile::kRows;
+    const int valid_rows = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
+    cp_async_wait<0>();
+    wg_sync();  // the tile's z rows (every thread's copies)
+    triangle_input_normalise<T, Tile::kK, true>(p, xs, x_offset, m0, valid_rows, tid);
+    float mask[1][2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row0 + 8 * hh;
+      mask[0][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
+    }
+    cutlass::arch::fence_view_async_shared();  // x_hat (generic stores) -> tensor cores
+    wg_sync();
+
+    // An edge pass's epilogue from acc: both slots' gated values staged [64 channels, 64 positions], stored
+    // as channel rows of a and b (the staging area is free again after the second barrier).
+    const auto edge_epilogue = [&](int q, auto& acc_tensor) {
+      warpgroup_fence_operand(acc_tensor);
+      float(&acc)[kTriInPassCols / 8][4] =
+          *reinterpret_cast<float(*)[kTriInPassCols / 8][4]>(raw_pointer_cast(acc_tensor.data()));
+      const float* const bias = reinterpret_cast<const float*>(biases + q * Tile::kBiasBytes);  // [h][proj, gate][32]
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        stage_gated_slot_sm90<T, true, Tile::kPitch>(p, EdgeSlot(2 * q + h, Tile::kEdgePasses), bias + 64 * h,
+                                                      bias + 64 * h + 32, acc + 8 * h, mask,
+                                                      stage + h * kTriInSlot * Tile::kPitch + (row0 - g), lane);
+      wg_sync();
+      triangle_input_store_edges<T, true, Tile::kRows, Tile::kThreads, Tile::kPitch>(p, stage, q, m0, valid_rows, tid);
+      wg_sync();
+    };
+
+    issue(0, acc0);
+    issue(1, acc1);
+    warpgroup_wait<1>();
+    edge_epilogue(0, acc0);
+    issue(2, acc0);
+    warpgroup_wait<1>();
+    edge_epilogue(1, acc1);
+    issue(3, acc1);
+    warpgroup_wait<1>();
+    edge_epilogue(2, acc0);
+    issue(4, acc0);
+    warpgroup_wait<1>();
+    edge_epilogue(3, acc1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc0);
+    wg_sync();  // every warp's products are done with x_hat: the next tile's z goes there
+    load_z(tile + tile_step);
+
+    // the g pass: columns 64 u.. of g plus their bias, staged [64 positions, 64 columns] by stmatrix
+    // (tile (nt, hh): positions g + 8 hh, columns nt * 8 + 2 t, + 1; lane l addresses row l % 8 of tile
+    // l / 8 of each group of four), then stored as rows of g
+    {
+      float(&acc)[kTriInPassCols / 8][4] =
+          *reinterpret_cast<float(*)[kTriInPassCols / 8][4]>(raw_pointer_cast(acc0.data()));
+      const T* const bias = reinterpret_cast<const T*>(biases + Tile::kEdgePasses * Tile::kBiasBytes);  // [128]
+      T* const lane_stage = stage + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * Tile::kPitch + 8 * (lane / 16);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+          uint32_t packed[2][2];  // [nt of the pair][hh]
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            const int nt = 8 * u + 2 * pair + v;
+            const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              packed[v][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
+          }
+          stsm_x4(lane_stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+        }
+        wg_sync();
+        triangle_input_store_g<T, Tile::kRows, 64, Tile::kThreads, Tile::kPitch>(p, stage, 64 * u, m0, valid_rows,
+                                                                                tid);
+        wg_sync();
+      }
+    }
+  }
+  cp_async_wait<0>();  // (the empty group past the last tile)
 #endif
 }
 
