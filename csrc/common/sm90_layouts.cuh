@@ -52,11 +52,16 @@ struct RowTileLayouts {
 
 // One warpgroup's wgmma [64, kN] += A [64, kK] . B with fp32 accumulation:
 // SsMma: A and B in shared memory, both K-major (B stored [kN][kK], e.g. S = Q.K^T);
+// RsMma: A in registers, B in shared memory K-major (e.g. a normalised tile times weights [kN][kK]);
 // RsMmaMN: A in registers, B in shared memory MN-major (B [kK, kN] stored with kN contiguous, e.g.
 // O += P.V with V through RowTileLayouts::Transposed).
 template <typename Element, int kN, int kK>
 using SsMma = decltype(cute::make_tiled_mma(
     cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kN>, cute::Int<kK>>>()));
+template <typename Element, int kN, int kK>
+using RsMma = decltype(cute::make_tiled_mma(
+    cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kN>, cute::Int<kK>>,
+                               cute::GMMA::Major::K, cute::GMMA::Major::K>()));
 template <typename Element, int kN, int kK>
 using RsMmaMN = decltype(cute::make_tiled_mma(
     cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kN>, cute::Int<kK>>,

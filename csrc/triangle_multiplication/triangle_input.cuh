@@ -371,21 +371,21 @@ __device__ __forceinline__ void stage_gated_slot(const TriangleInputParams& p, c
     }
 }
 
-// Stores edge pass q's staged [64 channel rows (slots 2q, 2q + 1), kPositions positions] (pitch
-// kPitch) as channel rows of a or b: of the kThreads threads that store it, thread tid stores 8
-// positions from `col` of staged rows lr0, lr0 + kThreads / (kPositions / 8), ... kWhole: every slot
-// whole (C % 32 == 0) and p.vector_ok.
+// Stores the staged [kSlots * 32 channel rows (slots slot0, slot0 + 1, ...), kPositions positions]
+// (pitch kPitch) as channel rows of a or b (an edge pass q: slot0 = 2q, two slots): of the kThreads
+// threads that store it, thread tid stores 8 positions from `col` of staged rows lr0,
+// lr0 + kThreads / (kPositions / 8), ... kWhole: every slot whole (C % 32 == 0) and p.vector_ok.
 template <typename T, bool kWhole = false, int kPositions = kTriInRows, int kThreads = kTriInThreads,
-          int kPitch = kTriInStagePitch>
-__device__ __forceinline__ void triangle_input_store_edges(const TriangleInputParams& p, const T* stage, int q,
+          int kPitch = kTriInStagePitch, int kSlots = 2>
+__device__ __forceinline__ void triangle_input_store_edges(const TriangleInputParams& p, const T* stage, int slot0,
                                                            int64_t m0, int valid_rows, int tid = int(threadIdx.x)) {
   constexpr int kSpans = kPositions / 8;
   const int blocks = edge_blocks(p.C);
   const int col = int(unsigned(tid) % unsigned(kSpans)) * 8, lr0 = int(unsigned(tid) / unsigned(kSpans));
   if (col >= valid_rows) return;
 #pragma unroll
-  for (int lr = lr0; lr < 2 * kTriInSlot; lr += kThreads / kSpans) {
-    const EdgeSlot slot(2 * q + lr / kTriInSlot, blocks);
+  for (int lr = lr0; lr < kSlots * kTriInSlot; lr += kThreads / kSpans) {
+    const EdgeSlot slot(slot0 + lr / kTriInSlot, blocks);
     const int ch = slot.ch0 + lr % kTriInSlot;
     if (!kWhole && (slot.edge >= 2 || ch >= p.C)) continue;
     const T* src = stage + lr * kPitch + col;
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_input_kernel(Triang
       stage_gated_slot<T, 2>(p, slot, bias_proj, bias_proj + p.c_rows, &acc[0][0], mask,
                              wbuf + col_half * kTriInSlot * kTriInStagePitch + row_group * 32 + g, t);
       __syncthreads();
-      triangle_input_store_edges<T>(p, wbuf, q, m0, valid_rows);
+      triangle_input_store_edges<T>(p, wbuf, 2 * q, m0, valid_rows);
     } else {
       // g pass: columns n0.. of g, plus their bias
       const int n0 = (q - blocks) * kTriInPassCols;

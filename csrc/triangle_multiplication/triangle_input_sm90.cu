@@ -14,13 +14,13 @@ template <typename T>
 void launch_triangle_input_sm90(const TriangleInputParams& p, cudaStream_t stream) {
   if (p.M == 0) return;
   if (triangle_input_resident(p)) {
-    // one CTA per SM (at most one per two 64-position tiles), each warpgroup walking its tiles
+    // one CTA per SM (at most one per three 64-position tiles), each warpgroup walking its tiles
     using Tile = TriangleInputResidentTile<T>;
     constexpr const char* kName = "evoformer triangle input sm90 resident";
-    const int64_t pairs = (p.M + 2 * Tile::kRows - 1) / (2 * Tile::kRows);
+    const int64_t ctas = (p.M + Tile::kWarpgroups * Tile::kRows - 1) / (Tile::kWarpgroups * Tile::kRows);
     allow_dynamic_smem(triangle_input_sm90_resident_kernel<T>, Tile::kSmemBytes, kName);
     triangle_input_sm90_resident_kernel<T>
-        <<<unsigned(std::max<int64_t>(1, std::min<int64_t>(pairs, p.sm_count))), kTriInThreads, Tile::kSmemBytes,
+        <<<unsigned(std::max<int64_t>(1, std::min<int64_t>(ctas, p.sm_count))), Tile::kCtaThreads, Tile::kSmemBytes,
            stream>>>(p);
     check_launch(kName);
     return;

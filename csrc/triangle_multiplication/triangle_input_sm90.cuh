@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
 
   // Stores pass q's staged results (in buffer q % 2) to a, b or g.
   const auto store_pass = [&](int q) {
-    if (q < blocks) triangle_input_store_edges<T, kWhole>(p, buffer(q % 2), q, m0, valid_rows);
+    if (q < blocks) triangle_input_store_edges<T, kWhole>(p, buffer(q % 2), 2 * q, m0, valid_rows);
     else triangle_input_store_g<T>(p, buffer(q % 2), (q - blocks) * kTriInPassCols, m0, valid_rows);
   };
 
@@ -269,43 +269,52 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
 
 
 // The AF2/AF3 widths (c_z = c = G = 128: four edge passes and one g pass) on a persistent grid, one
-// CTA per SM, with every pass's weights resident in shared memory for the CTA's life and its two
-// warpgroups working apart: warpgroup wg takes 64-position tiles 2 blockIdx.x + wg, + 2 gridDim.x, ...
-// with an x_hat tile and a staging area of its own, so it never waits for the other, whose layer
-// norm, epilogues and stores fill the SM while this one's products run.
+// CTA per SM, with every pass's weights resident in shared memory for the CTA's life and three
+// warpgroups working apart: warpgroup wg takes 64-position tiles 3 blockIdx.x + wg, + 3 gridDim.x, ...
+// with a z tile and a staging area of its own, so it never waits for the others, whose layer norms,
+// epilogues and stores fill the SM while its products run.
 //
-// Why (the kernel above at N_res 1024, clock64 per phase, every 16th CTA): a CTA lives 27.2k cycles,
-// 3.4k of them copying its z tile and 2.2k normalising it while its own tensor cores idle; per pass
-// the stores of the previous pass (2.1k) and the next pass's weight copies (0.8-1.1k of issue, 32 KB
-// of L2 reads per pass and CTA) run while the two warpgroups wait for each other at every barrier.
-// Here the weights are read once per SM, the next tile's z is copied while the last pass's epilogue
-// runs, and pass q + 1's product runs while pass q's epilogue and stores do (two accumulator sets,
-// 128 registers; 186 in all of the 255 one CTA per SM allows). Measured against the kernel above in
-// one process (H200): 0.518 -> 0.472 ms at N_res 1024, -9 to -13 % at 384-1024, outputs bitwise equal;
-// each warpgroup is now bound by its own epilogues and layer norm (benchmarks/DESIGN.md).
+// A warpgroup normalises its tile into registers, where its products read it (wgmma with A in
+// registers, 32 per thread): the z tile is read once, by ldmatrix in the A operand's layout, and the
+// next tile's z is copied into it while this tile's products run. A pass is two products of 64
+// columns (an edge slot's 32 projections and their gates, or half of g), each followed by its
+// epilogue; product i + 1 runs while product i's epilogue and stores do (two accumulator sets of 32).
 //
-// Shared memory: the five passes' weights [128 columns, 128] (LayoutW, 160 KB), per warpgroup an
-// x_hat tile [64, 128] (LayoutX, 16 KB) and a staging area [64 rows, 64 + 8] (an edge pass's two
-// slots' channels by 64 positions, or half a g pass: 64 positions by 64 columns), the biases.
+// Why (benchmarks/DESIGN.md, the triangle paragraph): with two warpgroups and x_hat in shared memory
+// each warpgroup's tile took 13.6k cycles at N_res 1024, of which the z wait (1.4k) and the layer norm
+// (2.5k) ran beside no product of its own, and a third warpgroup fitted neither the registers (two
+// 128-column accumulator sets: 186 per thread) nor the shared memory (an x_hat tile of 16 KB beside
+// the z tile). Here x_hat needs no shared memory, the z copy has a whole tile to land, and products of
+// 64 columns halve the accumulators.
+//
+// Shared memory: the five passes' weights [128 columns, 128] (LayoutW, 160 KB), per warpgroup a z tile
+// [64, 128] (LayoutZ, 16 KB) and a staging area (an edge slot [32 channels, 64 positions] or a quarter
+// of g [64 positions, 32 columns]), the biases: 231,936 bytes with the alignment.
 template <typename T>
 struct TriangleInputResidentTile {
   static constexpr int kK = 128, kKSteps = kK / 16, kEdgePasses = 4, kPasses = kEdgePasses + 1;
-  static constexpr int kRows = 64;                 // positions per warpgroup tile
-  static constexpr int kThreads = 128;             // per warpgroup
-  static constexpr int kPitch = 64 + 8;            // elements per staged row
-  using LayoutX = typename sm90::RowTileLayouts<T, kRows, kK>::RowMajor;
+  static constexpr int kCols = 64;                  // columns per product
+  static constexpr int kProducts = 2 * kPasses;     // product i: edge slot i (i < 8), then g's halves
+  static constexpr int kRows = 64;                  // positions per warpgroup tile
+  static constexpr int kWarpgroups = 3, kThreads = 128, kCtaThreads = kWarpgroups * kThreads;
+  static constexpr int kEdgePitch = kRows + 8;      // elements per staged channel row of an edge slot
+  static constexpr int kGCols = 32, kGPitch = kGCols + 8;  // a staged quarter of g: columns, pitch
+  using LayoutZ = typename sm90::RowTileLayouts<T, kRows, kK>::RowMajor;
   using LayoutW = typename sm90::RowTileLayouts<T, kTriInPassCols, kK>::RowMajor;
-  using Mma = sm90::SsMma<T, kTriInPassCols, kK>;  // [64, 128] = x_hat [64, kK] . weights [128, kK]^T
+  using Mma = sm90::RsMma<T, kCols, kK>;  // [64, 64] = x_hat [64, kK] (registers) . weights [64, kK]^T
   static constexpr int kWeightBytes = kTriInPassCols * kK * int(sizeof(T));
-  static constexpr int kXBytes = kRows * kK * int(sizeof(T));
-  static constexpr int kStageBytes = kRows * kPitch * int(sizeof(T));
+  static constexpr int kZBytes = kRows * kK * int(sizeof(T));
+  static constexpr int kStageElems =
+      kTriInSlot * kEdgePitch > kRows * kGPitch ? kTriInSlot * kEdgePitch : kRows * kGPitch;
+  static constexpr int kStageBytes = kStageElems * int(sizeof(T));
   static constexpr int kBiasBytes = kTriInPassCols * 4;  // a pass's biases (floats; a g pass's in T)
-  static constexpr int kXOffset = kPasses * kWeightBytes;
-  static constexpr int kStageOffset = kXOffset + 2 * kXBytes;
-  static constexpr int kBiasOffset = kStageOffset + 2 * kStageBytes;
+  static constexpr int kZOffset = kPasses * kWeightBytes;
+  static constexpr int kStageOffset = kZOffset + kWarpgroups * kZBytes;
+  static constexpr int kBiasOffset = kStageOffset + kWarpgroups * kStageBytes;
   static constexpr int kSmemBytes = sm90::kSmemAlign + kBiasOffset + kPasses * kBiasBytes;
   static_assert(kSmemBytes <= 227 * 1024, "a CTA's shared memory must fit an SM (227 KB)");
-  static_assert(kXBytes % sm90::kSmemAlign == 0 && kWeightBytes % sm90::kSmemAlign == 0, "aligned tiles");
+  static_assert(kZBytes % sm90::kSmemAlign == 0 && kWeightBytes % sm90::kSmemAlign == 0, "aligned tiles");
+  static_assert(kStageBytes % 16 == 0, "16-byte aligned staging areas");
 };
 
 // Whether triangle_input_sm90_resident_kernel runs p: the widths it is built for, whole 16-byte stores.
@@ -313,12 +322,47 @@ inline bool triangle_input_resident(const TriangleInputParams& p) {
   return p.K == 128 && p.C == 128 && p.G == 128 && p.c_rows == p.C && p.vector_ok;
 }
 
+// Normalises a warpgroup's tile rows held in the wgmma A layout (xa[kk]: rows r, r + 8 at columns
+// 16 kk + 2 t, + 1 in registers 0, 1 and at + 8, + 9 in registers 2, 3; the four lanes of a quad hold
+// a row), in place: x_hat = (z - mean) * rstd, rounded to T; mean and rstd per row into mean[2], rstd[2].
+template <typename T, int kKSteps>
+__device__ __forceinline__ void normalise_a_rows(uint32_t (&xa)[kKSteps][4], float (&mean)[2], float (&rstd)[2],
+                                                 float eps) {
+  constexpr float kInvK = 1.f / float(16 * kKSteps);
+  float sum[2] = {0.f, 0.f}, sq[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = unpack2<T>(xa[kk][i]);
+      sum[i % 2] += v.x + v.y;
+    }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) mean[hh] = segment_sum(sum[hh], 4) * kInvK;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = unpack2<T>(xa[kk][i]);
+      sq[i % 2] += (v.x - mean[i % 2]) * (v.x - mean[i % 2]) + (v.y - mean[i % 2]) * (v.y - mean[i % 2]);
+    }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) rstd[hh] = rsqrtf(segment_sum(sq[hh], 4) * kInvK + eps);
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = unpack2<T>(xa[kk][i]);
+      xa[kk][i] = pack2<T>((v.x - mean[i % 2]) * rstd[i % 2], (v.y - mean[i % 2]) * rstd[i % 2]);
+    }
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kTriInThreads, 1) triangle_input_sm90_resident_kernel(TriangleInputParams p) {
+__global__ void __launch_bounds__(TriangleInputResidentTile<T>::kCtaThreads, 1)
+    triangle_input_sm90_resident_kernel(TriangleInputParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Tile = TriangleInputResidentTile<T>;
-  static_assert(kTriInThreads == 2 * Tile::kThreads, "two warpgroups");
   extern __shared__ __align__(16) char tri_res_smem[];
   char* const smem = sm90::aligned_smem(tri_res_smem);
   T* const weights = reinterpret_cast<T*>(smem);
@@ -326,32 +370,36 @@ __global__ void __launch_bounds__(kTriInThreads, 1) triangle_input_sm90_resident
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128u), 0);  // warp-uniform
   const int tid = int(threadIdx.x % 128u), lane = tid % 32, g = lane / 4, t = lane % 4;
   const int row0 = tid / 32 * 16 + g;  // the thread's rows of its warpgroup's tile: row0, row0 + 8
-  T* const xs = reinterpret_cast<T*>(smem + Tile::kXOffset + wg * Tile::kXBytes);
+  T* const zs = reinterpret_cast<T*>(smem + Tile::kZOffset + wg * Tile::kZBytes);
   T* const stage = reinterpret_cast<T*>(smem + Tile::kStageOffset + wg * Tile::kStageBytes);
   const auto wg_sync = [wg] { asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "r"(Tile::kThreads) : "memory"); };
-  const auto x_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutX, T>(r, c); };
-  const sm90::SwizzledTileCopy<Tile::kRows, Tile::kK, Tile::kThreads> z_copy(tid, x_offset);
+  const auto z_offset = [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutZ, T>(r, c); };
+  const sm90::SwizzledTileCopy<Tile::kRows, Tile::kK, Tile::kThreads> z_copy(tid, z_offset);
 
-  const int64_t n_tiles = (p.M + Tile::kRows - 1) / Tile::kRows, tile_step = 2 * int64_t(gridDim.x);
-  // Starts the copy of tile `tile`'s z rows into xs (one cp.async group, empty past the last tile).
+  const int64_t n_tiles = (p.M + Tile::kRows - 1) / Tile::kRows;
+  const int64_t tile_step = Tile::kWarpgroups * int64_t(gridDim.x);
+  // Starts the copy of tile `tile`'s z rows into zs (one cp.async group, empty past the last tile).
   const auto load_z = [&](int64_t tile) {
     if (tile < n_tiles) {
       const int64_t m0 = tile * Tile::kRows;
       const int valid = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
-      z_copy(xs, static_cast<const T*>(p.z) + m0 * p.z_stride, p.z_stride, valid, p.K);
+      z_copy(zs, static_cast<const T*>(p.z) + m0 * p.z_stride, p.z_stride, valid, p.K);
     }
     cp_async_commit();
   };
 
-  // every pass's weights and biases (five groups), then the first tile's z
+  // every pass's weights and biases (five groups, by the loaders' kTriInThreads threads), then the
+  // first tile's z
+  if (threadIdx.x < unsigned(kTriInThreads)) {
 #pragma unroll 1
-  for (int q = 0; q < Tile::kPasses; ++q) {
-    triangle_input_load_bias<T, true>(p, biases + q * Tile::kBiasBytes, q);
-    triangle_input_load_weights<T, Tile::kKSteps, true>(
-        p, weights + q * (Tile::kWeightBytes / int(sizeof(T))), q,
-        [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutW, T>(r, c); });
+    for (int q = 0; q < Tile::kPasses; ++q) {
+      triangle_input_load_bias<T, true>(p, biases + q * Tile::kBiasBytes, q);
+      triangle_input_load_weights<T, Tile::kKSteps, true>(
+          p, weights + q * (Tile::kWeightBytes / int(sizeof(T))), q,
+          [](int r, int c) { return sm90::swizzled_offset<typename Tile::LayoutW, T>(r, c); });
+    }
   }
-  int64_t tile = 2 * int64_t(blockIdx.x) + wg;
+  int64_t tile = Tile::kWarpgroups * int64_t(blockIdx.x) + wg;
   load_z(tile);
   cp_async_wait<0>();
   cutlass::arch::fence_view_async_shared();  // this thread's weight copies -> tensor cores
@@ -359,15 +407,26 @@ __global__ void __launch_bounds__(kTriInThreads, 1) triangle_input_sm90_resident
 
   typename Tile::Mma mma;
   auto thr = mma.get_thread_slice(tid);
-  Tensor tXr = thr.partition_fragment_A(make_tensor(make_smem_ptr(xs), typename Tile::LayoutX{}));
-  Tensor acc0 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<kTriInPassCols>>{});
-  Tensor acc1 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<kTriInPassCols>>{});
-  static_assert(size(acc0) == kTriInPassCols / 2, "sixteen n8 accumulator tiles per thread");
+  // x_hat as the products' A operand, two 16-bit values per register: xa[kk] is k-step kk's
+  // (row0, 16 kk + 2 t), (row0 + 8, ..), (row0, 16 kk + 8 + 2 t), (row0 + 8, ..), the mma.sync A layout
+  Tensor tXr = thr.partition_fragment_A(make_tensor(make_smem_ptr(static_cast<T*>(nullptr)),
+                                                    Shape<Int<Tile::kRows>, Int<Tile::kK>>{},
+                                                    Stride<Int<Tile::kK>, _1>{}));
+  static_assert(size(tXr) == Tile::kK / 2, "a thread's x_hat: two rows of 32 columns");
+  uint32_t(&xa)[Tile::kKSteps][4] = *reinterpret_cast<uint32_t(*)[Tile::kKSteps][4]>(raw_pointer_cast(tXr.data()));
+  Tensor acc0 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<Tile::kCols>>{});
+  Tensor acc1 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<Tile::kCols>>{});
+  static_assert(size(acc0) == Tile::kCols / 2, "eight n8 accumulator tiles per thread");
+  // the address of the thread's ldmatrix row at k-step kk: row l % 8 + 8 (l / 8 % 2) of the warp's 16,
+  // columns 16 kk + 8 (l / 16)
+  const int ld_row = tid / 32 * 16 + lane % 8 + 8 * (lane / 8 % 2), ld_col = 8 * (lane / 16);
 
-  // pass q's product into acc (committed as one wgmma batch)
-  const auto issue = [&](int q, auto& acc) {
-    Tensor tWr = thr.partition_fragment_B(
-        make_tensor(make_smem_ptr(weights + q * (Tile::kWeightBytes / int(sizeof(T)))), typename Tile::LayoutW{}));
+  // product i into acc (one wgmma batch): rows 64 (i % 2).. of pass i / 2's weights
+  const auto issue = [&](int i, auto& acc) {
+    Tensor sW = make_tensor(make_smem_ptr(weights + (i / 2) * (Tile::kWeightBytes / int(sizeof(T)))),
+                            typename Tile::LayoutW{});
+    Tensor tWr = thr.partition_fragment_B(local_tile(sW, Shape<Int<Tile::kCols>, Int<Tile::kK>>{}, make_coord(i % 2, 0)));
+    warpgroup_fence_operand(tXr);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     mma.accumulate_ = GMMA::ScaleOut::Zero;  // the first k-step overwrites the accumulators
@@ -385,79 +444,84 @@ __global__ void __launch_bounds__(kTriInThreads, 1) triangle_input_sm90_resident
     const int valid_rows = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
     cp_async_wait<0>();
     wg_sync();  // the tile's z rows (every thread's copies)
-    triangle_input_normalise<T, Tile::kK, true>(p, xs, x_offset, m0, valid_rows, tid);
+#pragma unroll
+    for (int kk = 0; kk < Tile::kKSteps; ++kk)
+      ldsm_x4(zs + z_offset(ld_row, 16 * kk + ld_col), xa[kk][0], xa[kk][1], xa[kk][2], xa[kk][3]);
     float mask[1][2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = row0 + 8 * hh;
       mask[0][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
     }
-    cutlass::arch::fence_view_async_shared();  // x_hat (generic stores) -> tensor cores
-    wg_sync();
-
-    // An edge pass's epilogue from acc: both slots' gated values staged [64 channels, 64 positions], stored
-    // as channel rows of a and b (the staging area is free again after the second barrier).
-    const auto edge_epilogue = [&](int q, auto& acc_tensor) {
-      warpgroup_fence_operand(acc_tensor);
-      float(&acc)[kTriInPassCols / 8][4] =
-          *reinterpret_cast<float(*)[kTriInPassCols / 8][4]>(raw_pointer_cast(acc_tensor.data()));
-      const float* const bias = reinterpret_cast<const float*>(biases + q * Tile::kBiasBytes);  // [h][proj, gate][32]
+    wg_sync();  // every warp has its rows: the next tile's z goes where they were
+    load_z(tile + tile_step);
+    {
+      float mean[2], rstd[2];
+      normalise_a_rows<T>(xa, mean, rstd, p.eps);
+      if (t == 0)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        stage_gated_slot_sm90<T, true, Tile::kPitch>(p, EdgeSlot(2 * q + h, Tile::kEdgePasses), bias + 64 * h,
-                                                      bias + 64 * h + 32, acc + 8 * h, mask,
-                                                      stage + h * kTriInSlot * Tile::kPitch + (row0 - g), lane);
-      wg_sync();
-      triangle_input_store_edges<T, true, Tile::kRows, Tile::kThreads, Tile::kPitch>(p, stage, q, m0, valid_rows, tid);
-      wg_sync();
+        for (int hh = 0; hh < 2; ++hh)
+          if (row0 + 8 * hh < valid_rows) p.mean[m0 + row0 + 8 * hh] = mean[hh], p.rstd[m0 + row0 + 8 * hh] = rstd[hh];
+    }
+
+    // Product i's epilogue from acc. Edge slot i: gated values staged [32 channels, 64 positions],
+    // stored as channel rows of a or b. g columns 64 u.. (i = 8 + u) plus their bias: staged in two
+    // quarters [64 positions, 32 columns] by stmatrix (tile (nt, hh): positions g + 8 hh, columns
+    // nt * 8 + 2 t, + 1; lane l addresses row l % 8 of tile l / 8 of each group of four), stored as rows
+    // of g. The staging area is free again after each store's second barrier.
+    const auto epilogue = [&](int i, auto& acc_tensor) {
+      warpgroup_fence_operand(acc_tensor);
+      float(&acc)[Tile::kCols / 8][4] =
+          *reinterpret_cast<float(*)[Tile::kCols / 8][4]>(raw_pointer_cast(acc_tensor.data()));
+      if (i < 2 * Tile::kEdgePasses) {
+        // [h][proj, gate][32] of pass i / 2; this slot's half h = i % 2
+        const float* const bias = reinterpret_cast<const float*>(biases + (i / 2) * Tile::kBiasBytes) + 64 * (i % 2);
+        stage_gated_slot_sm90<T, true, Tile::kEdgePitch>(p, EdgeSlot(i, Tile::kEdgePasses), bias, bias + kTriInSlot,
+                                                         acc, mask, stage + (row0 - g), lane);
+        wg_sync();
+        triangle_input_store_edges<T, true, Tile::kRows, Tile::kThreads, Tile::kEdgePitch, 1>(p, stage, i, m0,
+                                                                                               valid_rows, tid);
+        wg_sync();
+      } else {
+        const int u = i - 2 * Tile::kEdgePasses;
+        const T* const bias = reinterpret_cast<const T*>(biases + Tile::kEdgePasses * Tile::kBiasBytes) + Tile::kCols * u;
+        T* const lane_stage = stage + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * Tile::kGPitch + 8 * (lane / 16);
+#pragma unroll
+        for (int v = 0; v < Tile::kCols / Tile::kGCols; ++v) {
+#pragma unroll
+          for (int pair = 0; pair < Tile::kGCols / 16; ++pair) {
+            uint32_t packed[2][2];  // [nt of the pair][hh]
+#pragma unroll
+            for (int w = 0; w < 2; ++w) {
+              const int nt = Tile::kGCols / 8 * v + 2 * pair + w;
+              const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) packed[w][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
+            }
+            stsm_x4(lane_stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+          }
+          wg_sync();
+          triangle_input_store_g<T, Tile::kRows, Tile::kGCols, Tile::kThreads, Tile::kGPitch>(
+              p, stage, Tile::kCols * u + Tile::kGCols * v, m0, valid_rows, tid);
+          wg_sync();
+        }
+      }
     };
 
     issue(0, acc0);
     issue(1, acc1);
-    warpgroup_wait<1>();
-    edge_epilogue(0, acc0);
-    issue(2, acc0);
-    warpgroup_wait<1>();
-    edge_epilogue(1, acc1);
-    issue(3, acc1);
-    warpgroup_wait<1>();
-    edge_epilogue(2, acc0);
-    issue(4, acc0);
-    warpgroup_wait<1>();
-    edge_epilogue(3, acc1);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc0);
-    wg_sync();  // every warp's products are done with x_hat: the next tile's z goes there
-    load_z(tile + tile_step);
-
-    // the g pass: columns 64 u.. of g plus their bias, staged [64 positions, 64 columns] by stmatrix
-    // (tile (nt, hh): positions g + 8 hh, columns nt * 8 + 2 t, + 1; lane l addresses row l % 8 of tile
-    // l / 8 of each group of four), then stored as rows of g
-    {
-      float(&acc)[kTriInPassCols / 8][4] =
-          *reinterpret_cast<float(*)[kTriInPassCols / 8][4]>(raw_pointer_cast(acc0.data()));
-      const T* const bias = reinterpret_cast<const T*>(biases + Tile::kEdgePasses * Tile::kBiasBytes);  // [128]
-      T* const lane_stage = stage + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * Tile::kPitch + 8 * (lane / 16);
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-#pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          uint32_t packed[2][2];  // [nt of the pair][hh]
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            const int nt = 8 * u + 2 * pair + v;
-            const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-              packed[v][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
-          }
-          stsm_x4(lane_stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
-        }
-        wg_sync();
-        triangle_input_store_g<T, Tile::kRows, 64, Tile::kThreads, Tile::kPitch>(p, stage, 64 * u, m0, valid_rows,
-                                                                                tid);
-        wg_sync();
+    for (int i = 0; i < Tile::kProducts; i += 2) {
+      warpgroup_wait<1>();  // product i
+      epilogue(i, acc0);
+      if (i + 2 < Tile::kProducts) {
+        issue(i + 2, acc0);
+        warpgroup_wait<1>();  // product i + 1
+      } else {
+        warpgroup_wait<0>();  // the last product: x_hat's registers are free for the next tile
       }
+      epilogue(i + 1, acc1);
+      if (i + 3 < Tile::kProducts) issue(i + 3, acc1);
     }
   }
   cp_async_wait<0>();  // (the empty group past the last tile)
