@@ -136,6 +136,27 @@ __device__ __forceinline__ void stage_gated_slot_sm90(const TriangleInputParams&
   }
 }
 
+// A g product's columns plus their biases, staged as rows of positions by stmatrix: kPairs pairs of
+// n8 accumulator tiles acc[0 .. 2 kPairs) (tile (nt, hh): positions g + 8 hh, columns nt * 8 + 2 t, + 1),
+// bias[nt * 8 + 2 t, + 1] (values of T). lane_stage: the lane's stmatrix row, position
+// l % 8 + 8 (l / 8 % 2) of its warp's 16 and column 8 (l / 16) of the first pair (lane l addresses row
+// l % 8 of tile l / 8 of each group of four); pair j at + 16 j.
+template <typename T, int kPairs>
+__device__ __forceinline__ void stage_g_columns_sm90(const float (*acc)[4], const T* bias, T* lane_stage, int t) {
+#pragma unroll
+  for (int pair = 0; pair < kPairs; ++pair) {
+    uint32_t packed[2][2];  // [nt of the pair][hh]
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int nt = 2 * pair + u;
+      const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) packed[u][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
+    }
+    stsm_x4(lane_stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
+  }
+}
+
 // kWhole: C % 32 == 0, K == 16 kKSteps and p.vector_ok (the common case: c_z and c multiples of 32,
 // N_res^2 a multiple of 8), compiled without the bounds checks on channels, columns and stores.
 template <typename T, int kKSteps, bool kWhole>
@@ -244,22 +265,9 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
                                  mask, wbuf + h * kTriInSlot * kTriInStagePitch + (row0 - g), lane);
     } else {
       // g pass: columns n0.. of g, plus their bias; staged [128 positions, 128 columns] by stmatrix
-      // (tile (nt, hh): positions g + 8 hh, columns nt * 8 + 2 t, + 1; lane l addresses row l % 8 of
-      // tile l / 8 of each group of four)
       const T* const bias = reinterpret_cast<const T*>(bias_of(q % 2));  // [128] from column n0, zeros past G
-      T* const stage = wbuf + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * kTriInStagePitch + 8 * (lane / 16);
-#pragma unroll
-      for (int pair = 0; pair < kTriInPassCols / 16; ++pair) {
-        uint32_t packed[2][2];  // [nt of the pair][hh]
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int nt = 2 * pair + u;
-          const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) packed[u][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
-        }
-        stsm_x4(stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
-      }
+      stage_g_columns_sm90<T, kTriInPassCols / 16>(
+          acc, bias, wbuf + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * kTriInStagePitch + 8 * (lane / 16), t);
     }
   }
   __syncthreads();  // the last pass's results are staged
@@ -466,9 +474,8 @@ __global__ void __launch_bounds__(TriangleInputResidentTile<T>::kCtaThreads, 1)
 
     // Product i's epilogue from acc. Edge slot i: gated values staged [32 channels, 64 positions],
     // stored as channel rows of a or b. g columns 64 u.. (i = 8 + u) plus their bias: staged in two
-    // quarters [64 positions, 32 columns] by stmatrix (tile (nt, hh): positions g + 8 hh, columns
-    // nt * 8 + 2 t, + 1; lane l addresses row l % 8 of tile l / 8 of each group of four), stored as rows
-    // of g. The staging area is free again after each store's second barrier.
+    // quarters [64 positions, 32 columns] by stmatrix, stored as rows of g. The staging area is free
+    // again after each store's second barrier.
     const auto epilogue = [&](int i, auto& acc_tensor) {
       warpgroup_fence_operand(acc_tensor);
       float(&acc)[Tile::kCols / 8][4] =
@@ -488,18 +495,7 @@ __global__ void __launch_bounds__(TriangleInputResidentTile<T>::kCtaThreads, 1)
         T* const lane_stage = stage + (row0 - g + lane % 8 + 8 * (lane / 8 % 2)) * Tile::kGPitch + 8 * (lane / 16);
 #pragma unroll
         for (int v = 0; v < Tile::kCols / Tile::kGCols; ++v) {
-#pragma unroll
-          for (int pair = 0; pair < Tile::kGCols / 16; ++pair) {
-            uint32_t packed[2][2];  // [nt of the pair][hh]
-#pragma unroll
-            for (int w = 0; w < 2; ++w) {
-              const int nt = Tile::kGCols / 8 * v + 2 * pair + w;
-              const float b0 = float(bias[nt * 8 + 2 * t]), b1 = float(bias[nt * 8 + 2 * t + 1]);
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) packed[w][hh] = pack2<T>(acc[nt][2 * hh] + b0, acc[nt][2 * hh + 1] + b1);
-            }
-            stsm_x4(lane_stage + pair * 16, packed[0][0], packed[0][1], packed[1][0], packed[1][1]);
-          }
+          stage_g_columns_sm90<T, Tile::kGCols / 16>(acc + Tile::kGCols / 8 * v, bias + Tile::kGCols * v, lane_stage, t);
           wg_sync();
           triangle_input_store_g<T, Tile::kRows, Tile::kGCols, Tile::kThreads, Tile::kGPitch>(
               p, stage, Tile::kCols * u + Tile::kGCols * v, m0, valid_rows, tid);
