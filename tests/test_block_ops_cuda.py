@@ -215,6 +215,37 @@ def test_triangle_runs_the_input_kernel_of_its_family(n, c_z, c, hopper_kernel, 
         assert portable and not hopper, names
 
 
+# The backward's edge gates run a group of channels at a time (all of them while the group's
+# temporaries stay small, else half): on Hopper a group of 32 or 64 at c_z = 128 with 16-byte rows
+# (N_res 300 at c = 128 or 32) runs triangle_gate_backward_sm90_kernel, a persistent grid with one
+# bias_part row per CTA; c = 128 at N_res 100 (one group of 128) and N_res 257 (rows not a multiple of
+# 8 positions) the portable kernel. Its gradients are bitwise repeatable.
+@pytest.mark.parametrize("n, c, hopper", [(300, 128, True), (300, 32, True), (100, 128, False), (257, 64, False)])
+def test_triangle_backward_runs_the_gate_kernel_of_its_family(n, c, hopper, kernel_family):
+    z = torch.randn(n, n, 128, device=DEV, dtype=torch.bfloat16).requires_grad_(True)
+    mask = (torch.rand(n, n, device=DEV) > 0.2).to(torch.bfloat16)
+    w = {k: v.to(DEV).detach().requires_grad_(True)
+         for k, v in triangle_weights(128, c, torch.bfloat16, scale=0.2).items()}
+    dout = torch.randn(n, n, 128, device=DEV, dtype=torch.bfloat16)
+    leaves = [z, *w.values()]
+    grads = []
+
+    def step():
+        out = _triangle(z, mask, w, "incoming", "cutlass")
+        grads.append(torch.autograd.grad(out, leaves, dout))
+
+    names = _kernel_names(step)
+    step()
+    sm90 = [name for name in names if "triangle_gate_backward_sm90_kernel" in name]
+    portable = [name for name in names if "triangle_gate_backward_kernel" in name]
+    if cutlass.kernel_family() == "sm90" and hopper:
+        assert sm90 and not portable, names
+    else:
+        assert portable and not sm90, names
+    for a, b in zip(*grads):
+        assert torch.equal(a, b), "the fused backward must be bitwise reproducible"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 # The fused kernels have a variant without bounds checks where channels and columns fill their
@@ -222,11 +253,12 @@ def test_triangle_runs_the_input_kernel_of_its_family(n, c_z, c, hopper_kernel, 
 # kernel, both families: c in {64, 128}, c_z == 128): N_res 100, 300, 48 and 40 run it (48: the c_z
 # 64 bucket of the input kernel; 40: the c 64 bucket of the output kernel), the others the checked
 # kernels. On Hopper N_res 100 and 300 run the input kernel with resident weights (c_z = c = 128), the
-# last of their 64-position tiles partial, 300 with more tiles than its persistent grid's warpgroups.
+# last of their 64-position tiles partial, 300 with more tiles than its persistent grid's warpgroups;
+# 300 (c 128 and 32) also runs the Hopper gate backward (groups of 64 and 32 channels).
 @pytest.mark.parametrize("batch, n, c_z, c", [((), 1, 32, 16), ((), 7, 32, 16), ((2,), 37, 64, 32), ((), 100, 128, 128),
                                               ((), 257, 128, 64), ((), 19, 136, 72), ((), 9, 264, 24),
                                               ((2,), 23, 48, 40), ((), 300, 128, 128), ((), 48, 64, 32),
-                                              ((), 40, 128, 64)])
+                                              ((), 40, 128, 64), ((), 300, 128, 32)])
 def test_triangle_matches_reference(dtype, direction, batch, n, c_z, c, kernel_family):
     z = torch.randn(*batch, n, n, c_z, device=DEV).to(dtype).requires_grad_(True)
     mask = (torch.rand(*batch, n, n, device=DEV) > 0.2).to(dtype)
@@ -411,9 +443,11 @@ def test_block_ops_pass_opcheck():
         out, *saved = kernels.triangle_multiplication_fwd(z, mask, weights, 1e-5, False, family)
         for dz_add in (None, torch.randn_like(z)):
             torch.library.opcheck(kernels.triangle_multiplication_bwd.default,
-                                  (torch.randn_like(out), z, mask, weights, saved, 1e-5, False, dz_add))
+                                  (torch.randn_like(out), z, mask, weights, saved, 1e-5, False, dz_add, family))
     with pytest.raises(RuntimeError, match="family"):
         kernels.triangle_multiplication_fwd(z, mask, weights, 1e-5, True, "sm70")
+    with pytest.raises(RuntimeError, match="family"):
+        kernels.triangle_multiplication_bwd(torch.randn_like(out), z, mask, weights, saved, 1e-5, False, None, "sm70")
     x = torch.randn(5, 7, 64, device=DEV, dtype=torch.bfloat16)
     weight, bias = torch.randn(64, device=DEV), torch.randn(64, device=DEV)
     torch.library.opcheck(kernels.layer_norm_fwd.default, (x, None, None, 1e-5))

@@ -124,6 +124,7 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
                kInputs);  // Input order
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["outgoing"] = outgoing;
+    ctx->saved_data["family"] = family;  // (the backward runs the forward's kernel family)
     ctx->saved_data["mode"] = mode;
     if (mode == kKeep) return {z_in, out};  // (autograd returns the input as a view of itself)
     return {out};
@@ -155,7 +156,8 @@ struct TriangleNode : public torch::autograd::Function<TriangleNode> {
     const std::vector<at::Tensor> forward(saved.begin() + kSavedForward, saved.begin() + kSavedScale);
     const std::vector<at::Tensor> g =
         triangle_backward_op().call(dout.contiguous(), z, optional_of(saved[1]), weights, forward,
-                                    data.at("eps").toDouble(), data.at("outgoing").toBool(), optional_of(dz_kept));
+                                    data.at("eps").toDouble(), data.at("outgoing").toBool(), optional_of(dz_kept),
+                                    data.at("family").toStringRef());
     const auto grad = [&](block::TriangleWeight w) -> const at::Tensor& { return g[1 + w]; };
 
     variable_list result(kInputs);

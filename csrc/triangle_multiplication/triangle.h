@@ -81,6 +81,8 @@ struct TriangleGateBackwardParams {
   int G = 0;
   int64_t dab_ld = 0;          // dab's row stride
   bool dab_vector_ok = false;  // dab's rows can be written 16 bytes at a time (dab_ld, C % 8 == 0, aligned base)
+  bool hopper = false;         // run the sm_90a kernel where it fits (the forward's kernel family)
+  int sm_count = 0;            // the device's SMs (the sm_90a kernel's persistent grid)
 };
 
 // The triangle multiplication's output half in one kernel (triangle_output.cuh): the channel layer
@@ -143,6 +145,13 @@ template <typename T>
 void launch_triangle_input_sm90(const TriangleInputParams& p, cudaStream_t stream);  // (p.hopper)
 template <typename T>
 void launch_triangle_gate_backward(const TriangleGateBackwardParams& p, cudaStream_t stream);
+template <typename T>
+void launch_triangle_gate_backward_sm90(const TriangleGateBackwardParams& p, cudaStream_t stream);  // (resident)
+// Whether launch_triangle_gate_backward runs the sm_90a kernel (p.hopper, c_z = 128, a group of 32 or 64
+// channels, 16-byte rows), that kernel's grid, and the rows of bias_part a launch writes (one per CTA).
+bool triangle_gate_backward_runs_sm90(const TriangleGateBackwardParams& p);
+int64_t triangle_gate_backward_sm90_ctas(const TriangleGateBackwardParams& p);
+int64_t triangle_gate_backward_parts(const TriangleGateBackwardParams& p);
 template <typename T>
 void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream);
 template <typename T>

@@ -14,11 +14,12 @@
 //       z + the update (times update_scale [B, 1, N, c_z] where given), added as the output kernel
 //       writes it where that kernel runs
 //   triangle_multiplication_bwd(dout, z, mask?, weights[10], saved[12] (the forward's outputs after out),
-//       eps, outgoing, dz_add?) -> [dz, one gradient per weight, in that weight's dtype]; dz_add (z's
-//       shape and dtype: another gradient of z, e.g. of the residual stream it also feeds) is added
+//       eps, outgoing, dz_add?, family) -> [dz, one gradient per weight, in that weight's dtype]; dz_add
+//       (z's shape and dtype: another gradient of z, e.g. of the residual stream it also feeds) is added
 //       to dz in the input layer norm's backward pass, before its one rounding
 // M = B * N * N positions; c = the hidden width of the a / b edges; weights as TriangleWeight lists
-// them; family "sm90" runs the Hopper input kernel (triangle_input_sm90.cuh), "sm80" the portable one. The layer norms' affine parameters are folded into the projections that follow them
+// them; family "sm90" runs the Hopper input kernel (triangle_input_sm90.cuh) and, where it fits, the
+// Hopper gate backward (triangle_gate_backward_sm90.cuh), "sm80" the portable ones. The layer norms' affine parameters are folded into the projections that follow them
 // (fold(), one launch), so the kernels normalise without parameters; the backward reuses the
 // forward's folded weights.
 #include <ATen/ATen.h>
@@ -59,7 +60,8 @@ TriangleShape triangle_shape(const at::Tensor& z, const at::Tensor& w_ab, const 
 }
 
 // Channels per step of the backward's edge loop: all of them while a [4 * group, M] temporary stays
-// within 64 MiB (one step: fewest launches at small N), else half of them (a multiple of 8). A step
+// within 64 MiB (one step: fewest launches at small N), else half of them (a multiple of 8; two
+// steps either way, and at c = 128 the group of 64 the Hopper gate backward takes). A step
 // holds da, db [group, M] and d(ab) [4 group, M]; at c = 128 half takes 3 M * 128 * 2 bytes more than
 // a quarter did, which the y no longer kept between forward and backward ([M, c_z]) pays for at
 // c_z = 128 to within M * 128 bytes. Fewer steps mean fewer read-add-writes of dx_hat (one per step)
@@ -67,7 +69,7 @@ TriangleShape triangle_shape(const at::Tensor& z, const at::Tensor& w_ab, const 
 int64_t channel_group(const TriangleShape& s, int64_t element_size) {
   const int64_t half = std::min<int64_t>(s.c, std::max<int64_t>(8, s.c / 2 / 8 * 8));
   const int64_t budget = (int64_t(64) << 20) / std::max<int64_t>(1, 4 * s.M * element_size);
-  return std::max(half, std::min(s.c, budget / 8 * 8));
+  return budget / 8 * 8 >= s.c ? s.c : half;
 }
 
 bool vector_ok(const at::Tensor& t, int64_t row_stride) {
@@ -196,7 +198,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                             const at::Tensor& w_z, const at::Tensor& b_z, const at::Tensor& mean_in,
                             const at::Tensor& rstd_in, const at::Tensor& a, const at::Tensor& b,
                             const at::Tensor& n_hat, const at::Tensor& rstd_out, const at::Tensor& g, double eps,
-                            bool outgoing, const std::optional<at::Tensor>& dz_add) {
+                            bool outgoing, const std::optional<at::Tensor>& dz_add, bool hopper) {
   const char* op = "triangle multiplication backward";
   const TriangleShape s = triangle_shape(z, w_ab, op);
   EVO_CHECK(dout_in.sizes() == z.sizes() && dout_in.scalar_type() == z.scalar_type(), op,
@@ -298,16 +300,19 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                                    : raw_narrow(output({s.M, padded(4 * k)}, z.options()), 1, 0, 4 * k);
     if (fused_gates) {
       // the projections and gates recomputed from x_hat, their gradients and bias sums in one kernel
-      const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
-      at::Tensor bias_part = output({ctas, 4 * k}, f32);
+      // (bias_part: one row per CTA of its launch)
       const void* const w_group = static_cast<const char*>(w4.data_ptr()) + c0 * w4.stride(1) * w4.element_size();
       TriangleGateBackwardParams tp{x_hat.data_ptr(), w_group,
                                     bias.data_ptr<float>() + c0, mask_flat.defined() ? mask_flat.data_ptr() : nullptr,
-                                    da.data_ptr(), db.data_ptr(), dab.data_ptr(), bias_part.data_ptr<float>(),
+                                    da.data_ptr(), db.data_ptr(), dab.data_ptr(), nullptr,
                                     s.M, s.M > 1 ? x_hat.stride(0) : s.cz, int(s.cz), int(k), int(s.c),
                                     s.M % 8 == 0 && aligned16(da) && aligned16(db)};
       tp.dab_ld = dab.stride(0);
       tp.dab_vector_ok = aligned16(dab) && dab.stride(0) % 8 == 0 && k % 8 == 0;
+      tp.hopper = hopper;
+      tp.sm_count = current_sm_count();
+      at::Tensor bias_part = output({triangle_gate_backward_parts(tp), 4 * k}, f32);
+      tp.bias_part = bias_part.data_ptr<float>();
       if (z.scalar_type() == at::kHalf) launch_triangle_gate_backward<cutlass::half_t>(tp, stream);
       else launch_triangle_gate_backward<cutlass::bfloat16_t>(tp, stream);
       // [4 k] in a fixed order (the column-sum kernel, or torch's sum where a row is too wide for it)
@@ -414,6 +419,16 @@ FoldedWeights fold(at::TensorList w, const at::Tensor& z) {
   return f;
 }
 
+// Whether `family` ("sm80" or "sm90") runs the Hopper kernels; "sm90" needs a build holding sm_90a code
+// and a 9.0 device.
+bool hopper_family(const std::string& family, const at::Tensor& z, const char* op) {
+  const bool hopper = family == "sm90";
+  EVO_CHECK(family == "sm80" || (hopper && hopper_kernels_available(z.get_device())), op,
+            ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
+            family, "\"");
+  return hopper;
+}
+
 }  // namespace
 
 TriangleForward triangle_multiplication_fwd(const at::Tensor& z, const std::optional<at::Tensor>& mask,
@@ -429,10 +444,7 @@ TriangleForward triangle_multiplication_fwd(const at::Tensor& z, const std::opti
             op, ": `update_scale` goes with add_input and must be [B, 1, N, c_z] of z's dtype and device, got ",
             update_scale.has_value() ? update_scale->sizes() : at::IntArrayRef{});
   check_weights(weights, z, op);
-  const bool hopper = family == "sm90";
-  EVO_CHECK(family == "sm80" || (hopper && hopper_kernels_available(z.get_device())), op,
-            ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
-            family, "\"");
+  const bool hopper = hopper_family(family, z, op);
   const c10::cuda::CUDAGuard guard(z.device());
   const FoldedWeights f = fold(weights, z);
   auto [out, mean_in, rstd_in, a, b, n_hat, rstd_out, g] =
@@ -450,9 +462,11 @@ TriangleForward triangle_multiplication_fwd(const at::Tensor& z, const std::opti
 std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, const at::Tensor& z,
                                                     const std::optional<at::Tensor>& mask, at::TensorList weights,
                                                     at::TensorList saved, double eps, bool outgoing,
-                                                    const std::optional<at::Tensor>& dz_add) {
+                                                    const std::optional<at::Tensor>& dz_add,
+                                                    const std::string& family) {
   const char* op = "triangle multiplication backward";
   check_cuda(z, "z", op);
+  const bool hopper = hopper_family(family, z, op);
   EVO_CHECK(!dz_add.has_value() || (dz_add->sizes() == z.sizes() && dz_add->scalar_type() == z.scalar_type() &&
                                     dz_add->device() == z.device()),
             op, ": `dz_add` must match z (", z.sizes(), ", ", z.scalar_type(), ")");
@@ -469,7 +483,8 @@ std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, cons
             op, ": the folded weights in `saved` do not match `weights`");
   const c10::cuda::CUDAGuard guard(z.device());
   auto [dz, dw_ab, db_ab, dw_g, db_g, dw_z, db_z] = triangle_backward_folded(
-      dout, z, mask, w_ab, b_ab, w_g, w_z, b_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, eps, outgoing, dz_add);
+      dout, z, mask, w_ab, b_ab, w_g, w_z, b_z, mean_in, rstd_in, a, b, n_hat, rstd_out, g, eps, outgoing, dz_add,
+      hopper);
   std::vector<at::Tensor> grads(kWeights);
   for (int i = 0; i < kWeights; ++i) grads[i] = output(weights[i].sizes(), weights[i].options());
   const at::Tensor* folded[3][2] = {{&dw_ab, &db_ab}, {&dw_g, &db_g}, {&dw_z, &db_z}};

@@ -552,19 +552,19 @@ __device__ __forceinline__ void triangle_gate_backward_load_d(const TriangleGate
 // tile; d_gate 64 columns further. The 8 x 8 tiles (positions mt * 16 + 8 hh.., channels nt * 8..)
 // go out with stmatrix on sm_90 (four-byte stores before; either is free of bank conflicts at this
 // pitch).
-template <typename T, int kMTiles>
+template <typename T, int kMTiles, int kPitch = kTriInStagePitch, int kKindCols = 2 * kTriInSlot>
 __device__ __forceinline__ void stage_gate_grads(const uint32_t (&d_out)[2][kMTiles][4][2], T* stage, int lane) {
 #pragma unroll
   for (int kind = 0; kind < 2; ++kind) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // lane l addresses row l % 8 of tile l / 8 = (nt of the pair, hh)
-    T* const lane_row = stage + (lane % 8 + 8 * (lane / 8 % 2)) * kTriInStagePitch + kind * 2 * kTriInSlot +
+    T* const lane_row = stage + (lane % 8 + 8 * (lane / 8 % 2)) * kPitch + kind * kKindCols +
                         8 * (lane / 16);
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair)
-        stsm_x4(lane_row + mt * 16 * kTriInStagePitch + pair * 16, d_out[kind][mt][2 * pair][0],
+        stsm_x4(lane_row + mt * 16 * kPitch + pair * 16, d_out[kind][mt][2 * pair][0],
                 d_out[kind][mt][2 * pair][1], d_out[kind][mt][2 * pair + 1][0], d_out[kind][mt][2 * pair + 1][1]);
 #else
     const int g = lane / 4, t = lane % 4;
@@ -574,7 +574,7 @@ __device__ __forceinline__ void stage_gate_grads(const uint32_t (&d_out)[2][kMTi
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<uint32_t*>(stage + (mt * 16 + 8 * hh + g) * kTriInStagePitch + kind * 2 * kTriInSlot +
+          *reinterpret_cast<uint32_t*>(stage + (mt * 16 + 8 * hh + g) * kPitch + kind * kKindCols +
                                        nt * 8 + 2 * t) = d_out[kind][mt][nt][hh];
 #endif
   }
@@ -585,15 +585,15 @@ __device__ __forceinline__ void stage_gate_grads(const uint32_t (&d_out)[2][kMTi
 // values travel as 8 x 8 tiles (tile (mt, nt, hh): positions mt * 16 + 8 hh.., channels nt * 8..),
 // read with transposing ldmatrix into the accumulators' layout: d_in[mt][nt][hh] holds channels
 // nt * 8 + 2 t, + 1 of position g + 8 hh.
-template <typename T, int kMTiles>
+template <typename T, int kMTiles, int kPitch = kTriInStagePitch>
 __device__ __forceinline__ void gate_backward_load_slot(const T* ds, uint32_t (&d_in)[kMTiles][4][2], int lane) {
   // lane l addresses stored row l % 8 (channel nt * 8 + l % 8) of tile l / 8 = (nt of the pair, hh)
-  const T* const lane_row = ds + (lane / 16 * 8 + lane % 8) * kTriInStagePitch + 8 * (lane / 8 % 2);
+  const T* const lane_row = ds + (lane / 16 * 8 + lane % 8) * kPitch + 8 * (lane / 8 % 2);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair)
-      ldsm_x4_trans(lane_row + pair * 16 * kTriInStagePitch + mt * 16, d_in[mt][2 * pair][0], d_in[mt][2 * pair][1],
+      ldsm_x4_trans(lane_row + pair * 16 * kPitch + mt * 16, d_in[mt][2 * pair][0], d_in[mt][2 * pair][1],
                     d_in[mt][2 * pair + 1][0], d_in[mt][2 * pair + 1][1]);
 }
 
@@ -601,8 +601,10 @@ __device__ __forceinline__ void gate_backward_load_slot(const T* ds, uint32_t (&
 // stage_gated_slot): d = mask * d_in (gate_backward_load_slot's), d_proj and d_gate staged per
 // position by stage_gate_grads at `stage` (the warp's first position row, the slot's first column).
 // The sums of each channel's d_proj and d_gate over the warp's rows (of the values rounded to T, as
-// the GEMMs that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in the slot).
-template <typename T, int kMTiles>
+// the GEMMs that follow read them) go to red_row[c] and red_row[64 + c] (c the channel in the slot);
+// kAccumulate: added to what red_row holds (a warp's sums over the tiles it walks).
+template <typename T, int kMTiles, bool kAccumulate = false, int kPitch = kTriInStagePitch,
+          int kKindCols = 2 * kTriInSlot>
 __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardParams& p, const EdgeSlot& slot,
                                                    const float* bias_proj, const float* bias_gate,
                                                    const float (*acc)[4], const float (&mask)[kMTiles][2],
@@ -642,8 +644,11 @@ __device__ __forceinline__ void gate_backward_slot(const TriangleGateBackwardPar
   // over the eight lanes g of each channel: lane g ends with kind g / 4, tile nt = g % 4, e = 0, 1
   sum_rows_scattered(sums, lane);
 #pragma unroll
-  for (int e = 0; e < 2; ++e) red_row[(g / 4) * 2 * kTriInSlot + (g % 4) * 8 + 2 * t + e] = sums[e];
-  stage_gate_grads<T, kMTiles>(d_out, stage, lane);
+  for (int e = 0; e < 2; ++e) {
+    float& total = red_row[(g / 4) * 2 * kTriInSlot + (g % 4) * 8 + 2 * t + e];
+    total = kAccumulate ? total + sums[e] : sums[e];
+  }
+  stage_gate_grads<T, kMTiles, kPitch, kKindCols>(d_out, stage, lane);
 }
 
 // After a pass's gate_backward_slot calls (and a barrier): the CTA's bias sums of the pass's

@@ -32,7 +32,8 @@ TriangleForward triangle_multiplication_fwd(const at::Tensor& z, const std::opti
 std::vector<at::Tensor> triangle_multiplication_bwd(const at::Tensor& dout, const at::Tensor& z,
                                                     const std::optional<at::Tensor>& mask, at::TensorList weights,
                                                     at::TensorList saved, double eps, bool outgoing,
-                                                    const std::optional<at::Tensor>& dz_add);
+                                                    const std::optional<at::Tensor>& dz_add,
+                                                    const std::string& family);
 
 }  // namespace block
 }  // namespace evoformer

@@ -146,15 +146,18 @@ def portable_sources() -> list[Path]:
 # them by path, so that none of them starts in the build's last seconds.
 SLOW_HOST_UNITS = ("modules_bindings", "triangle_output", "triangle_node_bindings", "opm_node_bindings", "gating",
                    "layer_norm")
+# The block ops' Hopper units, longest first (the triangle input 27-40 s, its gate backward 20-23 s).
+HOPPER_BLOCK_UNITS = ("triangle_input_sm90", "triangle_gate_backward_sm90")
 
 
 def compile_order(paths: list[Path]) -> list[Path]:
     """``paths`` with the longest compiles first (ninja starts a fresh build's jobs in the order
     given, so a long unit started in the last wave sets the build's end): the Hopper units (the
-    triangle multiplication's, then the attention backward's and forward's, 18-38 s each on the
-    build machine's 16 cores), then the bindings and the block ops' launchers (SLOW_HOST_UNITS
-    first, 18-23 s, then the rest, 5-13 s), then the portable attention instantiations (backward,
-    then forward: 5-11 s), larger head dims first within each group. Replayed on the unit times of
+    triangle multiplication's in HOPPER_BLOCK_UNITS order, then the attention backward's and
+    forward's, 18-40 s each on the build machine's 16 cores), then the bindings and the block ops'
+    launchers (SLOW_HOST_UNITS first, 18-23 s, then the rest, 5-13 s), then the portable attention
+    instantiations (backward, then forward: 5-11 s), larger head dims first within each group.
+    Replayed on the unit times of
     one H200 build of the core library (65 sources, 975 s of compile work: 60.9 s if perfectly
     packed on 16 cores), the path order ends at 81.2 s, this order at 64.1 s (69.0 with the
     bindings and launchers in path order; that build's ninja ended at 69.5 s)."""
@@ -168,7 +171,12 @@ def compile_order(paths: list[Path]) -> list[Path]:
             tier = 4 if stem.startswith("backward") else 5
         else:
             tier = 3
-        slow = SLOW_HOST_UNITS.index(stem) if tier == 3 and stem in SLOW_HOST_UNITS else len(SLOW_HOST_UNITS)
+        if tier == 3 and stem in SLOW_HOST_UNITS:
+            slow = SLOW_HOST_UNITS.index(stem)
+        elif tier == 0 and stem in HOPPER_BLOCK_UNITS:
+            slow = HOPPER_BLOCK_UNITS.index(stem)
+        else:
+            slow = len(SLOW_HOST_UNITS)
         return tier, slow, -int(head_dim.group(1)) if head_dim else 0, str(path)
 
     return sorted(paths, key=cost_rank)

@@ -49,7 +49,7 @@ SCHEMAS = (
     "bool for_backward=True, bool add_input=False, Tensor? update_scale=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "triangle_multiplication_bwd(Tensor dout, Tensor z, Tensor? mask, Tensor[] weights, Tensor[] saved, "
-    "float eps, bool outgoing, Tensor? dz_add=None) -> Tensor[]",
+    "float eps, bool outgoing, Tensor? dz_add=None, str family=\"sm80\") -> Tensor[]",
     "sigmoid_gate_fwd(Tensor g, Tensor y) -> Tensor",
     "sigmoid_gate_bwd(Tensor dout, Tensor g, Tensor y) -> (Tensor, Tensor)",
     "sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "

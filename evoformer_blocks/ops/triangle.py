@@ -289,16 +289,17 @@ def _(z, mask, weights, eps, outgoing, family, for_backward=True, add_input=Fals
 
 
 @_fused.fake("triangle_multiplication_bwd")
-def _(dout, z, mask, weights, saved, eps, outgoing, dz_add=None):
-    """[dz, the gradient of each parameter in its own dtype]."""
+def _(dout, z, mask, weights, saved, eps, outgoing, dz_add=None, family="sm80"):
+    """[dz, the gradient of each parameter in its own dtype] (``family``: the forward's kernels')."""
     return [z.new_empty(z.shape)] + [w.new_empty(w.shape) for w in weights]
 
 
-def _save(ctx, z, mask, weights, eps, outgoing, saved, *extra) -> None:
+def _save(ctx, z, mask, weights, eps, outgoing, family, saved, *extra) -> None:
     """Keeps what the backward reads: z, mask, the weights, the forward's saved tensors, then
-    ``extra`` (read back by the caller from the end of ``ctx.saved_tensors``)."""
+    ``extra`` (read back by the caller from the end of ``ctx.saved_tensors``); the backward runs
+    the forward's kernel family."""
     ctx.save_for_backward(z, mask, *weights, *saved, *extra)
-    ctx.eps, ctx.outgoing, ctx.n_weights, ctx.n_saved = eps, outgoing, len(weights), len(saved)
+    ctx.eps, ctx.outgoing, ctx.family, ctx.n_weights, ctx.n_saved = eps, outgoing, family, len(weights), len(saved)
 
 
 def _gradients(ctx, dout, dz_add: Optional[Tensor], tensors: tuple):
@@ -309,7 +310,7 @@ def _gradients(ctx, dout, dz_add: Optional[Tensor], tensors: tuple):
     dout = torch.zeros_like(z) if dout is None else dout.contiguous()
     dz_add = None if dz_add is None else dz_add.contiguous()
     dz, *dweights = _fused.kernels().triangle_multiplication_bwd(
-        dout, z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing, dz_add)
+        dout, z, mask, list(weights), list(saved), ctx.eps, ctx.outgoing, dz_add, ctx.family)
     return dz, dweights
 
 
@@ -327,7 +328,7 @@ class _FusedTriangleFunction(torch.autograd.Function):
             FUSED_OP, _fused.kernels().triangle_multiplication_fwd,
             z, mask, list(weights), eps, outgoing, family, True, mode == _ADD, update_scale)
         ctx.mode, ctx.scaled = mode, update_scale is not None
-        _save(ctx, z, mask, weights, eps, outgoing, saved, *([update_scale] if ctx.scaled else []))
+        _save(ctx, z, mask, weights, eps, outgoing, family, saved, *([update_scale] if ctx.scaled else []))
         return (z.view_as(z), out) if mode == _KEEP else out
 
     @staticmethod
