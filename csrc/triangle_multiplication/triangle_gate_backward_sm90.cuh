@@ -23,6 +23,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "common/sm90_layouts.cuh"
+#include "triangle_multiplication/resident_sm90.cuh"
 #include "triangle_multiplication/triangle_input.cuh"
 
 namespace evoformer {
@@ -138,24 +139,10 @@ __global__ void __launch_bounds__(TriangleGateBackwardSm90Tile<T, kSlots>::kCtaT
   Tensor acc0 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<Tile::kCols>>{});
   Tensor acc1 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<Tile::kCols>>{});
   static_assert(size(acc0) == Tile::kCols / 2, "eight n8 accumulator tiles per thread");
-  const int ld_row = warp * 16 + lane % 8 + 8 * (lane / 8 % 2), ld_col = 8 * (lane / 16);
   float* const red_warp = red + (wg * 4 + warp) * kSlots * Tile::kRedRow;
-
-  // product i into acc (one wgmma batch): rows 64 (i % 2).. of pass i / 2's weights (slot i)
+  // product i into acc: slot i's columns (rows 64 (i % 2).. of pass i / 2's weights)
   const auto issue = [&](int i, auto& acc) {
-    Tensor sW = make_tensor(make_smem_ptr(weights + (i / 2) * (Tile::kWeightBytes / int(sizeof(T)))),
-                            typename Tile::LayoutW{});
-    Tensor tWr = thr.partition_fragment_B(local_tile(sW, Shape<Int<Tile::kCols>, Int<Tile::kK>>{}, make_coord(i % 2, 0)));
-    warpgroup_fence_operand(tXr);
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tXr); ++kk) {
-      gemm(mma, tXr(_, _, kk), tWr(_, _, kk), acc);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    issue_half_pass_sm90<typename Tile::LayoutW, Tile::kCols, Tile::kK>(mma, thr, tXr, acc, weights, i);
   };
 
 #pragma unroll 1
@@ -164,9 +151,7 @@ __global__ void __launch_bounds__(TriangleGateBackwardSm90Tile<T, kSlots>::kCtaT
     const int valid_rows = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
     cp_async_wait<kSlots>();
     wg_sync();  // the tile's x_hat rows (every thread's copies)
-#pragma unroll
-    for (int kk = 0; kk < Tile::kKSteps; ++kk)
-      ldsm_x4(xs + x_offset(ld_row, 16 * kk + ld_col), xa[kk][0], xa[kk][1], xa[kk][2], xa[kk][3]);
+    load_a_rows_sm90<typename Tile::LayoutX>(xa, xs, warp, lane);
     float mask[1][2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -206,21 +191,7 @@ __global__ void __launch_bounds__(TriangleGateBackwardSm90Tile<T, kSlots>::kCtaT
       wg_sync();  // the staged gradients are stored: ostage is free
     };
 
-    issue(0, acc0);
-    issue(1, acc1);
-#pragma unroll
-    for (int i = 0; i < kSlots; i += 2) {
-      warpgroup_wait<1>();  // product i
-      epilogue(i, acc0);
-      if (i + 2 < kSlots) {
-        issue(i + 2, acc0);
-        warpgroup_wait<1>();  // product i + 1
-      } else {
-        warpgroup_wait<0>();  // the last product: x_hat's registers are free for the next tile
-      }
-      epilogue(i + 1, acc1);
-      if (i + 3 < kSlots) issue(i + 3, acc1);
-    }
+    run_products_sm90<kSlots>(issue, epilogue, acc0, acc1);  // (x_hat's registers are then free)
   }
   cp_async_wait<0>();  // (the empty groups past the last tile)
   __syncthreads();     // every warp's sums
