@@ -73,7 +73,7 @@ struct TriangleGateBackwardParams {
   const void* da;      // [C, M] channel-major, rows M apart
   const void* db;      // [C, M]
   void* dab;           // [M, 4 C] per position, rows dab_ld apart: columns (a_proj, a_gate, b_proj, b_gate) x C
-  float* bias_part;    // [n_ctas, 4 C]: the CTA's sums of the dab columns (as rounded to T)
+  float* bias_part;    // [triangle_gate_backward_parts(p), 4 C]: each CTA's sums of the dab columns (as rounded to T)
   int64_t M, x_stride;
   int K, C, c_rows;
   bool vector_ok;      // M % 8 == 0 and 16-byte aligned da, db
@@ -134,7 +134,9 @@ struct TriangleOutputBackwardParams {
 // Launchers, one instantiation per element type T; each checks its launch. gate_pack: half,
 // bfloat16 and float. The fused kernels: half and bfloat16 only (T = cutlass::half_t,
 // cutlass::bfloat16_t), K <= limits::kTriangleInputMaxK, one CTA per limits::kTriangleTileRows
-// positions (the backward's bias_part, dy_part and dg_part have one row per CTA).
+// positions (the backward's bias_part, dy_part and dg_part have one row per CTA), but for the
+// persistent Hopper kernels (the input kernel at c_z = c = 128, the gate backward where
+// triangle_gate_backward_runs_sm90: at most one CTA per SM, bias_part one row per CTA of that grid).
 template <typename T>
 void launch_gate_pack(const GatePackParams& p, cudaStream_t stream);
 template <typename T>
