@@ -26,6 +26,39 @@ __device__ __forceinline__ void load_a_rows_sm90(uint32_t (&xa)[kKSteps][4], con
     ldsm_x4(tile + sm90::swizzled_offset<Layout, T>(row, 16 * kk + col), xa[kk][0], xa[kk][1], xa[kk][2], xa[kk][3]);
 }
 
+// The wgmma A operand of a warpgroup's [kRows, kK] rows of T in registers (load_a_rows_sm90's layout).
+template <int kRows, int kK, typename T, typename ThrMma>
+__device__ __forceinline__ auto make_a_fragment_sm90(const ThrMma& thr) {
+  using namespace cute;
+  return thr.partition_fragment_A(
+      make_tensor(make_smem_ptr(static_cast<T*>(nullptr)), Shape<Int<kRows>, Int<kK>>{}, Stride<Int<kK>, _1>{}));
+}
+
+// Starts the copy of row tile `tile` (kRows rows from row tile * kRows of the M rows at `rows`, `stride`
+// apart, `cols` columns; n_tiles = ceil(M / kRows)) into `smem` by `copy` (a SwizzledTileCopy): one
+// cp.async group, empty past the last tile.
+template <int kRows, typename Copy, typename T>
+__device__ __forceinline__ void start_row_tile_copy(const Copy& copy, T* smem, const T* rows, int64_t stride,
+                                                    int64_t M, int64_t tile, int64_t n_tiles, int cols) {
+  if (tile < n_tiles) {
+    const int64_t m0 = tile * kRows;
+    copy(smem, rows + m0 * stride, stride, int(M - m0 < kRows ? M - m0 : kRows), cols);
+  }
+  cp_async_commit();
+}
+
+// The 0/1 mask ([M] of T, or nullptr: ones) of a thread's rows row0 and row0 + 8 of the tile at m0;
+// rows at or past valid_rows read as 1.
+template <typename T>
+__device__ __forceinline__ void row_pair_mask_sm90(float (&mask)[1][2], const void* mask_ptr, int64_t m0, int row0,
+                                                   int valid_rows) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = row0 + 8 * hh;
+    mask[0][hh] = mask_ptr != nullptr && r < valid_rows ? float(static_cast<const T*>(mask_ptr)[m0 + r]) : 1.f;
+  }
+}
+
 // Product i into acc as one committed wgmma batch: the A fragment tXr (registers) times rows
 // kCols (i % 2).. of weight tile i / 2 (tiles [128, kK] of LayoutW, back to back from `weights`), so
 // that product 2q + h is half h of pass q's 128 columns.

@@ -81,14 +81,9 @@ __global__ void __launch_bounds__(TriangleGateBackwardSm90Tile<T, kSlots>::kCtaT
 
   const int64_t n_tiles = (p.M + Tile::kRows - 1) / Tile::kRows;
   const int64_t tile_step = Tile::kWarpgroups * int64_t(gridDim.x);
-  // Starts the copy of tile `tile`'s x_hat rows into xs (one cp.async group, empty past the last tile).
+  // starts the copy of tile `tile`'s x_hat rows into xs (one cp.async group, empty past the last tile)
   const auto load_x = [&](int64_t tile) {
-    if (tile < n_tiles) {
-      const int64_t m0 = tile * Tile::kRows;
-      const int valid = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
-      x_copy(xs, static_cast<const T*>(p.x_hat) + m0 * p.x_stride, p.x_stride, valid, p.K);
-    }
-    cp_async_commit();
+    start_row_tile_copy<Tile::kRows>(x_copy, xs, static_cast<const T*>(p.x_hat), p.x_stride, p.M, tile, n_tiles, p.K);
   };
   // Starts the copy of slot i's da / db rows of tile `tile` into its staging tile, [32 channels, 64
   // positions] (one group, empty past the last tile; positions past M zero-filled: M % 8 == 0).
@@ -131,9 +126,7 @@ __global__ void __launch_bounds__(TriangleGateBackwardSm90Tile<T, kSlots>::kCtaT
   typename Tile::Mma mma;
   auto thr = mma.get_thread_slice(tid);
   // x_hat as the products' A operand (the mma.sync A layout, as in the input kernel)
-  Tensor tXr = thr.partition_fragment_A(make_tensor(make_smem_ptr(static_cast<T*>(nullptr)),
-                                                    Shape<Int<Tile::kRows>, Int<Tile::kK>>{},
-                                                    Stride<Int<Tile::kK>, _1>{}));
+  auto tXr = make_a_fragment_sm90<Tile::kRows, Tile::kK, T>(thr);
   static_assert(size(tXr) == Tile::kK / 2, "a thread's x_hat: two rows of 32 columns");
   uint32_t(&xa)[Tile::kKSteps][4] = *reinterpret_cast<uint32_t(*)[Tile::kKSteps][4]>(raw_pointer_cast(tXr.data()));
   Tensor acc0 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<Tile::kCols>>{});
@@ -153,11 +146,7 @@ __global__ void __launch_bounds__(TriangleGateBackwardSm90Tile<T, kSlots>::kCtaT
     wg_sync();  // the tile's x_hat rows (every thread's copies)
     load_a_rows_sm90<typename Tile::LayoutX>(xa, xs, warp, lane);
     float mask[1][2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row0 + 8 * hh;
-      mask[0][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
-    }
+    row_pair_mask_sm90<T>(mask, p.mask, m0, row0, valid_rows);
     wg_sync();  // every warp has its x_hat rows: xs takes the next tile's
     load_x(tile + tile_step);
 

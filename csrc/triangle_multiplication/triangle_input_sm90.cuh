@@ -206,11 +206,7 @@ __global__ void __launch_bounds__(kTriInThreads, (TriangleInputSm90Tile<T, kKSte
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128u), 0);  // warp-uniform
   const int row0 = wg * 64 + int(threadIdx.x % 128u) / 32 * 16 + g;  // the thread's rows: row0, row0 + 8
   float mask[1][2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = row0 + 8 * hh;
-    mask[0][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
-  }
+  row_pair_mask_sm90<T>(mask, p.mask, m0, row0, valid_rows);
 
   cp_async_wait<2>();
   __syncthreads();
@@ -387,14 +383,9 @@ __global__ void __launch_bounds__(TriangleInputResidentTile<T>::kCtaThreads, 1)
 
   const int64_t n_tiles = (p.M + Tile::kRows - 1) / Tile::kRows;
   const int64_t tile_step = Tile::kWarpgroups * int64_t(gridDim.x);
-  // Starts the copy of tile `tile`'s z rows into zs (one cp.async group, empty past the last tile).
+  // starts the copy of tile `tile`'s z rows into zs (one cp.async group, empty past the last tile)
   const auto load_z = [&](int64_t tile) {
-    if (tile < n_tiles) {
-      const int64_t m0 = tile * Tile::kRows;
-      const int valid = int(p.M - m0 < Tile::kRows ? p.M - m0 : Tile::kRows);
-      z_copy(zs, static_cast<const T*>(p.z) + m0 * p.z_stride, p.z_stride, valid, p.K);
-    }
-    cp_async_commit();
+    start_row_tile_copy<Tile::kRows>(z_copy, zs, static_cast<const T*>(p.z), p.z_stride, p.M, tile, n_tiles, p.K);
   };
 
   // every pass's weights and biases (five groups, by the loaders' kTriInThreads threads), then the
@@ -418,9 +409,7 @@ __global__ void __launch_bounds__(TriangleInputResidentTile<T>::kCtaThreads, 1)
   auto thr = mma.get_thread_slice(tid);
   // x_hat as the products' A operand, two 16-bit values per register: xa[kk] is k-step kk's
   // (row0, 16 kk + 2 t), (row0 + 8, ..), (row0, 16 kk + 8 + 2 t), (row0 + 8, ..), the mma.sync A layout
-  Tensor tXr = thr.partition_fragment_A(make_tensor(make_smem_ptr(static_cast<T*>(nullptr)),
-                                                    Shape<Int<Tile::kRows>, Int<Tile::kK>>{},
-                                                    Stride<Int<Tile::kK>, _1>{}));
+  auto tXr = make_a_fragment_sm90<Tile::kRows, Tile::kK, T>(thr);
   static_assert(size(tXr) == Tile::kK / 2, "a thread's x_hat: two rows of 32 columns");
   uint32_t(&xa)[Tile::kKSteps][4] = *reinterpret_cast<uint32_t(*)[Tile::kKSteps][4]>(raw_pointer_cast(tXr.data()));
   Tensor acc0 = partition_fragment_C(mma, Shape<Int<Tile::kRows>, Int<Tile::kCols>>{});
@@ -439,11 +428,7 @@ __global__ void __launch_bounds__(TriangleInputResidentTile<T>::kCtaThreads, 1)
     wg_sync();  // the tile's z rows (every thread's copies)
     load_a_rows_sm90<typename Tile::LayoutZ>(xa, zs, tid / 32, lane);
     float mask[1][2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row0 + 8 * hh;
-      mask[0][hh] = p.mask != nullptr && r < valid_rows ? float(static_cast<const T*>(p.mask)[m0 + r]) : 1.f;
-    }
+    row_pair_mask_sm90<T>(mask, p.mask, m0, row0, valid_rows);
     wg_sync();  // every warp has its rows: the next tile's z goes where they were
     load_z(tile + tile_step);
     {

@@ -157,10 +157,9 @@ def compile_order(paths: list[Path]) -> list[Path]:
     forward's, 18-40 s each on the build machine's 16 cores), then the bindings and the block ops'
     launchers (SLOW_HOST_UNITS first, 18-23 s, then the rest, 5-13 s), then the portable attention
     instantiations (backward, then forward: 5-11 s), larger head dims first within each group.
-    Replayed on the unit times of
-    one H200 build of the core library (65 sources, 975 s of compile work: 60.9 s if perfectly
-    packed on 16 cores), the path order ends at 81.2 s, this order at 64.1 s (69.0 with the
-    bindings and launchers in path order; that build's ninja ended at 69.5 s)."""
+    Replayed on the unit times of one H200 build of the core library (65 sources, 975 s of compile
+    work: 60.9 s if perfectly packed on 16 cores), the path order ends at 81.2 s, this order at
+    64.1 s (69.0 with the bindings and launchers in path order; that build's ninja ended at 69.5 s)."""
 
     def cost_rank(path: Path) -> tuple:
         stem = path.stem
