@@ -114,7 +114,6 @@ struct TriangleOutputParams {
 struct TriangleOutputBackwardParams {
   const void* n_hat;  // [M, C] row-major (saved by the forward)
   const void* w_z;    // [G, C] folded
-  const void* w_zt;   // [C, G]: w_z transposed (the second product's B operand, n-major)
   const void* b_z;    // [G]
   const void* g;      // [M, G]
   const void* dout;   // [M, G]

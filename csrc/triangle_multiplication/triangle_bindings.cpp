@@ -233,11 +233,10 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
     // one kernel: y, the gate's backward, dn_hat = dy . w_z and the channel layer norm's backward
     const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
     PartialSums sums(ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
-    const at::Tensor w_zt = raw_transpose(w_z).contiguous();  // [c, c_z]
-    TriangleOutputBackwardParams ob{n_hat.data_ptr(), w_z.data_ptr(), w_zt.data_ptr(), b_z.data_ptr(),
-                                    g.data_ptr(), dout.data_ptr(), rstd_out.data_ptr<float>(), dg.data_ptr(),
-                                    dy.data_ptr(), dp.data_ptr(), sums.data(), sums.data() + ctas * s.cz,
-                                    sums.totals, s.M, int(s.c), int(s.cz), vector_ok(dp, s.M), dg.stride(0)};
+    TriangleOutputBackwardParams ob{n_hat.data_ptr(), w_z.data_ptr(), b_z.data_ptr(), g.data_ptr(),
+                                    dout.data_ptr(), rstd_out.data_ptr<float>(), dg.data_ptr(), dy.data_ptr(),
+                                    dp.data_ptr(), sums.data(), sums.data() + ctas * s.cz, sums.totals, s.M,
+                                    int(s.c), int(s.cz), vector_ok(dp, s.M), dg.stride(0)};
     if (z.scalar_type() == at::kHalf) launch_triangle_output_backward<cutlass::half_t>(ob, stream);
     else launch_triangle_output_backward<cutlass::bfloat16_t>(ob, stream);
     dw_z = rows_product(raw_transpose(dy), n_hat);  // [c_z, c]

@@ -202,8 +202,10 @@ __device__ __forceinline__ void triangle_input_load_weights(const Params& p, T* 
 
 // acc = A . (pass weights[col_half * 64.., :])^T for one warp: two m16 row tiles x eight n8 column
 // tiles, k over kKSteps * 16; a_frags(kk, af) loads the A operands of k-step kk for both row tiles
-// (the weight tile is n-major, pitch kK + 8).
-template <typename T, int kKSteps, typename AFrags>
+// (the weight tile is n-major, pitch kK + 8). kBKMajor: acc = A . weights[:, col_half * 64..] instead,
+// the tile read as k-major B (rows k, ldmatrix.trans); a column half past the tile's kK columns gets
+// zeros.
+template <typename T, int kKSteps, bool kBKMajor = false, typename AFrags>
 __device__ __forceinline__ void triangle_pass_products(float (&acc)[2][8][4], AFrags&& a_frags, const T* wbuf,
                                                        int col_half, int lane) {
   constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
@@ -213,6 +215,7 @@ __device__ __forceinline__ void triangle_pass_products(float (&acc)[2][8][4], AF
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+  if (kBKMajor && col_half * 64 >= TriangleInputTile<kKSteps>::kK) return;
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
     uint32_t af[2][kARegs<T>];
@@ -220,7 +223,10 @@ __device__ __forceinline__ void triangle_pass_products(float (&acc)[2][8][4], AF
 #pragma unroll
     for (int n16 = 0; n16 < 4; ++n16) {
       uint32_t bf[2][kBRegs<T>];
-      load_b_frags_nmajor<kPitch>(bf, wbuf, col_half * 64 + n16 * 16, kk * 16, lane);
+      if constexpr (kBKMajor)
+        load_b_frags_kmajor<kPitch>(bf, wbuf, kk * 16, col_half * 64 + n16 * 16, lane);
+      else
+        load_b_frags_nmajor<kPitch>(bf, wbuf, col_half * 64 + n16 * 16, kk * 16, lane);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         mma<T>(acc[mt][2 * n16], af[mt], bf[0]);
@@ -251,22 +257,21 @@ __device__ __forceinline__ void add_column_bias(float (&acc)[2][8][4], const T* 
   }
 }
 
-// The same with A = the row-major x_hat tile's rows row_group * 32.. (pitch kK + 8).
-template <typename T, int kKSteps>
+// The same with A = the row-major x_hat tile's rows row_group * 32.. (pitch kK + 8), the weight tile
+// n-major or (kBKMajor) k-major.
+template <typename T, int kKSteps, bool kBKMajor = false>
 __device__ __forceinline__ void triangle_input_pass_products(float (&acc)[2][8][4], const T* xs, const T* wbuf,
                                                              int row_group, int col_half, int lane) {
   constexpr int kPitch = TriangleInputTile<kKSteps>::kPitch;
-  triangle_pass_products<T, kKSteps>(
-      acc,
-      [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
-        uint32_t frags[2][1][kARegs<T>];
-        load_a_frags<2, 1, kPitch>(frags, xs + kk * 16, row_group * 32, lane);
+  const auto a_frags = [&](int kk, uint32_t(&af)[2][kARegs<T>]) {
+    uint32_t frags[2][1][kARegs<T>];
+    load_a_frags<2, 1, kPitch>(frags, xs + kk * 16, row_group * 32, lane);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int i = 0; i < kARegs<T>; ++i) af[mt][i] = frags[mt][0][i];
-      },
-      wbuf, col_half, lane);
+      for (int i = 0; i < kARegs<T>; ++i) af[mt][i] = frags[mt][0][i];
+  };
+  triangle_pass_products<T, kKSteps, kBKMajor>(acc, a_frags, wbuf, col_half, lane);
 }
 
 // The mask of the thread's four rows (m tile mt, half hh: row row_group * 32 + mt * 16 + g + 8 hh of

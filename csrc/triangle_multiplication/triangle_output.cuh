@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kTriInThreads, 2) triangle_output_kernel(Trian
 // CTA: 256 threads, 128 positions, three [128, kTriInStagePitch] buffers (two CTAs per SM):
 //   A: n_hat (first product's A operand) -> g, rewritten in place as dg -> n_hat again (reloaded
 //      from L2 while the second product runs)
-//   W: w_z (first product's B, n-major) -> w_z^T (second product's B) -> dp staged channel-major
+//   W: w_z (first product's B read n-major, the second's k-major: ldmatrix.trans) -> dp staged
+//      channel-major
 //   D: dout, rewritten in place as dy (second product's A operand)
 // The products use triangle_pass_products' warp layout (4 row groups of 32 x 2 column halves of
 // 64); every elementwise value is rewritten by the thread that read it, so the only barriers are
@@ -279,6 +280,9 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
   const int valid_rows = int(p.M - m0 < kTriInRows ? p.M - m0 : kTriInRows);
   const T* const n_hat = static_cast<const T*>(p.n_hat) + m0 * p.C;
   const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row_group = warp % 4, col_half = warp / 4;
 
   // n_hat and w_z (group 0), dout (group 1); rows and columns past the valid ones are zeros
   load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(as, n_hat, p.C, valid_rows, p.C, tid);
@@ -291,22 +295,17 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
   cp_async_wait<1>();
   __syncthreads();
 
-  const int warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int row_group = warp % 4, col_half = warp / 4;
   float acc[2][8][4];
   triangle_input_pass_products<T, kKSteps>(acc, as, ws, row_group, col_half, lane);  // n_hat . w_z^T
   __syncthreads();  // every warp is done with n_hat and w_z
 
-  // g over n_hat, w_z^T over w_z (group 2), while y is finished in registers
+  // g over n_hat (group 2), while y is finished in registers
   load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(as, static_cast<const T*>(p.g) + m0 * p.G, p.G,
                                                               valid_rows, p.G, tid);
-  load_tile_async<T, kTriInPassCols, Tile::kK, kP, kTriInThreads>(ws, static_cast<const T*>(p.w_zt), p.G, p.C, p.G,
-                                                                  tid);
   cp_async_commit();
   add_column_bias<T, true>(acc, static_cast<const T*>(p.b_z), 0, p.G, col_half, t);  // y
   cp_async_wait<0>();
-  __syncthreads();  // g, dout and w_z^T are in
+  __syncthreads();  // g and dout are in
 
   // dy over dout, dg over g (rows past the valid ones: dout = g = 0, so dy = dg = 0), and this CTA's
   // column sums of both as stored: a thread's four rows, the eight lanes g of its columns (a
@@ -368,9 +367,17 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
 
   load_tile_async<T, kTriInRows, Tile::kK, kP, kTriInThreads>(as, n_hat, p.C, valid_rows, p.C, tid);
   cp_async_commit();
-  triangle_input_pass_products<T, kKSteps>(acc, ds, ws, row_group, col_half, lane);  // dn_hat = dy . w_z
+  float rstd[2][2];  // the layer norm's of the thread's rows (mt, hh), read while the product runs
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row_group * 32 + mt * 16 + g + 8 * hh;
+      rstd[mt][hh] = r < valid_rows ? p.rstd[m0 + r] : 0.f;
+    }
+  triangle_input_pass_products<T, kKSteps, true>(acc, ds, ws, row_group, col_half, lane);  // dn_hat = dy . w_z
   cp_async_wait<0>();
-  __syncthreads();  // n_hat is in; every warp is done with w_z^T (the buffer takes dp)
+  __syncthreads();  // n_hat is in; every warp is done with w_z (the buffer takes dp)
 
   // per position: sums over the channels of dn_hat and dn_hat * n_hat (the thread's channels, then
   // the quad, then the two column halves in order)
@@ -406,12 +413,12 @@ __global__ void __launch_bounds__(kTriInThreads, 2)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = row_group * 32 + mt * 16 + g + 8 * hh;
-      const float rstd = r < valid_rows ? p.rstd[m0 + r] : 0.f;
       // scaled by rstd: dp = rstd * dn_hat - sums[0] - n_hat * sums[1]
 #pragma unroll
       for (int k = 0; k < 2; ++k)
-        sums[k][mt][hh] = rstd * (red[(2 * k) * kTriInRows + r] + red[(2 * k + 1) * kTriInRows + r]) * inv_c;
-      sums[2][mt][hh] = rstd;
+        sums[k][mt][hh] =
+            rstd[mt][hh] * (red[(2 * k) * kTriInRows + r] + red[(2 * k + 1) * kTriInRows + r]) * inv_c;
+      sums[2][mt][hh] = rstd[mt][hh];
     }
   // dp staged channel-major [C, kSP] in the weight buffer
 #pragma unroll
