@@ -1,6 +1,6 @@
 // The launch check every kernel family's launchers use, the shared-memory allowance they raise
-// before a launch, the per-device cache of what they ask the driver once per device, and the
-// occupancy query that sizes persistent grids.
+// before a launch, the per-device cache of what they ask the driver once per device, the device's
+// shared-memory limit per CTA and the occupancy query that sizes persistent grids.
 #pragma once
 
 #include <atomic>
@@ -34,8 +34,16 @@ inline void allow_dynamic_smem(const void* kernel, int smem_bytes, const char* n
   std::lock_guard<std::mutex> lock(mutex);
   int& bytes = (*allowed)[{kernel, device}];
   if (bytes >= smem_bytes) return;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
-    check_launch((std::string(name) + " (shared-memory attribute)").c_str());
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess) {
+    const std::string error = cudaGetErrorString(cudaGetLastError());
+    int limit = 0;
+    if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        smem_bytes > limit)
+      throw std::runtime_error(std::string(name) + ": the kernel needs " + std::to_string(smem_bytes) +
+                               " bytes of shared memory per CTA and this GPU allows " + std::to_string(limit) +
+                               " (the fused kernels' limits are in the README)");
+    throw std::runtime_error(std::string(name) + " (shared-memory attribute): CUDA error: " + error);
+  }
   bytes = smem_bytes;
 }
 
@@ -59,6 +67,19 @@ int once_per_device(std::atomic<int> (&cache)[kCachedDevices], int device, Ask&&
   const int value = ask(device);
   if (kept) cache[device].store(value + 1, std::memory_order_relaxed);
   return value;
+}
+
+// The most dynamic shared memory a CTA may opt into on the current device (227 KB on an H100, 163 KB on
+// an A100, 99 KB on compute capability 8.6 and 8.9), asked once per device. Failures name `name`.
+inline int max_dynamic_smem(const char* name) {
+  static std::atomic<int> cache[kCachedDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
+  return once_per_device(cache, device, [&](int d) {
+    int bytes = 0;
+    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) check_launch(name);
+    return bytes;
+  });
 }
 
 // CTAs of `kernel` (`threads` threads, `smem_bytes` of dynamic shared memory) resident per SM on the

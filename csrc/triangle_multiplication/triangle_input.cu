@@ -2,6 +2,8 @@
 // (triangle_input.cuh), half and bfloat16, one instantiation per c_z bucket (64, 128, 256); where
 // p.hopper and the group fits, the edges' backward runs the sm_90a kernel instead
 // (triangle_gate_backward_sm90.cu).
+#include <algorithm>
+
 #include "triangle_multiplication/triangle_input.cuh"
 
 namespace evoformer {
@@ -14,6 +16,16 @@ bool triangle_gate_backward_runs_sm90(const TriangleGateBackwardParams& p) {
 int64_t triangle_gate_backward_parts(const TriangleGateBackwardParams& p) {
   if (triangle_gate_backward_runs_sm90(p)) return triangle_gate_backward_sm90_ctas(p);
   return (p.M + kTriInRows - 1) / kTriInRows;
+}
+
+int triangle_input_smem_bytes(int K) {
+  int bytes = 0;
+  by_k_bucket(K, [&](auto steps) {
+    constexpr int kKSteps = decltype(steps)::value;
+    using T = cutlass::bfloat16_t;
+    bytes = std::max(triangle_input_smem_bytes<T, kKSteps>(), TriangleGateBackwardTile<kKSteps>::template bytes<T>());
+  });
+  return bytes;
 }
 
 template <typename T>
