@@ -155,11 +155,12 @@ int64_t triangle_gate_backward_sm90_ctas(const TriangleGateBackwardParams& p);
 int64_t triangle_gate_backward_parts(const TriangleGateBackwardParams& p);
 // The most dynamic shared memory a CTA of a fused half's portable kernels takes, forward or backward:
 // the input half's (input kernel, edges' gate backward) at c_z = K, the output half's (output kernel,
-// its backward) at c = C; 16-bit elements. A GPU that allows less (99 KB at compute capability 8.6
-// and 8.9, against 104-172 KB here at AF2's widths) runs that half unfused. (The Hopper kernels run
-// only on compute capability 9.0, which allows 227 KB.)
-int triangle_input_smem_bytes(int K);
-int triangle_output_smem_bytes(int C);
+// its backward) at c = C; 16-bit elements. A GPU that allows less runs that half unfused: compute
+// capability 8.6 and 8.9 allow 99 KB, where these take 104 and 106 KB at c_z = c = 128; an A100 163 KB,
+// where the input half takes 198 KB at c_z = 256. (The Hopper kernels run only on compute capability
+// 9.0, which allows 227 KB.)
+int triangle_input_half_smem_bytes(int K);
+int triangle_output_half_smem_bytes(int C);
 template <typename T>
 void launch_triangle_output(const TriangleOutputParams& p, cudaStream_t stream);
 template <typename T>

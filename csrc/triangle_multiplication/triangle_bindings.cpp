@@ -95,13 +95,13 @@ at::Tensor triangle_product(const at::Tensor& a, const at::Tensor& b, bool outgo
 // what a CTA may have on z's device (the caller's device guard makes it the current one).
 bool triangle_input_fits(const at::Tensor& z, const TriangleShape& s) {
   return (z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16) && s.cz <= limits::kTriangleInputMaxK &&
-         triangle_input_smem_bytes(int(s.cz)) <= max_dynamic_smem("triangle multiplication");
+         triangle_input_half_smem_bytes(int(s.cz)) <= max_dynamic_smem("triangle multiplication");
 }
 
 // Whether the output half runs as one kernel each way (triangle_output.cuh); the same conditions.
 bool triangle_output_fits(const at::Tensor& z, const TriangleShape& s) {
   return triangle_input_fits(z, s) && s.c <= limits::kTriangleOutputMaxC && s.cz <= limits::kTriangleOutputMaxG &&
-         triangle_output_smem_bytes(int(s.c)) <= max_dynamic_smem("triangle multiplication");
+         triangle_output_half_smem_bytes(int(s.c)) <= max_dynamic_smem("triangle multiplication");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

@@ -18,7 +18,7 @@ int64_t triangle_gate_backward_parts(const TriangleGateBackwardParams& p) {
   return (p.M + kTriInRows - 1) / kTriInRows;
 }
 
-int triangle_input_smem_bytes(int K) {
+int triangle_input_half_smem_bytes(int K) {
   int bytes = 0;
   by_k_bucket(K, [&](auto steps) {
     constexpr int kKSteps = decltype(steps)::value;

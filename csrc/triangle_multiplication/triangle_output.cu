@@ -32,7 +32,7 @@ void launch_bucket(const TriangleOutputParams& p, cudaStream_t stream) {
 }
 }  // namespace
 
-int triangle_output_smem_bytes(int C) {
+int triangle_output_half_smem_bytes(int C) {
   using T = cutlass::bfloat16_t;
   const int forward = C <= 64 ? TriangleOutputTile<4>::bytes<T>() : TriangleOutputTile<8>::bytes<T>();
   return std::max(forward, triangle_output_backward_smem_bytes<T>());
