@@ -90,18 +90,23 @@ at::Tensor triangle_product(const at::Tensor& a, const at::Tensor& b, bool outgo
   return outgoing ? at::bmm(a, raw_transpose(b)) : at::bmm(raw_transpose(a), b);
 }
 
-// Whether the fused input kernel takes z: half or bfloat16, c_z <= limits::kTriangleInputMaxK (c_z and c are
-// multiples of 8 already), z rows 16-byte aligned after as_rows, and its kernels' shared memory within
-// what a CTA may have on z's device (the caller's device guard makes it the current one).
-bool triangle_input_fits(const at::Tensor& z, const TriangleShape& s) {
-  return (z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16) && s.cz <= limits::kTriangleInputMaxK &&
-         triangle_input_half_smem_bytes(int(s.cz)) <= max_dynamic_smem("triangle multiplication");
-}
-
-// Whether the output half runs as one kernel each way (triangle_output.cuh); the same conditions.
-bool triangle_output_fits(const at::Tensor& z, const TriangleShape& s) {
-  return triangle_input_fits(z, s) && s.c <= limits::kTriangleOutputMaxC && s.cz <= limits::kTriangleOutputMaxG &&
-         triangle_output_half_smem_bytes(int(s.c)) <= max_dynamic_smem("triangle multiplication");
+// Which halves run as fused kernels, decided once per op call (forward and backward decide alike).
+// The input half (triangle_input.cuh, both ways): z half or bfloat16, c_z <= limits::kTriangleInputMaxK
+// (c_z and c are multiples of 8 already; z rows 16-byte aligned after as_rows). The output half
+// (triangle_output.cuh, both ways): the input half's conditions, c <= limits::kTriangleOutputMaxC and
+// c_z <= limits::kTriangleOutputMaxG. Each also needs its kernels' shared memory within what a CTA may
+// have on z's device (the caller's device guard makes it the current one).
+struct FusedHalves {
+  bool input, output;
+};
+FusedHalves fused_halves(const at::Tensor& z, const TriangleShape& s) {
+  const bool shapes =
+      (z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16) && s.cz <= limits::kTriangleInputMaxK;
+  if (!shapes) return {false, false};
+  const int limit = max_dynamic_smem("triangle multiplication");
+  const bool input = triangle_input_half_smem_bytes(int(s.cz)) <= limit;
+  return {input, input && s.c <= limits::kTriangleOutputMaxC && s.cz <= limits::kTriangleOutputMaxG &&
+                     triangle_output_half_smem_bytes(int(s.c)) <= limit};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -121,7 +126,8 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   at::Tensor a = output({s.c, s.M}, z.options()), b = output({s.c, s.M}, z.options());
   const auto f32 = z.options().dtype(at::kFloat);
   const at::Tensor bias = as_dtype(b_ab, at::kFloat).contiguous();
-  if (triangle_input_fits(z, s)) {
+  const FusedHalves fused = fused_halves(z, s);
+  if (fused.input) {
     // one kernel: layer norm, both edges' projections and gates, g's projection (triangle_input.cuh)
     const at::Tensor rows = as_rows(z, s.cz);  // [M, c_z]
     mean_in = output({s.M}, f32), rstd_in = output({s.M}, f32);
@@ -153,7 +159,7 @@ triangle_forward_folded(const at::Tensor& z, const std::optional<at::Tensor>& ma
   // p [c * B, N, N] = the triangle products of every (channel, batch); then normalised over channels
   const at::Tensor p =
       triangle_product(raw_reshape(a, {s.c * s.B, s.N, s.N}), raw_reshape(b, {s.c * s.B, s.N, s.N}), outgoing);
-  const bool fused_output = triangle_output_fits(z, s);
+  const bool fused_output = fused.output;
   // n_hat [M, c]: the backward's (and the unfused output half's own intermediate)
   at::Tensor n_hat = for_backward || !fused_output ? output({s.M, s.c}, z.options()) : new_empty({0}, z.options());
   at::Tensor rstd_out = output({s.M}, f32);
@@ -232,7 +238,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   at::Tensor db_z = output({s.cz}, f32), db_g = output({s.cz}, f32);
   if (s.M == 0) db_z.zero_(), db_g.zero_();
   at::Tensor dw_z;
-  if (triangle_output_fits(z, s)) {
+  const FusedHalves fused = fused_halves(z, s);
+  if (fused.output) {
     // one kernel: y, the gate's backward, dn_hat = dy . w_z and the channel layer norm's backward
     const int64_t ctas = (s.M + limits::kTriangleTileRows - 1) / limits::kTriangleTileRows;
     PartialSums sums(ctas, 2 * s.cz, f32, param_tensor(db_z), param_tensor(db_g), stream);
@@ -279,7 +286,7 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
   const at::Tensor w4 = reshaped(w_ab, {4, s.c, s.cz});
   at::Tensor dw_ab = first < s.c ? output({4, s.c, s.cz}, w_ab.options()) : at::Tensor();  // (one group: below)
   // the gate kernels' row sums [4, c] (one group through the fused gate kernel: its sums themselves, below)
-  const bool fused_gates = triangle_input_fits(z, s);
+  const bool fused_gates = fused.input;
   at::Tensor db_ab = s.M == 0                        ? at::zeros({4, s.c}, f32)
                      : first < s.c || !fused_gates ? output({4, s.c}, f32)
                                                    : at::Tensor();
