@@ -539,6 +539,32 @@ def test_fully_masked_rows(mask_value, dtype, head_dim):
         assert (out[:, 1] == 0).all()  # a query with no key attends to nothing
 
 
+# Rows whose maximum rises from one block of 64 keys to the next (the kernels step through the keys in
+# such blocks, rescaling what they accumulated at each new row maximum): "rising" lifts the pair bias
+# by 50 per block (72 in log2 units) on some queries, by 20 (29) on others and leaves the rest;
+# "unmasked_late" masks the first 70 keys of some rows, so that their first finite scores come in
+# the second block, far above the mask's fill (float16 masks at its lowest finite value instead of
+# -1e9, which it cannot hold).
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pattern", ["rising", "unmasked_late"])
+@pytest.mark.parametrize("mask_value", [-1e9, float("-inf")])
+@pytest.mark.parametrize("head_dim,length", [(32, 300), (64, 200), (128, 130)])
+def test_rows_whose_maximum_rises_across_key_blocks(dtype, pattern, mask_value, head_dim, length):
+    q, k, v, mask_bias, pair_bias = make_inputs(1, 3, length, length, 2, head_dim, dtype, "both", seed=head_dim)
+    # the mask's fill: float16 takes its lowest finite value for -1e9
+    fill = torch.finfo(dtype).min if dtype == torch.float16 and mask_value == -1e9 else mask_value
+    if pattern == "rising":
+        block = (torch.arange(length, device="cuda") // 64).float()  # [L] keys
+        slope = torch.tensor([50.0, 20.0, 0.0], device="cuda")[torch.arange(length, device="cuda") % 3]  # [L] queries
+        pair_bias = (pair_bias.float() + slope[:, None] * block).to(dtype)  # [1, 1, 2, L, L]
+        mask_bias = mask_bias.masked_fill(mask_bias != 0, fill)
+    else:
+        mask_bias = mask_bias.clone()
+        mask_bias[:, 1:, ..., :70] = fill  # rows n = 1, 2: keys 0-69 masked
+    check_against_reference(q, k, v, mask_bias, pair_bias)
+
+
 # Rows whose every key carries the same finite fill. At -1e9 (a bfloat16 or float32 bias) the fill
 # swamps the logits wherever they are formed (q.k and the pair bias fall below an ulp of -1e9 in
 # eager's float32 logits and of -1e9 / scale in the kernels' scores), so the keys of such a row tie:
