@@ -35,8 +35,9 @@ template void launch_{direction}_{family}<{element}, {head_dim}, {pair}>(const A
 """
 # Further functions a direction's translation unit instantiates.
 EXTRA = {
-    "forward": "",
-    "backward": "template int pair_grad_blocks_per_sm_{family}<{element}, {head_dim}, {pair}>();\n",
+    "forward": "template int forward_smem_bytes_{family}<{element}, {head_dim}, {pair}>();\n",
+    "backward": "template int pair_grad_blocks_per_sm_{family}<{element}, {head_dim}, {pair}>();\n"
+    "template int backward_smem_bytes_{family}<{element}, {head_dim}, {pair}>();\n",
 }
 
 LIMITS_HEADER = """\

@@ -712,6 +712,36 @@ def test_auto_falls_back_for_unsupported_inputs():
     assert ops.get_backend("cutlass").not_supported_reasons(ops.validate(big_d, big_d, big_d))
 
 
+# A GPU whose shared memory per block is below what some kernels take (compute capability 8.6 and 8.9
+# allow 101,376 bytes; the portable kernels take up to 156 KB): the cutlass backend refuses those
+# inputs with the sizes in its reason, and `auto` runs them eager. The device's limit is lowered here
+# to the D = 32 kernels' own need.
+@gpu
+def test_kernels_beyond_the_devices_shared_memory_fall_back(monkeypatch):
+    from evoformer_blocks.ops import _dispatch
+
+    bf16 = torch.bfloat16
+    family = cutlass.kernel_family(torch.device("cuda"), bf16)
+    small = cutlass.smem_needed(family, bf16, 32, bf16)
+    big = cutlass.smem_needed(family, bf16, 128, None)
+    assert 0 < small < big
+    if family == "sm80":  # what runs on GPUs of compute capability 8.6 and 8.9 (README, Backends)
+        assert small <= 101376 < big
+    monkeypatch.setitem(cutlass._smem_allowed, torch.cuda.current_device(), small)
+    with _dispatch.REGISTRY.isolated():
+        _dispatch.REGISTRY._state.selected.clear()
+        _dispatch.REGISTRY._state.decisions.clear()
+        q, k, v, mask_bias, pair_bias = make_inputs(1, 2, 40, 40, 2, 32, bf16, "both")
+        assert not ops.get_backend("cutlass").not_supported_reasons(ops.validate(q, k, v, mask_bias, pair_bias))
+        q, k, v, mask_bias, _ = make_inputs(1, 2, 40, 40, 2, 128, bf16, "mask")
+        reasons = ops.get_backend("cutlass").not_supported_reasons(ops.validate(q, k, v, mask_bias))
+        assert any(f"take {big} bytes of shared memory per block" in r and f"allows {small}" in r for r in reasons)
+        with pytest.raises(ValueError, match="shared memory per block"):
+            ops.evoformer_attention(q, k, v, mask_bias, backend="cutlass")
+        out = ops.evoformer_attention(q, k, v, mask_bias, backend="auto")
+        assert torch.equal(out, ops.evoformer_attention(q, k, v, mask_bias, backend="eager"))
+
+
 @gpu
 def test_compile_fullgraph():
     torch._dynamo.reset()  # a graph compiled under another kernel-family setting would be reused

@@ -7,6 +7,8 @@
 // Ops (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), CUDA only:
 //   available_kernel_families(int device) -> str[]: the families this build can run on that device
 //       ("sm80": compute capability >= 8.0; "sm90": also a build with sm_90a code and a 9.0 device).
+//   kernel_smem_bytes(str family, ScalarType dtype, int head_dim, ScalarType? pair_dtype) -> int: the
+//       most shared memory per block the family's kernels take for such inputs, forward or backward.
 //   attach_portable_kernels(str library) -> (): a build whose architectures are all 9.0a keeps the
 //       portable 16-bit kernels in a second library (portable_kernels.cu); this opens it, after which
 //       the sm80 family runs 16-bit inputs too. Raises in other builds (they hold those kernels).
@@ -156,6 +158,26 @@ void attach_portable_kernels(const std::string& library) {
   EVO_CHECK(false, "evoformer attention: this build holds the portable kernels itself; `", library,
             "` was not needed");
 #endif
+}
+
+// The pair kind the kernels read for a pair bias of `pair` dtype with q of `dtype` (no pair bias: kNoPair).
+int pair_kind_of(std::optional<at::ScalarType> pair, at::ScalarType dtype) {
+  return !pair.has_value() ? kNoPair : *pair == dtype ? kPairInput : kPairFloat;
+}
+
+// The op kernel_smem_bytes: the most shared memory per block that the kernels of `family` take for q
+// of `dtype` with head dim `head_dim` and a pair bias of `pair_dtype` (None: no pair bias), forward or
+// backward (no device is asked: a build's instantiations answer for any device).
+int64_t kernel_smem_bytes(const std::string& family, at::ScalarType dtype, int64_t head_dim,
+                          std::optional<at::ScalarType> pair_dtype) {
+  EVO_CHECK(family == "sm80" || family == "sm90", "evoformer attention: `family` must be `sm80` or `sm90`, got `",
+            family, "`");
+  EVO_CHECK(kernel_dtype(dtype) && head_dim > 0 && head_dim % limits::kHeadDimMultiple == 0 &&
+                head_dim <= limits::kMaxHeadDim,
+            "evoformer attention: no kernels for dtype ", dtype, " and head dim ", head_dim);
+  const Kernels kernels = kernels_for(family == "sm90" ? Family::kSm90 : Family::kSm80, dtype, int(head_dim),
+                                      pair_kind_of(pair_dtype, dtype));
+  return std::max(kernels.forward_smem_bytes(), kernels.backward_smem_bytes());
 }
 
 std::vector<std::string> available_kernel_families(int64_t device) {
@@ -369,7 +391,7 @@ int use_pair(AttentionParams& p, const at::Tensor& t, const at::Tensor& q) {
   p.pair_stride_b = kstride(t, 0);
   p.pair_stride_h = kstride(t, 1);
   p.pair_stride_q = t.stride(2);
-  return t.scalar_type() == q.scalar_type() ? kPairInput : kPairFloat;
+  return pair_kind_of(t.scalar_type(), q.scalar_type());
 }
 
 // The forward's pair bias: pair_bias itself where it is in kernel layout ([0] returned), else a
@@ -706,6 +728,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_attention_bwd(
 // that torch.compile traces); the extension registers the kernels.
 TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CompositeExplicitAutograd, m) {
   m.impl("available_kernel_families", &evoformer::available_kernel_families);
+  m.impl("kernel_smem_bytes", &evoformer::kernel_smem_bytes);
   m.impl("attach_portable_kernels", &evoformer::attach_portable_kernels);
 }
 

@@ -121,6 +121,18 @@ int pair_grad_blocks_per_sm_sm80();
 template <typename Element, int kHeadDim, int kPair>
 int pair_grad_blocks_per_sm_sm90();
 
+// Shared memory per CTA (bytes) of an instantiation's forward kernel and of its largest backward kernel:
+// what a device must allow per block for them to launch (the op kernel_smem_bytes answers it, so that
+// the cutlass backend leaves such inputs to another backend where the device allows less).
+template <typename Element, int kHeadDim, int kPair>
+int forward_smem_bytes_sm80();
+template <typename Element, int kHeadDim, int kPair>
+int forward_smem_bytes_sm90();
+template <typename Element, int kHeadDim, int kPair>
+int backward_smem_bytes_sm80();
+template <typename Element, int kHeadDim, int kPair>
+int backward_smem_bytes_sm90();
+
 // delta = rowsum(dout * out) in float32 (attention.cu; the first pass of every backward launcher,
 // skipped where params.delta_ready).
 template <typename Element>

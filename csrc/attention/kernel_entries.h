@@ -13,22 +13,24 @@
 namespace evoformer {
 
 using Launcher = void (*)(const AttentionParams&, cudaStream_t);
-using BlocksQuery = int (*)();
+using IntQuery = int (*)();
 
 // One instantiation's entry points in one family.
 struct Kernels {
   Launcher forward, backward;
-  BlocksQuery pair_grad_blocks_per_sm;
+  IntQuery pair_grad_blocks_per_sm, forward_smem_bytes, backward_smem_bytes;
 };
 
 template <typename E, int D, int P>
 Kernels sm80_kernels() {
-  return {&launch_forward_sm80<E, D, P>, &launch_backward_sm80<E, D, P>, &pair_grad_blocks_per_sm_sm80<E, D, P>};
+  return {&launch_forward_sm80<E, D, P>, &launch_backward_sm80<E, D, P>, &pair_grad_blocks_per_sm_sm80<E, D, P>,
+          &forward_smem_bytes_sm80<E, D, P>, &backward_smem_bytes_sm80<E, D, P>};
 }
 
 template <typename E, int D, int P>
 Kernels sm90_kernels() {
-  return {&launch_forward_sm90<E, D, P>, &launch_backward_sm90<E, D, P>, &pair_grad_blocks_per_sm_sm90<E, D, P>};
+  return {&launch_forward_sm90<E, D, P>, &launch_backward_sm90<E, D, P>, &pair_grad_blocks_per_sm_sm90<E, D, P>,
+          &forward_smem_bytes_sm90<E, D, P>, &backward_smem_bytes_sm90<E, D, P>};
 }
 
 // pick(integral_constant<kHeadDimBuckets[i]>) for the bucket `bucket` (one of those up to kMaxBucket).

@@ -24,6 +24,7 @@ from ._dispatch import constant_result
 SCHEMAS = (
     # attention
     "available_kernel_families(int device) -> str[]",
+    "kernel_smem_bytes(str family, ScalarType dtype, int head_dim, ScalarType? pair_dtype) -> int",
     "attach_portable_kernels(str library) -> ()",
     "forward(Tensor q, Tensor k, Tensor v, Tensor? mask_bias, Tensor? pair_bias, float scale, str family) "
     "-> (Tensor, Tensor, Tensor, Tensor)",

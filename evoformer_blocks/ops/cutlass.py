@@ -306,6 +306,34 @@ def kernel_family(device: Optional[torch.device] = None, dtype: Optional[torch.d
     return _family(torch.cuda.current_device() if index is None else index)
 
 
+_smem_needed: dict[tuple, int] = {}
+_smem_allowed: dict[int, int] = {}
+
+
+@constant_result
+def smem_needed(family: str, dtype: torch.dtype, head_dim: int, pair_dtype: Optional[torch.dtype]) -> int:
+    """The most shared memory per block (bytes) that the kernels of ``family`` take, forward or backward,
+    for q of ``dtype`` with head dim ``head_dim`` and a pair bias of ``pair_dtype`` (None: none); asked
+    from the extension once per combination."""
+    key = (family, dtype, head_dim, pair_dtype)
+    needed = _smem_needed.get(key)
+    if needed is None:
+        if family == "sm80":
+            _build.load_portable()  # (a Hopper-only build answers for these from their own library)
+        needed = _smem_needed[key] = _kernels().kernel_smem_bytes(family, dtype, head_dim, pair_dtype)
+    return needed
+
+
+@constant_result
+def smem_allowed(index: int) -> int:
+    """The most shared memory one block may take on CUDA device ``index`` (its opt-in limit), asked once
+    per device."""
+    allowed = _smem_allowed.get(index)
+    if allowed is None:
+        allowed = _smem_allowed[index] = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return allowed
+
+
 def _capabilities(table: Optional[dict]) -> Capabilities:
     if table is None:  # no kernel sources: nothing to run (extra_reasons says why)
         return Capabilities(dtypes=(), device_types=("cuda",))
@@ -343,7 +371,26 @@ class CutlassBackend(Backend):
                 f"`q` is float32 with head dim D={inputs.head_dim}: the float32 (TF32) kernels take D <= {TF32_MAX_HEAD_DIM}"
             )
         # Only inputs the kernels could run are worth a (first-use) build of the extension.
-        return reasons or _fused.build_reasons()
+        reasons = reasons or _fused.build_reasons()
+        if not reasons:
+            reasons = self._smem_reasons(inputs)
+        return reasons
+
+    @staticmethod
+    def _smem_reasons(inputs: AttentionInputs) -> list[str]:
+        """Why the device cannot run the kernels: their shared memory per block above its limit (GPUs
+        of compute capability 8.6 and 8.9 allow 99 KB; the portable kernels take up to 156 KB)."""
+        q, pair = inputs.q, inputs.pair_bias
+        family = kernel_family(q.device, q.dtype)
+        needed = smem_needed(family, q.dtype, inputs.head_dim, None if pair is None else pair.dtype)
+        allowed = smem_allowed(q.device.index)
+        if needed <= allowed:
+            return []
+        pair_text = "" if pair is None else f" and a {str(pair.dtype).removeprefix('torch.')} pair bias"
+        return [
+            f"the {family} kernels for {str(q.dtype).removeprefix('torch.')} q with head dim D={inputs.head_dim}"
+            f"{pair_text} take {needed} bytes of shared memory per block; {q.device} allows {allowed}"
+        ]
 
     def forward(self, inputs: AttentionInputs, chunk_size: Optional[int]) -> Tensor:
         return attention(inputs.q, inputs.k, inputs.v, inputs.mask_bias, inputs.pair_bias, inputs.scale)

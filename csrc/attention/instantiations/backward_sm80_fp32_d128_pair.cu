@@ -4,4 +4,5 @@
 namespace evoformer {
 template void launch_backward_sm80<float, 128, kPairInput>(const AttentionParams&, cudaStream_t);
 template int pair_grad_blocks_per_sm_sm80<float, 128, kPairInput>();
+template int backward_smem_bytes_sm80<float, 128, kPairInput>();
 }  // namespace evoformer

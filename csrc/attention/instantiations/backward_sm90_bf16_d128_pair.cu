@@ -4,4 +4,5 @@
 namespace evoformer {
 template void launch_backward_sm90<cutlass::bfloat16_t, 128, kPairInput>(const AttentionParams&, cudaStream_t);
 template int pair_grad_blocks_per_sm_sm90<cutlass::bfloat16_t, 128, kPairInput>();
+template int backward_smem_bytes_sm90<cutlass::bfloat16_t, 128, kPairInput>();
 }  // namespace evoformer

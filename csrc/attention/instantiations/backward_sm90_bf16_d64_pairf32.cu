@@ -4,4 +4,5 @@
 namespace evoformer {
 template void launch_backward_sm90<cutlass::bfloat16_t, 64, kPairFloat>(const AttentionParams&, cudaStream_t);
 template int pair_grad_blocks_per_sm_sm90<cutlass::bfloat16_t, 64, kPairFloat>();
+template int backward_smem_bytes_sm90<cutlass::bfloat16_t, 64, kPairFloat>();
 }  // namespace evoformer

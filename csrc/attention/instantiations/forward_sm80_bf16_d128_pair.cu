@@ -3,4 +3,5 @@
 
 namespace evoformer {
 template void launch_forward_sm80<cutlass::bfloat16_t, 128, kPairInput>(const AttentionParams&, cudaStream_t);
+template int forward_smem_bytes_sm80<cutlass::bfloat16_t, 128, kPairInput>();
 }  // namespace evoformer

@@ -3,4 +3,5 @@
 
 namespace evoformer {
 template void launch_forward_sm90<cutlass::half_t, 128, kPairInput>(const AttentionParams&, cudaStream_t);
+template int forward_smem_bytes_sm90<cutlass::half_t, 128, kPairInput>();
 }  // namespace evoformer

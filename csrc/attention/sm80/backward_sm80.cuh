@@ -549,6 +549,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 }  // namespace sm80
 
 template <typename Element, int kHeadDim, int kPair>
+int backward_smem_bytes_sm80() {
+  using Cfg = sm80::BackwardConfig<Element, kHeadDim, kPair>;
+  const int bytes = std::max(Cfg::kDkdvSmemBytes, Cfg::kDqSmemBytes);
+  return kPair == kNoPair ? bytes : std::max(bytes, Cfg::kBiasSmemBytes);
+}
+
+template <typename Element, int kHeadDim, int kPair>
 int pair_grad_blocks_per_sm_sm80() {
   if constexpr (kPair == kNoPair) {
     return 0;

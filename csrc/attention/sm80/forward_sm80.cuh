@@ -257,6 +257,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 }  // namespace sm80
 
 template <typename Element, int kHeadDim, int kPair>
+int forward_smem_bytes_sm80() {
+  return sm80::ForwardConfig<Element, kHeadDim, kPair>::kSmemBytes;
+}
+
+template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm80::ForwardConfig<Element, kHeadDim, kPair>;
   launch_on_row_tiles<Cfg::kBlockM>(sm80::forward_sm80_kernel<Cfg>, p, p.Lq, Cfg::kThreads, Cfg::kSmemBytes, stream,

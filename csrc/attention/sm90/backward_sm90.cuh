@@ -756,6 +756,17 @@ void launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
 }
 
 template <typename Element, int kHeadDim, int kPair>
+int backward_smem_bytes_sm90() {
+  const int bytes = std::max(sm90::DkdvConfig<Element, kHeadDim, kPair>::kSmemBytes,
+                             sm90::DqConfig<Element, kHeadDim, kPair>::kSmemBytes);
+  if constexpr (kPair == kNoPair) {
+    return bytes;
+  } else {
+    return std::max(bytes, sm90::DpairConfig<Element, kHeadDim, kPair>::kSmemBytes);
+  }
+}
+
+template <typename Element, int kHeadDim, int kPair>
 int pair_grad_blocks_per_sm_sm90() {
   if constexpr (kPair == kNoPair) {
     return 0;

@@ -250,6 +250,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSM)
 }  // namespace sm90
 
 template <typename Element, int kHeadDim, int kPair>
+int forward_smem_bytes_sm90() {
+  return sm90::ForwardConfig<Element, kHeadDim, kPair>::kSmemBytes;
+}
+
+template <typename Element, int kHeadDim, int kPair>
 void launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Cfg = sm90::ForwardConfig<Element, kHeadDim, kPair>;
   constexpr const char* kName = "evoformer forward sm90";
