@@ -20,6 +20,21 @@ from .ops import _build, backend_names, get_backend, validate
 from .ops._dispatch import ATTENTION_OP
 
 
+def _smem_summary(family: str) -> str:
+    """The attention kernels' shared memory per block against this GPU's limit, per head-dim bucket and
+    pair bias (16-bit q): where a kernel takes more, the cutlass backend cannot run and `auto` runs eager."""
+    from .ops.cutlass import smem_allowed, smem_needed
+
+    allowed = smem_allowed(torch.cuda.current_device())
+    dtype = torch.bfloat16
+    cells = []
+    for head_dim in (32, 64, 128):
+        sizes = [smem_needed(family, dtype, head_dim, pair) for pair in (None, dtype, torch.float32)]
+        cells.append(f"D {head_dim} " + " / ".join(f"{n}{'' if n <= allowed else ' (over)'}" for n in sizes))
+    return (f"shared memory per block: this GPU allows {allowed} bytes; 16-bit kernels ({family}) take "
+            f"{', '.join(cells)} bytes (no pair bias / a 16-bit one / a float32 one); over the limit `auto` runs eager")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--build", action="store_true", help="build (or load) the CUDA kernels now")
@@ -40,6 +55,7 @@ def main() -> None:
             from .ops.cutlass import kernel_family
 
             print(f"kernels    {kernel_family()} (EVOFORMER_BLOCKS_KERNELS=sm80 forces the portable ones)")
+            print(f"attention  {_smem_summary(kernel_family())}")
     status = _build.status()
     if error is not None:
         status.pop("build", None)  # said above
