@@ -50,7 +50,8 @@ Implementations:
 Per implementation: wall ms per step (CUDA events around the step after a device synchronise, so
 host time before the first kernel counts; median of --steps after warm-up), the CUDA time of one
 step (torch.profiler: the sum of its kernels, copies and sets), wall over that, the host operations
-of that step (ATen calls, nested ones included, and kernel or graph launches), peak memory (the
+of that step (ATen calls, nested ones included, and kernel or graph launches) and its CUDA time by
+kernel group (KERNEL_GROUPS: the attention's kernels, the triangle multiplication's, GEMMs, ...), peak memory (the
 allocator's peak of allocated and of reserved bytes over the timed steps, each implementation
 starting from an emptied cache: graph memory pools count in reserved), and model TFLOP/s (forward +
 backward FLOPs of the blocks from bench_block.block_flops or pairformer_block_flops, no
@@ -302,6 +303,31 @@ def wall_ms(step, steps: int) -> list[float]:
     return times
 
 
+# Kernel groups of the profiled step: (group, substrings of kernel names), the first match wins; the
+# library's kernels by name, cuBLAS's (nvjet, xmma, cutlass, split-K reductions, gemv) as GEMMs, the
+# rest (PyTorch's elementwise kernels, copies, concatenations) as other.
+KERNEL_GROUPS = (
+    ("attention forward", ("forward_sm80_kernel", "forward_sm90_kernel")),
+    ("attention dK/dV", ("_dkdv_kernel",)),
+    ("attention dQ", ("_dq_kernel",)),
+    ("attention pair-bias gradient", ("_dpair_kernel",)),
+    ("attention delta, mask", ("backward_delta_kernel", "prepare_mask_kernel")),
+    ("triangle multiplication", ("triangle_", "fold_affine_kernel", "unfold_affine_grads_kernel")),
+    ("outer product mean tile GEMMs", ("opm_gemm_kernel", "opm_weight_grad_kernel")),
+    ("layer norm backward", ("layer_norm_rows_backward_kernel", "layer_norm_channels_backward_kernel")),
+    ("layer norm forward", ("layer_norm_rows_kernel", "layer_norm_channels_kernel")),
+    ("column sums", ("column_sum_kernel",)),
+    ("gates", ("gate_pack", "sigmoid_gate")),
+    ("cuBLAS GEMMs", ("nvjet", "xmma", "gemm", "cutlass", "splitKreduce", "gemv")),
+    ("memsets", ("Memset",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The KERNEL_GROUPS group of a CUDA kernel (or copy / set) name."""
+    return next((group for group, keys in KERNEL_GROUPS if any(key in name for key in keys)), "other")
+
+
 def profile_step(step) -> dict:
     """The CUDA time and the host operations of one step (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -310,11 +336,14 @@ def profile_step(step) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    cuda_us, aten, launches, spans = 0.0, Counter(), 0, []
+    cuda_us, aten, launches, spans, groups = 0.0, Counter(), 0, [], {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             cuda_us += event.device_time_total
             spans.append((event.time_range.start, event.time_range.end))
+            group = groups.setdefault(kernel_group(event.name), [0.0, 0])  # [ms, launches]
+            group[0] += event.device_time_total / 1e3
+            group[1] += 1
         elif event.name.startswith("aten::"):
             aten[event.name] += 1
         elif event.name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuGraphLaunch")):
@@ -331,7 +360,8 @@ def profile_step(step) -> dict:
         end = max(end, stop)
     return {"kernels_ms": cuda_us / 1e3, "gpu_ops": len(spans), "aten": sum(aten.values()), "launches": launches,
             "idle_ms": gaps, "span_ms": (end - spans[0][0]) / 1e3 if spans else 0.0,
-            "aten_top": aten.most_common(30)}
+            "aten_top": aten.most_common(30),
+            "kernel_groups": dict(sorted(groups.items(), key=lambda kv: -kv[1][0]))}
 
 
 def measure(trunk, impl: str, case, args) -> dict:
@@ -412,7 +442,8 @@ def main() -> None:
                 rows[impl] = measure(trunk, impl, case, args)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 rows[impl] = {"error": failure_reason(exc)}
-            print(f"  {impl}: " + str({k: v for k, v in rows[impl].items() if k != "aten_top"}), flush=True)
+            print(f"  {impl}: " + str({k: v for k, v in rows[impl].items() if k not in ("aten_top", "kernel_groups")}),
+                  flush=True)
         table = []
         for impl, r in rows.items():
             if "error" in r:
@@ -434,6 +465,13 @@ def main() -> None:
                 print(f"  {impl}: GPU idle between operations (ms): {idle}; busy span {r['span_ms']:.1f} ms", flush=True)
         print(markdown_table(["impl", "wall ms", "CUDA ms", "wall / CUDA", "ATen calls", "launches",
                               "peak GiB alloc / reserved", "model TFLOP/s", "plain wall / this wall"], table), flush=True)
+        for impl, r in rows.items():
+            if r.get("kernel_groups"):
+                total = sum(ms for ms, _ in r["kernel_groups"].values())
+                print(f"\n{impl}: the profiled step's CUDA time by kernel group (KERNEL_GROUPS)")
+                print(markdown_table(["group", "ms", "share", "launches"],
+                                     [[g, fmt(ms, 1), f"{100 * ms / total:.1f} %", n]
+                                      for g, (ms, n) in r["kernel_groups"].items()]), flush=True)
         results.append({"case": case.label(), "dropout": args.dropout, **trunk.report(),
                         "backward_thread": args.backward_thread, "flops": flops, "impls": rows})
         torch.cuda.empty_cache()
