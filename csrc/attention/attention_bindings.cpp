@@ -172,8 +172,10 @@ int64_t kernel_smem_bytes(const std::string& family, at::ScalarType dtype, int64
                           std::optional<at::ScalarType> pair_dtype) {
   EVO_CHECK(family == "sm80" || family == "sm90", "evoformer attention: `family` must be `sm80` or `sm90`, got `",
             family, "`");
+  // (guard_qkv's head-dim rules: float32 runs the TF32 kernels, whose buckets end lower)
+  const int64_t max_head_dim = dtype == at::kFloat ? limits::kTf32MaxHeadDim : limits::kMaxHeadDim;
   EVO_CHECK(kernel_dtype(dtype) && head_dim > 0 && head_dim % limits::kHeadDimMultiple == 0 &&
-                head_dim <= limits::kMaxHeadDim,
+                head_dim <= max_head_dim,
             "evoformer attention: no kernels for dtype ", dtype, " and head dim ", head_dim);
   const Kernels kernels = kernels_for(family == "sm90" ? Family::kSm90 : Family::kSm80, dtype, int(head_dim),
                                       pair_kind_of(pair_dtype, dtype));

@@ -21,37 +21,6 @@ inline void check_launch(const char* kernel_name) {
     throw std::runtime_error(std::string(kernel_name) + ": CUDA error: " + cudaGetErrorString(err));
 }
 
-// Allows `kernel` up to smem_bytes of dynamic shared memory on the current device
-// (cudaFuncAttributeMaxDynamicSharedMemorySize), asking the driver only when no earlier call
-// allowed that much on this device: the attribute call costs host time comparable to a launch and
-// every launch would otherwise repeat it. The attribute is an allowance (occupancy follows the
-// launch's own size), so a larger one set before serves smaller launches. A failure names `name`.
-inline void allow_dynamic_smem(const void* kernel, int smem_bytes, const char* name) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
-  static std::mutex mutex;
-  static auto* allowed = new std::map<std::pair<const void*, int>, int>();  // (kernel, device) -> bytes
-  std::lock_guard<std::mutex> lock(mutex);
-  int& bytes = (*allowed)[{kernel, device}];
-  if (bytes >= smem_bytes) return;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess) {
-    const std::string error = cudaGetErrorString(cudaGetLastError());
-    int limit = 0;
-    if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        smem_bytes > limit)
-      throw std::runtime_error(std::string(name) + ": the kernel needs " + std::to_string(smem_bytes) +
-                               " bytes of shared memory per CTA and this GPU allows " + std::to_string(limit) +
-                               " (the fused kernels' limits are in the README)");
-    throw std::runtime_error(std::string(name) + " (shared-memory attribute): CUDA error: " + error);
-  }
-  bytes = smem_bytes;
-}
-
-template <typename... Args>
-inline void allow_dynamic_smem(void (*kernel)(Args...), int smem_bytes, const char* name) {
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_bytes, name);
-}
-
 // Devices whose answers once_per_device keeps (indices past it are asked on every call).
 constexpr int kCachedDevices = 64;
 
@@ -80,6 +49,36 @@ inline int max_dynamic_smem(const char* name) {
     if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, d) != cudaSuccess) check_launch(name);
     return bytes;
   });
+}
+
+// Allows `kernel` up to smem_bytes of dynamic shared memory on the current device
+// (cudaFuncAttributeMaxDynamicSharedMemorySize), asking the driver only when no earlier call
+// allowed that much on this device: the attribute call costs host time comparable to a launch and
+// every launch would otherwise repeat it. The attribute is an allowance (occupancy follows the
+// launch's own size), so a larger one set before serves smaller launches. A failure names `name`.
+inline void allow_dynamic_smem(const void* kernel, int smem_bytes, const char* name) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) check_launch(name);
+  static std::mutex mutex;
+  static auto* allowed = new std::map<std::pair<const void*, int>, int>();  // (kernel, device) -> bytes
+  std::lock_guard<std::mutex> lock(mutex);
+  int& bytes = (*allowed)[{kernel, device}];
+  if (bytes >= smem_bytes) return;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess) {
+    const std::string error = cudaGetErrorString(cudaGetLastError());
+    const int limit = max_dynamic_smem(name);
+    if (smem_bytes > limit)
+      throw std::runtime_error(std::string(name) + ": the kernel needs " + std::to_string(smem_bytes) +
+                               " bytes of shared memory per CTA and this GPU allows " + std::to_string(limit) +
+                               " (the fused kernels' limits are in the README)");
+    throw std::runtime_error(std::string(name) + " (shared-memory attribute): CUDA error: " + error);
+  }
+  bytes = smem_bytes;
+}
+
+template <typename... Args>
+inline void allow_dynamic_smem(void (*kernel)(Args...), int smem_bytes, const char* name) {
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_bytes, name);
 }
 
 // CTAs of `kernel` (`threads` threads, `smem_bytes` of dynamic shared memory) resident per SM on the
