@@ -567,6 +567,45 @@ def test_column_sum_adds_every_cta_in_a_fixed_order(dtype, out_dtype, rows, c):
     assert math.isfinite(e_fused) and e_fused <= RATIO * e_eager + floor, f"{e_fused:.3e} vs torch {e_eager:.3e}"
 
 
+def test_column_sums_reuse_their_tickets_without_a_memset():
+    # the kernels' last CTAs set their ticket counters back to zero, so the next launch on a stream
+    # counts on the same counters: sums of different sizes in a row, on two streams, and from a
+    # CUDA graph replayed between eager calls all equal a fresh process's, and no memset is queued
+    from torch.profiler import ProfilerActivity, profile
+
+    kernels = _fused.kernels()
+    xs = [torch.randn(rows, 128, device=DEV, dtype=torch.bfloat16) for rows in (300_000, 4097, 150_000, 1)]
+    expected = [x.double().sum(0) for x in xs]
+
+    def sums():
+        return [kernels.column_sum(x, torch.float32) for x in xs]
+
+    first = sums()
+    for total, ref in zip(first, expected):
+        assert torch.allclose(total.double(), ref, rtol=1e-4, atol=1e-3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = sums()
+    torch.cuda.current_stream().wait_stream(side)
+    graph_out = None
+    graph = torch.cuda.CUDAGraph()
+    sums()  # (warm-up outside the capture)
+    with torch.cuda.graph(graph):
+        graph_out = sums()
+    for _ in range(3):
+        graph.replay()
+        eager = sums()
+        torch.cuda.synchronize()
+        for a, b, c, d in zip(first, on_side, graph_out, eager):
+            assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sums()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("column_sum_kernel" in n for n in names) and not any("Memset" in n for n in names), names
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows, c_in, c_out", [(1, 16, 8), (7, 32, 64), (1000, 64, 128), (3000, 128, 512), (513, 64, 1024)])
 @pytest.mark.parametrize("activation", [None, "relu"])

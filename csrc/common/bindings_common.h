@@ -165,6 +165,34 @@ inline at::Tensor cached_zeros(int64_t n, const at::TensorOptions& options) {
   return found->second;
 }
 
+// Ticket counters for one launch whose CTAs take them through last_to_arrive (row_kernels.cuh),
+// zero when that launch starts on `stream`, [n] unsigned on `device`. Outside graph capture they are
+// the start of a buffer kept per (device, stream) and made zero once: the CTA that takes a counter's
+// last ticket sets it back to zero, so the next launch on the stream finds it zero without a memset
+// before it (stream order; a buffer that grows is freed into the caching allocator, which hands it
+// out again only behind the launches already queued on the stream). While the stream captures a
+// CUDA graph, counters of the graph's own, zeroed by a memset node: a replay may run beside other
+// work on the capture stream. `*keep` holds such fresh counters until the launch is queued. The
+// buffers are never freed (nor torn down at exit, after the allocator).
+inline unsigned* zeroed_tickets(int64_t n, at::Device device, cudaStream_t stream, at::Tensor* keep) {
+  const auto options = at::TensorOptions().dtype(at::kInt).device(device);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    *keep = at::empty({n}, options);
+    C10_CUDA_CHECK(cudaMemsetAsync(keep->data_ptr(), 0, n * sizeof(unsigned), stream));
+    return reinterpret_cast<unsigned*>(keep->data_ptr());
+  }
+  using Key = std::pair<int, cudaStream_t>;  // device index, stream
+  static std::mutex mutex;
+  static auto* buffers = new std::map<Key, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buffer = (*buffers)[Key{device.index(), stream}];
+  if (!buffer.defined() || buffer.numel() < n) {
+    buffer = at::empty({std::max<int64_t>(n, buffer.defined() ? 2 * buffer.numel() : 1024)}, options);
+    C10_CUDA_CHECK(cudaMemsetAsync(buffer.data_ptr(), 0, buffer.numel() * sizeof(unsigned), stream));
+  }
+  return reinterpret_cast<unsigned*>(buffer.data_ptr());
+}
+
 // `t` in `dtype`: t itself where it has that dtype (Tensor::to would return it too, after a call
 // through the dispatcher).
 inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {

@@ -41,21 +41,22 @@ inline at::Tensor output(at::IntArrayRef sizes, const at::TensorOptions& options
   return t;
 }
 
-// Per-CTA partial sums [ctas, parts] float32 (parts floats per CTA), then the group partials and the
-// tickets (zeroed on `stream`) of a kernel whose last CTAs add the partials into `out` (ColumnTotals).
+// Per-CTA partial sums [ctas, parts] float32 (parts floats per CTA), then the group partials, and the
+// tickets (zeroed_tickets on `stream`) of a kernel whose last CTAs add the partials into `out`
+// (ColumnTotals).
 struct PartialSums {
   at::Tensor part;
+  at::Tensor fresh_tickets;  // (while a graph is captured)
   ColumnTotals totals;
 
   PartialSums(int64_t ctas, int64_t parts, const at::TensorOptions& f32, ParamTensor out0, ParamTensor out1,
               cudaStream_t stream) {
     const int64_t groups = (ctas + kCtasPerSumGroup - 1) / kCtasPerSumGroup;
-    part = output({(ctas + groups) * parts + groups + 1}, f32);  // [ctas + groups, parts], tickets [groups + 1]
+    part = output({(ctas + groups) * parts}, f32);  // [ctas + groups, parts]
     totals.group_part = part.data_ptr<float>() + ctas * parts;
-    totals.tickets = reinterpret_cast<unsigned*>(totals.group_part + groups * parts);
+    totals.tickets = zeroed_tickets(groups + 1, f32.device(), stream, &fresh_tickets);
     totals.out[0] = out0;
     totals.out[1] = out1;
-    C10_CUDA_CHECK(cudaMemsetAsync(totals.tickets, 0, (groups + 1) * sizeof(unsigned), stream));
   }
   float* data() { return part.data_ptr<float>(); }
 };

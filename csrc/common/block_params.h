@@ -31,7 +31,8 @@ struct ParamTensor {
 // Where a kernel's per-CTA column partial sums end up (add_partials_in_last_cta): the last CTAs to
 // finish add the partial rows in CTA order (a fixed order: bitwise reproducible) into out[i] [C],
 // in out[i]'s dtype (the parameter's: no conversion on the host). tickets [ceil(n_ctas /
-// kCtasPerSumGroup) + 1] are zeroed by the host before the launch; group_part holds
+// kCtasPerSumGroup) + 1] are zero when the launch starts and zero again when it ends (the last CTA
+// to take a counter's ticket resets it: zeroed_tickets); group_part holds
 // [ceil(n_ctas / kCtasPerSumGroup), parts, C] floats. tickets == nullptr: the partials stay for
 // the host.
 constexpr int kCtasPerSumGroup = 16;

@@ -203,11 +203,16 @@ __device__ __forceinline__ float add_rows_in_order(const float* p, int64_t strid
 
 // Whether this CTA is the last of `count` to take a ticket from *ticket (every thread gets the
 // answer). Fences on both sides: what the CTAs wrote before their tickets is visible to the last.
+// The last sets the counter back to zero (every ticket of this launch is taken), so that the next
+// launch on the stream may count on it without a memset (zeroed_tickets).
 __device__ __forceinline__ bool last_to_arrive(unsigned* ticket, unsigned count) {
   __shared__ bool last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == count - 1;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(ticket, 1u) == count - 1;
+    if (last) atomicExch(ticket, 0u);
+  }
   __syncthreads();
   if (last) __threadfence();
   return last;

@@ -31,8 +31,8 @@ struct GatePackBackwardParams {
   int64_t M, ab_stride, d_stride, dab_stride;
   int C;
   bool vector_ok;
-  // The row sums: the last of a row's n_chunks CTAs (counted on tickets[blockIdx.y], [2 C], zeroed
-  // by the host) adds its partials in chunk order into bias_total[(r / C) * total_stride + r % C]
+  // The row sums: the last of a row's n_chunks CTAs (counted on tickets[blockIdx.y], [2 C], zero at
+  // the launch and left zero: zeroed_tickets) adds its partials in chunk order into bias_total[(r / C) * total_stride + r % C]
   // for its rows r. tickets == nullptr: the partials stay for the host.
   unsigned* tickets = nullptr;
   float* bias_total = nullptr;

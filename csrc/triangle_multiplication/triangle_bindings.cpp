@@ -337,8 +337,8 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
       const int64_t spans = (s.M + 16 / z.element_size() - 1) / (16 / z.element_size());
       const int chunks = int(std::max<int64_t>(
           1, std::min<int64_t>((spans + kBlockOpThreads - 1) / kBlockOpThreads, 4 * current_sm_count() / (2 * k) + 1)));
-      // [4 k, chunks] partial sums, then 2 k tickets: a row's last CTA adds its partials into db_ab
-      at::Tensor bias_part = output({4 * k * chunks + 2 * k}, f32);
+      // [4 k, chunks] partial sums; a row's last CTA (of 2 k tickets) adds its partials into db_ab
+      at::Tensor bias_part = output({4 * k * chunks}, f32);
       float* const partials = bias_part.data_ptr<float>();
       at::Tensor dab_rows = output({4 * k, s.M}, z.options());  // [4 k, M] (copied into dab per position)
       GatePackBackwardParams bp{abk.data_ptr(), bk4.data_ptr<float>(),
@@ -346,10 +346,10 @@ triangle_backward_folded(const at::Tensor& dout_in, const at::Tensor& z, const s
                                 dab_rows.data_ptr(), partials, s.M, s.M, s.M, s.M, int(k),
                                 vector_ok(abk, s.M) && vector_ok(da, s.M) && vector_ok(db, s.M) &&
                                     vector_ok(dab_rows, s.M)};
-      bp.tickets = reinterpret_cast<unsigned*>(partials + 4 * k * chunks);
+      at::Tensor fresh_tickets;
+      bp.tickets = zeroed_tickets(2 * k, z.device(), stream, &fresh_tickets);
       bp.bias_total = db_ab.data_ptr<float>() + c0;  // [4, c] rows, this group's k columns
       bp.total_stride = s.c;
-      C10_CUDA_CHECK(cudaMemsetAsync(bp.tickets, 0, 2 * k * sizeof(unsigned), stream));
       by_dtype(z.scalar_type(), op, [&](auto e) { launch_gate_pack_backward<decltype(e)>(bp, chunks, stream); });
       dab.copy_(raw_transpose(dab_rows));
     }
