@@ -313,7 +313,7 @@ KERNEL_GROUPS = (
     ("attention pair-bias gradient", ("_dpair_kernel",)),
     ("attention delta, mask", ("backward_delta_kernel", "prepare_mask_kernel")),
     ("triangle multiplication", ("triangle_", "fold_affine_kernel", "unfold_affine_grads_kernel")),
-    ("outer product mean tile GEMMs", ("opm_gemm_kernel", "opm_weight_grad_kernel")),
+    ("outer product mean tile GEMMs", ("opm_gemm_kernel", "opm_gemm_sm90_kernel", "opm_weight_grad_kernel")),
     ("layer norm backward", ("layer_norm_rows_backward_kernel", "layer_norm_channels_backward_kernel")),
     ("layer norm forward", ("layer_norm_rows_kernel", "layer_norm_channels_kernel")),
     ("column sums", ("column_sum_kernel",)),

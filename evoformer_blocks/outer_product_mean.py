@@ -12,7 +12,7 @@ from ._checks import (
     as_mask, check_backend, check_bool, check_optional_positive_int, check_positive_int, check_positive_number, check_tensor,
 )
 from .ops import _fused, module_nodes
-from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE
+from .ops.cutlass import OPM_HIDDEN, OPM_MAX_BATCHES, OPM_TILE, kernel_family
 from .ops.gating import bias_gradient, fused_linear_backward, linear, rows_product
 from .primitives import LayerNorm, Linear, StackedParameters, stacked_projection
 
@@ -33,15 +33,15 @@ class _SwapMiddle(torch.autograd.Function):
 
 
 @_fused.fake("opm_project")
-def _(outer, weight, bias, denom, residual):
+def _(outer, weight, bias, denom, residual, family):
     """linear_out on the outer product's GEMM output ``outer [B, I, c, J, c]`` as it lies: ``[B, I, J, Z]``,
     divided by ``denom [B, I, J]`` and added to ``residual [B, I, J, Z]`` where given (in the kernel's
-    epilogue)."""
+    epilogue), on the tile GEMM of kernel family ``family`` (``"sm90"``: the Hopper one)."""
     return outer.new_empty(outer.shape[0], outer.shape[1], outer.shape[3], weight.shape[0])
 
 
 @_fused.fake("opm_project_input_grad")
-def _(dout, weight):
+def _(dout, weight, family):
     """The gradient of ``outer`` from ``dout [B, I, J, Z]`` (contiguous): ``[B, I, c, J, c]``."""
     c = math.isqrt(weight.shape[1])  # weight [Z, c²]
     return dout.new_empty(dout.shape[0], dout.shape[1], c, dout.shape[2], c)
@@ -58,13 +58,15 @@ class _OuterProjection(torch.autograd.Function):
     (forward, with the mean's division and the residual add in its epilogue where given) and
     ``opm_project_input_grad`` (the gradient of o), both one tile GEMM over (c, e) or z that reads
     or writes o's layout directly, and ``opm_project_weight_grad`` (a sum over (b, i, j) that reads o
-    as it lies, float32 partials added in a fixed order)."""
+    as it lies, float32 partials added in a fixed order). The tile GEMMs are those of the device's kernel
+    family (``ops.cutlass.kernel_family``), the backward's those of its forward."""
 
     @staticmethod
     def forward(ctx, outer, weight, bias, denom, residual):
         ctx.save_for_backward(outer, weight, denom)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _fused.kernels().opm_project(outer, weight, bias, denom, residual)  # [B, I, J, Z]
+        ctx.family = kernel_family(outer.device) if outer.is_cuda else "sm80"  # (a meta tensor under tracing)
+        return _fused.kernels().opm_project(outer, weight, bias, denom, residual, ctx.family)  # [B, I, J, Z]
 
     @staticmethod
     def backward(ctx, dout):
@@ -76,7 +78,7 @@ class _OuterProjection(torch.autograd.Function):
         need = ctx.needs_input_grad
         d_residual = dout if need[4] else None  # [B, I, J, Z]
         dout = (dout if denom is None else dout / denom.unsqueeze(-1)).contiguous()  # [B, I, J, Z]
-        d_outer = kernels.opm_project_input_grad(dout, weight) if need[0] else None  # [B, I, c, J, c]
+        d_outer = kernels.opm_project_input_grad(dout, weight, ctx.family) if need[0] else None  # [B, I, c, J, c]
         dw = kernels.opm_project_weight_grad(dout, outer, weight.dtype) if need[1] else None  # [Z, c²]
         db = None
         if ctx.bias_dtype is not None and need[2]:

@@ -6,7 +6,7 @@ import torch
 
 import evoformer_blocks as eb
 from evoformer_blocks import ops
-from evoformer_blocks.ops import _fused
+from evoformer_blocks.ops import _fused, cutlass
 
 
 def main() -> None:
@@ -43,16 +43,17 @@ def main() -> None:
     # projections would add cuBLAS kernels, whose barriers racecheck does not model): rows past a
     # tile, J not a multiple of 32
     kernels = _fused.kernels()
+    family = cutlass.kernel_family()
     for n_res in (37, 130):
         outer = torch.randn(2, 3, 32, n_res, 32, device="cuda", dtype=torch.bfloat16)
         weight = torch.randn(128, 32 * 32, device="cuda", dtype=torch.bfloat16)
         bias = torch.randn(128, device="cuda", dtype=torch.bfloat16)
         dout = torch.randn(2, 3, n_res, 128, device="cuda", dtype=torch.bfloat16)
-        kernels.opm_project(outer, weight, bias, None, None)
+        kernels.opm_project(outer, weight, bias, None, None, family)
         denom = torch.rand(2, 3, n_res, device="cuda").add(1.0).to(torch.bfloat16)
         residual = torch.randn(2, 3, n_res, 128, device="cuda", dtype=torch.bfloat16)
-        kernels.opm_project(outer, weight, bias, denom, residual)  # with the division and residual add
-        kernels.opm_project_input_grad(dout, weight)
+        kernels.opm_project(outer, weight, bias, denom, residual, family)  # with the division and residual add
+        kernels.opm_project_input_grad(dout, weight, family)
         kernels.opm_project_weight_grad(dout, outer, torch.float32)
     torch.cuda.synchronize()
     print("sanitizer case done")

@@ -8,14 +8,19 @@ be within 2x the error of the eager bfloat16 run, for the output and the input g
 from __future__ import annotations
 
 import copy
+import os
 from functools import partial
 
 import pytest
 import torch
 
-import evoformer_blocks as eb
-from evoformer_blocks.ops import module_nodes
-from gpu import HOPPER, KERNEL_FAMILIES, requires_sm80
+# (before the extension loads: outputs filled with NaN before the kernels run, so that an element a
+# kernel fails to write fails its test)
+os.environ.setdefault("EVOFORMER_BLOCKS_POISON", "1")
+
+import evoformer_blocks as eb  # noqa: E402
+from evoformer_blocks.ops import cutlass, module_nodes  # noqa: E402
+from gpu import HOPPER, KERNEL_FAMILIES, requires_sm80  # noqa: E402
 
 pytestmark = requires_sm80
 
@@ -508,11 +513,16 @@ def opm_operands(gen, batch, n_res):
     return outer, weight, bias, dout
 
 
+OPM_FAMILIES = ["sm80", "sm90"] if HOPPER else ["sm80"]
+
+
+@pytest.mark.parametrize("family", OPM_FAMILIES)
 @pytest.mark.parametrize("n_res", [37, 520, 700])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_outer_product_mean_tile_gemms(n_res, dtype):
+def test_outer_product_mean_tile_gemms(n_res, dtype, family):
     # the three tile GEMMs against float32 einsums, within 2x the error of the same products done by
-    # PyTorch in the same dtype; partial last row tiles (37, 520, 700) and several of them
+    # PyTorch in the same dtype; partial last row tiles (37, 520, 700) and several of them; the
+    # projection and its input gradient on each kernel family's tile GEMM, outputs poisoned first
     from evoformer_blocks.ops import _fused
 
     gen = torch.Generator().manual_seed(9)
@@ -526,8 +536,10 @@ def test_outer_product_mean_tile_gemms(n_res, dtype):
             torch.einsum("bijz,bicje->zce", dout, outer).reshape(128, 1024), residual + project / denom[..., None]]
     o, w, b, d, dn, r = (t.to(dtype) for t in (outer, weight, bias, dout, denom, residual))
     kernels = _fused.kernels()
-    ours = [kernels.opm_project(o, w, b, None, None), kernels.opm_project_input_grad(d, w),
-            kernels.opm_project_weight_grad(d, o, torch.float32), kernels.opm_project(o, w, b, dn, r)]
+    ours = [kernels.opm_project(o, w, b, None, None, family), kernels.opm_project_input_grad(d, w, family),
+            kernels.opm_project_weight_grad(d, o, torch.float32), kernels.opm_project(o, w, b, dn, r, family)]
+    again = kernels.opm_project(o, w, b, dn, r, family), kernels.opm_project_input_grad(d, w, family)
+    assert torch.equal(again[0], ours[3]) and torch.equal(again[1], ours[1])  # (run to run)
     swapped = o.transpose(2, 3).reshape(1, 2, n_res, 1024)  # [b, i, j, (c e)]
     linear = torch.nn.functional.linear(swapped, w, b)
     torch_ = [linear, (d @ w).view(1, 2, n_res, 32, 32).transpose(2, 3),
@@ -546,10 +558,11 @@ def test_outer_product_mean_projection_ops_pass_opcheck():
     outer, weight, bias, dout = (t.bfloat16() for t in opm_operands(torch.Generator().manual_seed(6), (2, 3), 37))
     denom = torch.rand(2, 3, 37, device="cuda").add(1.0).bfloat16()
     residual = torch.randn(2, 3, 37, 128, device="cuda").bfloat16()
-    torch.library.opcheck(kernels.opm_project.default, (outer, weight, bias, None, None))
-    torch.library.opcheck(kernels.opm_project.default, (outer, weight, None, None, None))
-    torch.library.opcheck(kernels.opm_project.default, (outer, weight, bias, denom, residual))
-    torch.library.opcheck(kernels.opm_project_input_grad.default, (dout, weight))
+    for family in OPM_FAMILIES:
+        torch.library.opcheck(kernels.opm_project.default, (outer, weight, bias, None, None, family))
+        torch.library.opcheck(kernels.opm_project.default, (outer, weight, None, None, None, family))
+        torch.library.opcheck(kernels.opm_project.default, (outer, weight, bias, denom, residual, family))
+        torch.library.opcheck(kernels.opm_project_input_grad.default, (dout, weight, family))
     torch.library.opcheck(kernels.opm_project_weight_grad.default, (dout, outer, torch.float32))
 
 
@@ -578,7 +591,8 @@ def test_outer_product_mean_compiles_with_fused_projection():
         got = out_and_grads(compiled)
         torch.cuda.synchronize()
     names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    assert any("opm_gemm_kernel" in n for n in names) and any("opm_weight_grad_kernel" in n for n in names), names
+    tile_gemm = "opm_gemm_sm90_kernel" if cutlass.kernel_family() == "sm90" else "opm_gemm_kernel"
+    assert any(tile_gemm in n for n in names) and any("opm_weight_grad_kernel" in n for n in names), names
     for a, e in zip(got, expected):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.float(), e.float(), atol=2e-2, rtol=2e-2)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -60,6 +61,16 @@ struct PartialSums {
   }
   float* data() { return part.data_ptr<float>(); }
 };
+
+// Whether `family` ("sm80" or "sm90") runs the Hopper kernels of a block op on x's device; "sm90" needs
+// a build holding sm_90a code and a 9.0 device.
+inline bool hopper_family(const std::string& family, const at::Tensor& x, const char* op) {
+  const bool hopper = family == "sm90";
+  EVO_CHECK(family == "sm80" || (hopper && hopper_kernels_available(x.get_device())), op,
+            ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
+            family, "\"");
+  return hopper;
+}
 
 // Whether a [M, C] matrix has the row kernels' layout: C contiguous, every row 16-byte aligned.
 inline bool aligned_rows(const at::Tensor& rows) {

@@ -18,8 +18,9 @@
 //     [*, R, R]: the column attention and the ending node transpose theirs, as their modules do);
 //     keeps: the five dropout keep-masks of EvoformerBlock.dropout_masks (None where off); params: the
 //     block's parameters in the order of evoformer.py's _ONE_CALL_PARAMETERS (None for an absent bias);
-//     eps: the ten layer norms' epsilons in BlockEps order and the outer product mean's. Returns (m, z)
-//     after the block.
+//     eps: the ten layer norms' epsilons in BlockEps order and the outer product mean's; the families of
+//     the MSA's and the pair's attentions and of the triangle multiplications' and the outer product
+//     mean's tile kernels. Returns (m, z) after the block.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -55,7 +56,7 @@ using TransitionSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at:
                                  const at::Tensor&);
 using OpmSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const OptionalTensor&, double);
+                          const OptionalTensor&, double, const std::string&);
 #define EVO_TRIANGLE_PARAMS                                                                                     \
   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,              \
       const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const OptionalTensor&,                 \
@@ -197,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
   {
     const at::Tensor w1 = p.tensor(), b1 = p.tensor(), w2 = p.tensor(), b2 = p.tensor(), w_out = p.tensor();
     const OptionalTensor b_out = p.optional();
-    z = opm_op().call(m_ln, msa_mask, z, w1, b1, w2, b2, w_out, b_out, eps[eOpm]);
+    z = opm_op().call(m_ln, msa_mask, z, w1, b1, w2, b2, w_out, b_out, eps[eOpm], triangle_family);
   }
   // z += TriangleMultiplicationOutgoing(z) (scaled by its dropout mask, added in its op)
   {

@@ -12,18 +12,20 @@
 // Op (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), composite (it
 // records its node where autograd needs one):
 //   outer_product_mean_module(Tensor m, Tensor mask, Tensor? residual, Tensor w_1, Tensor b_1, Tensor w_2,
-//       Tensor b_2, Tensor w_out, Tensor? b_out, float eps) -> Tensor
+//       Tensor b_2, Tensor w_out, Tensor? b_out, float eps, str family) -> Tensor
 //     m [*, S, R, c_m] (normalised), mask [*, S, R] (0/1, m's dtype), residual [*, R, R, c_z]
 //     (contiguous) or None; OpenFold's linear_1, linear_2 ([c, c_m], c the kernels' c_hidden) and
 //     linear_out ([c_z, c c]). a, b = (m W_1^T + b_1) * mask, (m W_2^T + b_2) * mask; returns
 //     residual + linear_out(sum_s a[s, i] (x) b[s, j]) / (eps + sum_s mask[s, i] mask[s, j]) (without
-//     the residual where None).
+//     the residual where None). family ("sm80" or "sm90"): the tile GEMMs' kernels (opm_project's), forward
+//     and backward.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "common/bindings_common.h"
@@ -40,7 +42,7 @@ EVO_OP_HANDLE(opm_input_grad_op, "opm_project_input_grad", block::opm_project_in
 EVO_OP_HANDLE(opm_weight_grad_op, "opm_project_weight_grad", block::opm_project_weight_grad)
 
 // Positions of the forward's arguments (after ctx): autograd wants one gradient per argument.
-enum Input : int { kM, kMask, kResidual, kW1, kB1, kW2, kB2, kWout, kBout, kEps, kInputs };
+enum Input : int { kM, kMask, kResidual, kW1, kB1, kW2, kB2, kWout, kBout, kEps, kFamily, kInputs };
 // Positions of the saved tensors.
 // (sStacked: the stacked projection's weight where it is a copy; else, a view of w_1 and w_2
 // (stacked_rows), those two at sW1 and sW1 + 1)
@@ -50,7 +52,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& m, const at::Tensor& mask,
                             const OptionalTensor& residual, const at::Tensor& w_1, const at::Tensor& b_1,
                             const at::Tensor& w_2, const at::Tensor& b_2, const at::Tensor& w_out,
-                            const OptionalTensor& b_out, double eps) {
+                            const OptionalTensor& b_out, double eps, const std::string& family) {
     EVO_CHECK(m.dim() >= 3 && mask.dim() == m.dim() - 1 && w_1.dim() == 2 && w_1.sizes() == w_2.sizes() &&
                   w_1.size(1) == m.size(-1) && w_out.dim() == 2 && w_out.size(1) == w_1.size(0) * w_1.size(0),
               "outer product mean module: `m` [*, S, R, c_m], `mask` [*, S, R], `w_1`, `w_2` [c, c_m] and `w_out` "
@@ -81,12 +83,13 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const at::Tensor d = raw_reshape(denom, {batch, res, res});  // [B, R, R]
     OptionalTensor r;
     if (residual.has_value()) r = reshaped(*residual, {batch, res, res, c_z});  // [B, R, R, c_z]
-    const at::Tensor out = opm_project_op().call(outer, w_out, b_out, d, r);  // [B, R, R, c_z]
+    const at::Tensor out = opm_project_op().call(outer, w_out, b_out, d, r, family);  // [B, R, R, c_z]
 
     ctx->save_for_backward({m, mask, stacked_view ? at::Tensor() : stacked, a3, b3, outer, d, w_out,
                             stacked_view ? w_1 : at::Tensor(), stacked_view ? w_2 : at::Tensor()});  // Saved order
     save_edges(ctx, {true, true, given(residual), true, true, true, true, true, given(b_out)}, kInputs);  // Input order
     ctx->saved_data["bias_dtype"] = b_1.scalar_type();
+    ctx->saved_data["family"] = family;
     ctx->saved_data["b_out_dtype"] = b_out.has_value() ? b_out->scalar_type() : w_out.scalar_type();
     if (residual.has_value()) ctx->saved_data["residual_sizes"] = residual->sizes().vec();
     std::vector<int64_t> sizes(m.sizes().begin(), m.sizes().end() - 3);
@@ -117,7 +120,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
 
     // the outer product's (_OuterProduct's), then the masks' and the unbind's: each masked half written
     // into its columns of one [*, S, R, 2 c] gradient (the values unbind's backward stacks)
-    const at::Tensor d_outer = raw_reshape(opm_input_grad_op().call(dout_div, w_out), {batch, res * c, res * c});
+    const at::Tensor d_outer = raw_reshape(opm_input_grad_op().call(dout_div, w_out, data.at("family").toStringRef()), {batch, res * c, res * c});
     const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(m.sizes().begin(), m.sizes().end());
     half_sizes.back() = c;  // [*, S, R, c]
@@ -146,8 +149,8 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
 at::Tensor outer_product_mean_module(const at::Tensor& m, const at::Tensor& mask, const OptionalTensor& residual,
                                      const at::Tensor& w_1, const at::Tensor& b_1, const at::Tensor& w_2,
                                      const at::Tensor& b_2, const at::Tensor& w_out, const OptionalTensor& b_out,
-                                     double eps) {
-  return OuterProductMeanNode::apply(m, mask, residual, w_1, b_1, w_2, b_2, w_out, b_out, eps);
+                                     double eps, const std::string& family) {
+  return OuterProductMeanNode::apply(m, mask, residual, w_1, b_1, w_2, b_2, w_out, b_out, eps, family);
 }
 
 }  // namespace

@@ -4,11 +4,13 @@
 // kernels' memory accesses for direct torch.ops calls.
 //
 // Ops (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), CUDA only:
-//   opm_project(outer [B, I, C, J, C], weight [Z, C C], bias? [Z], denom? [B, I, J], residual? [B, I, J, Z])
-//       -> [B, I, J, Z]: the outer product mean's linear_out on its [i, c, j, e] intermediate (no
+//   opm_project(outer [B, I, C, J, C], weight [Z, C C], bias? [Z], denom? [B, I, J], residual? [B, I, J, Z],
+//       family) -> [B, I, J, Z]: the outer product mean's linear_out on its [i, c, j, e] intermediate (no
 //       [i, j, c, e] copy), divided by denom and added to residual where given (both in outer's dtype);
-//       C = 32, Z a multiple of 128, float16 or bfloat16, weight and bias rounded to outer's dtype
-//   opm_project_input_grad(dout [B, I, J, Z], weight [Z, C C]) -> [B, I, C, J, C]: its input gradient
+//       C = 32, Z a multiple of 128, float16 or bfloat16, weight and bias rounded to outer's dtype;
+//       family "sm80" runs the mma.sync tile GEMM (opm_gemm.cuh), "sm90" the Hopper one (opm_gemm_sm90.cuh)
+//   opm_project_input_grad(dout [B, I, J, Z], weight [Z, C C], family) -> [B, I, C, J, C]: its input
+//       gradient
 //   opm_project_weight_grad(dout [B, I, J, Z], outer [B, I, C, J, C], weight_dtype) -> [Z, C C]: its
 //       weight gradient (Z at most 128), float32 partial sums added in a fixed order
 #include <ATen/ATen.h>
@@ -49,6 +51,14 @@ void check_tile_grid(int64_t rows, int64_t column_tiles, const char* op) {
             rows, " rows, ", column_tiles, " column tiles of ", kOpmTile, ")");
 }
 
+// The tile GEMM of the family (hopper: opm_gemm_sm90.cuh) on the current stream.
+template <typename T>
+void launch_tile_gemm(bool hopper, const OpmGemmParams& p, int64_t batches, int column_tiles) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (hopper) launch_opm_gemm_sm90<T>(p, batches, column_tiles, stream);
+  else launch_opm_gemm<T>(p, batches, column_tiles, stream);
+}
+
 template <typename Fn>
 void by_half_dtype(at::ScalarType dtype, Fn&& fn) {
   if (dtype == at::kHalf) fn(cutlass::half_t{});
@@ -58,9 +68,11 @@ void by_half_dtype(at::ScalarType dtype, Fn&& fn) {
 }  // namespace
 
 at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
-                       const std::optional<at::Tensor>& denom_in, const std::optional<at::Tensor>& residual_in) {
+                       const std::optional<at::Tensor>& denom_in, const std::optional<at::Tensor>& residual_in,
+                       const std::string& family) {
   const char* op = "outer product mean projection";
   check_opm_operand(outer, "outer", op);
+  const bool hopper = hopper_family(family, outer, op);
   EVO_CHECK(outer.dim() == 5 && outer.size(2) == kOpmC && outer.size(4) == kOpmC, op,
             ": `outer` must be [B, I, ", kOpmC, ", J, ", kOpmC, "], got ", outer.sizes());
   const int64_t B = outer.size(0), I = outer.size(1), J = outer.size(3), C = kOpmC;
@@ -103,14 +115,15 @@ at::Tensor opm_project(const at::Tensor& outer, const at::Tensor& weight_in, con
   p.out_batch = J * Z, p.out_tile = kOpmTile, p.out_row = Z, p.out_block = 32;
   p.rows = int(J), p.steps = int(C);
   by_half_dtype(outer.scalar_type(), [&](auto e) {
-    launch_opm_gemm<decltype(e)>(p, B * I, int(Z / kOpmTile), c10::cuda::getCurrentCUDAStream());
+    launch_tile_gemm<decltype(e)>(hopper, p, B * I, int(Z / kOpmTile));
   });
   return out;
 }
 
-at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weight_in) {
+at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weight_in, const std::string& family) {
   const char* op = "outer product mean projection backward";
   check_opm_operand(dout, "dout", op);
+  const bool hopper = hopper_family(family, dout, op);
   EVO_CHECK(dout.dim() == 4, op, ": `dout` must be [B, I, J, Z], got ", dout.sizes());
   const int64_t B = dout.size(0), I = dout.size(1), J = dout.size(2), Z = dout.size(3), C = kOpmC;
   const c10::cuda::CUDAGuard guard(dout.device());
@@ -129,7 +142,7 @@ at::Tensor opm_project_input_grad(const at::Tensor& dout, const at::Tensor& weig
   p.out_batch = C * J * C, p.out_tile = (kOpmTile / C) * J * C, p.out_row = C, p.out_block = J * C;
   p.rows = int(J), p.steps = int(Z / kOpmStep);
   by_half_dtype(dout.scalar_type(), [&](auto e) {
-    launch_opm_gemm<decltype(e)>(p, B * I, int(C * C / kOpmTile), c10::cuda::getCurrentCUDAStream());
+    launch_tile_gemm<decltype(e)>(hopper, p, B * I, int(C * C / kOpmTile));
   });
   return d_outer;
 }

@@ -110,20 +110,80 @@ __device__ __forceinline__ void opm_zero(float (&acc)[2][8][4]) {
 constexpr int kOpmOutPitch = kOpmTile + 8;  // the staged result tile [128 rows][128 columns]
 static_assert(kOpmTile * kOpmOutPitch * 2 <= kOpmStages * kOpmStageElems * 2, "the staged result must fit the stages");
 
+// A CTA's tile of either tile GEMM (this one and opm_gemm_sm90.cuh's). Grid: x = row tile *
+// column_tiles + column tile (the column tiles sharing A's rows run together, so A comes from DRAM
+// once), z = (b, i); A's rows and B's of the tile from their first k-step.
+template <typename T>
+struct OpmTilePlace {
+  int64_t bi;
+  int col_tile, row0, valid_rows;
+  const T* a;
+  const T* b;
+  __device__ __forceinline__ explicit OpmTilePlace(const OpmGemmParams& p)
+      : bi(blockIdx.z), col_tile(int(blockIdx.x % unsigned(p.column_tiles))),
+        row0(int(blockIdx.x / unsigned(p.column_tiles)) * kOpmTile),
+        valid_rows(p.rows - row0 < kOpmTile ? p.rows - row0 : kOpmTile),
+        a(static_cast<const T*>(p.a) + bi * p.a_batch + int64_t(row0) * p.a_row),
+        b(static_cast<const T*>(p.b) + int64_t(col_tile) * p.b_tile) {}
+};
+
+// The epilogue of both tile GEMMs, on a tile staged [128 rows]
+// [kOpmOutPitch] in shared memory: the value (row r, column col) is (product + bias[col]) / denom of
+// row r, rounded; then whole rows of 32-value blocks go out by 16-byte stores, plus the residual.
+
+// 1 / denom[b, i, row0 + r] (1 without a denominator, and for rows past the valid ones).
+template <typename T>
+__device__ __forceinline__ float opm_row_scale(const OpmGemmParams& p, int64_t bi, int row0, int r, int valid_rows) {
+  return p.denom != nullptr && r < valid_rows ? 1.f / float(static_cast<const T*>(p.denom)[bi * p.rows + row0 + r])
+                                              : 1.f;
+}
+
+// The biases of columns col, col + 1 of column tile col_tile (zeros without a bias).
+template <typename T>
+__device__ __forceinline__ float2 opm_bias_pair(const OpmGemmParams& p, int col_tile, int col) {
+  if (p.bias == nullptr) return make_float2(0.f, 0.f);
+  return unpack2<T>(*reinterpret_cast<const uint32_t*>(static_cast<const T*>(p.bias) + col_tile * kOpmTile + col));
+}
+
+// Stages the product pair (row, col), (row, col + 1) with its biases and its row's 1 / denom.
+template <typename T>
+__device__ __forceinline__ void opm_stage_pair(T* staged, int row, int col, float v0, float v1, float2 bias,
+                                               float inv) {
+  store2<T>(staged + row * kOpmOutPitch + col, (v0 + bias.x) * inv, (v1 + bias.y) * inv);
+}
+
+// The staged tile to out (+ residual), 16-byte pieces (row r, columns 8 q ..): each 32-value block's
+// row is 64 contiguous bytes of out. After a barrier that follows the staging.
+template <typename T>
+__device__ __forceinline__ void opm_store_staged(const OpmGemmParams& p, const T* staged, int64_t bi, int row0,
+                                                 int col_tile, int valid_rows, int tid) {
+  const int64_t tile_offset = bi * p.out_batch + int64_t(col_tile) * p.out_tile;
+  T* const out = static_cast<T*>(p.out) + tile_offset;
+  const T* const residual = p.residual != nullptr ? static_cast<const T*>(p.residual) + tile_offset : nullptr;
+  constexpr int kPieces = kOpmTile / 8;  // per row
+#pragma unroll 4
+  for (int idx = tid; idx < kOpmTile * kPieces; idx += kOpmThreads) {
+    const int r = idx / kPieces, col = (idx % kPieces) * 8;
+    if (r < valid_rows) {
+      const int64_t at = int64_t(row0 + r) * p.out_row + (col / 32) * p.out_block + col % 32;
+      uint4 piece = *reinterpret_cast<const uint4*>(staged + r * kOpmOutPitch + col);
+      if (residual != nullptr) piece = add_to_residual<T>(piece, residual + at, nullptr);
+      *reinterpret_cast<uint4*>(out + at) = piece;
+    }
+  }
+}
+
 // The rounded result is staged in the stages' memory and written by 16-byte stores of whole rows of
 // 32-value blocks (the mma fragments' 4-byte pieces would leave half of each 32-byte sector per store).
 template <typename T>
 __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams p) {
   extern __shared__ __align__(16) unsigned char opm_smem[];
   T* const smem = reinterpret_cast<T*>(opm_smem);
-  // grid: x = row tile * column_tiles + column tile (the column tiles sharing A's rows run together,
-  // so A comes from DRAM once), z = (b, i)
-  const int64_t bi = blockIdx.z;
-  const int row_tile = int(blockIdx.x / unsigned(p.column_tiles)), col_tile = int(blockIdx.x % unsigned(p.column_tiles));
-  const int row0 = row_tile * kOpmTile;
-  const int valid_rows = p.rows - row0 < kOpmTile ? p.rows - row0 : kOpmTile;
-  const T* const a = static_cast<const T*>(p.a) + bi * p.a_batch + int64_t(row0) * p.a_row;
-  const T* const b = static_cast<const T*>(p.b) + int64_t(col_tile) * p.b_tile;
+  const OpmTilePlace<T> place(p);
+  const int64_t bi = place.bi;
+  const int col_tile = place.col_tile, row0 = place.row0, valid_rows = place.valid_rows;
+  const T* const a = place.a;
+  const T* const b = place.b;
 
   const int tid = int(threadIdx.x);
   const OpmLane ln(tid);
@@ -163,44 +223,19 @@ __global__ void __launch_bounds__(kOpmThreads, 2) opm_gemm_kernel(OpmGemmParams 
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = ln.row(mt, h);
-      inv[mt][h] = p.denom != nullptr && r < valid_rows
-                       ? 1.f / float(static_cast<const T*>(p.denom)[bi * p.rows + row0 + r])
-                       : 1.f;
-    }
+    for (int h = 0; h < 2; ++h) inv[mt][h] = opm_row_scale<T>(p, bi, row0, ln.row(mt, h), valid_rows);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     const int col = ln.col(nt);
-    float b0 = 0.f, b1 = 0.f;
-    if (p.bias != nullptr) {
-      const T* const bias = static_cast<const T*>(p.bias) + col_tile * kOpmTile + col;
-      const float2 bb = unpack2<T>(*reinterpret_cast<const uint32_t*>(bias));
-      b0 = bb.x, b1 = bb.y;
-    }
+    const float2 bias = opm_bias_pair<T>(p, col_tile, col);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        store2<T>(staged + ln.row(mt, h) * kOpmOutPitch + col, (acc[mt][nt][2 * h] + b0) * inv[mt][h],
-                  (acc[mt][nt][2 * h + 1] + b1) * inv[mt][h]);
+        opm_stage_pair<T>(staged, ln.row(mt, h), col, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1], bias, inv[mt][h]);
   }
   __syncthreads();
-  // 16-byte pieces (row r, columns 8 q ..): each 32-value block's row is 64 contiguous bytes of out
-  const int64_t tile_offset = bi * p.out_batch + int64_t(col_tile) * p.out_tile;
-  T* const out = static_cast<T*>(p.out) + tile_offset;
-  const T* const residual = p.residual != nullptr ? static_cast<const T*>(p.residual) + tile_offset : nullptr;
-  constexpr int kPieces = kOpmTile / 8;  // per row
-#pragma unroll 4
-  for (int idx = tid; idx < kOpmTile * kPieces; idx += kOpmThreads) {
-    const int r = idx / kPieces, col = (idx % kPieces) * 8;
-    if (r < valid_rows) {
-      const int64_t at = int64_t(row0 + r) * p.out_row + (col / 32) * p.out_block + col % 32;
-      uint4 piece = *reinterpret_cast<const uint4*>(staged + r * kOpmOutPitch + col);
-      if (residual != nullptr) piece = add_to_residual<T>(piece, residual + at, nullptr);
-      *reinterpret_cast<uint4*>(out + at) = piece;
-    }
-  }
+  opm_store_staged<T>(p, staged, bi, row0, col_tile, valid_rows, tid);
 }
 
 static_assert(limits::kOpmHidden == 32, "the weight gradient's tiles are written for c = 32");

@@ -30,9 +30,12 @@ struct OpmGemmParams {
   int column_tiles;  // grid x = row tiles * column_tiles
 };
 
-// grid (row tiles * column_tiles, 1, batches <= limits::kOpmMaxBatches)
+// grid (row tiles * column_tiles, 1, batches <= limits::kOpmMaxBatches); _sm90: the same GEMM on the
+// Hopper tensor-core instructions (opm_gemm_sm90.cuh; a build for sm_90a on a 9.0 device)
 template <typename T>
 void launch_opm_gemm(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream);
+template <typename T>
+void launch_opm_gemm_sm90(const OpmGemmParams& p, int64_t batches, int column_tiles, cudaStream_t stream);
 
 // The outer product mean's weight gradient (opm_gemm.cuh): dW[z, c C + e] = sum over (b, i, j) of
 // dout[b, i, j, z] o[b, i, c, j, e], C = limits::kOpmHidden, Z <= kOpmTile, as float32 partials

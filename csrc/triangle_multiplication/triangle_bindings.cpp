@@ -428,15 +428,6 @@ FoldedWeights fold(at::TensorList w, const at::Tensor& z) {
   return f;
 }
 
-// Whether `family` ("sm80" or "sm90") runs the Hopper kernels; "sm90" needs a build holding sm_90a code
-// and a 9.0 device.
-bool hopper_family(const std::string& family, const at::Tensor& z, const char* op) {
-  const bool hopper = family == "sm90";
-  EVO_CHECK(family == "sm80" || (hopper && hopper_kernels_available(z.get_device())), op,
-            ": `family` must be \"sm80\", or \"sm90\" with a build holding sm_90a code on a 9.0 device, got \"",
-            family, "\"");
-  return hopper;
-}
 
 }  // namespace
 

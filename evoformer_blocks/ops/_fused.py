@@ -56,8 +56,8 @@ SCHEMAS = (
     "sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
     "-> (Tensor, Tensor)",
     "column_sum(Tensor x, ScalarType dtype) -> Tensor",
-    "opm_project(Tensor outer, Tensor weight, Tensor? bias, Tensor? denom, Tensor? residual) -> Tensor",
-    "opm_project_input_grad(Tensor dout, Tensor weight) -> Tensor",
+    "opm_project(Tensor outer, Tensor weight, Tensor? bias, Tensor? denom, Tensor? residual, str family) -> Tensor",
+    "opm_project_input_grad(Tensor dout, Tensor weight, str family) -> Tensor",
     "opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor",
     "linear_bwd(Tensor dy, Tensor x, Tensor weight, Tensor? relu_out, bool need_dx, bool need_dw, bool need_db, "
     "ScalarType bias_dtype, int bias_from=0) -> (Tensor, Tensor, Tensor)",
@@ -79,7 +79,7 @@ SCHEMAS = (
     "Tensor? b_b_p, Tensor? b_b_g, Tensor w_g, Tensor? b_g, Tensor norm_out_weight, Tensor norm_out_bias, "
     "Tensor w_z, Tensor? b_z, float eps, bool outgoing, str family) -> (Tensor(a), Tensor)",
     "outer_product_mean_module(Tensor m, Tensor mask, Tensor? residual, Tensor w_1, Tensor b_1, Tensor w_2, "
-    "Tensor b_2, Tensor w_out, Tensor? b_out, float eps) -> Tensor",
+    "Tensor b_2, Tensor w_out, Tensor? b_out, float eps, str family) -> Tensor",
     # an Evoformer block's update calling the nodes above (modules/block_node_bindings.cpp): composite
     "evoformer_block_module(Tensor m, Tensor z, Tensor msa_mask, Tensor pair_mask, Tensor row_mask_bias, "
     "Tensor column_mask_bias, Tensor start_mask_bias, Tensor end_mask_bias, Tensor?[] keeps, Tensor?[] params, "

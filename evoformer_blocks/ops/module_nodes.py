@@ -370,7 +370,8 @@ def outer_product_mean(module, m: Tensor, mask: Tensor, residual: Optional[Tenso
     if not registry.decision(key, lambda: _outer_product_mean_selected(module, m, mask, residual, backend)):
         return None
     _dispatch.node_ran()
-    return _fused.kernels().outer_product_mean_module(m, mask, residual, *params, module.eps)
+    return _fused.kernels().outer_product_mean_module(m, mask, residual, *params, module.eps,
+                                                      _triangle.kernel_family(m.device))
 
 
 def _outer_product_mean_selected(module, m: Tensor, mask: Tensor, residual: Optional[Tensor], backend) -> bool:
