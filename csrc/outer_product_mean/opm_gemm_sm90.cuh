@@ -4,18 +4,20 @@
 // memory instead of mma.sync on ldmatrix fragments.
 //
 // Why: the mma.sync kernel reaches 150-240 TFLOP/s on an H200, each warp reloading its fragments and
-// waiting on their fixed-latency chains at one CTA barrier per 32-value k-step; this one 0.184 ->
-// 0.133 ms for the projection at N_res 384 (19.3 GFLOP), 0.246 -> 0.196 for its input gradient (three
+// waiting on their fixed-latency chains at one CTA barrier per 32-value k-step; this one 0.185 ->
+// 0.116 ms for the projection at N_res 384 (19.3 GFLOP), 0.248 -> 0.183 for its input gradient (three
 // launches per Evoformer block; results bitwise equal: the tensor cores add the same products in the
-// same order). Stages of two or four k-steps (fewer barriers) at two or one CTA per SM were slower
-// (benchmarks/DESIGN.md, experiments); at three CTAs per SM (80 registers) the wgmma does not compile.
+// same order). Copies further ahead paid (four stages, two steps ahead: 0.135 / 0.198); stages of two
+// or four k-steps (fewer barriers) at two or one CTA per SM did not (benchmarks/DESIGN.md,
+// experiments); at three CTAs per SM (80 registers) the wgmma does not compile.
 //
 // CTA: 256 threads = two warpgroups on the [128 rows, 128 columns] tile; warpgroup wg takes rows
 // 64 wg.. and all 128 columns (wgmma 64 x 128 x 16, two per k-step), warp w of it rows 16 w.. (its
 // accumulators are sixteen n8 tiles of {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}, the
-// mma.sync C layout). Shared memory: kStages stages of the A and B tiles [128, 32], both in CuTe's
-// K-major GMMA layout (64-byte rows, 64-byte swizzle), filled by cp.async two k-steps ahead; every
-// thread fences its copies to the async proxy before the barrier that precedes the step's wgmma.
+// mma.sync C layout). Shared memory: six stages of the A and B tiles [128, 32] (97 KB: two CTAs per
+// SM), both in CuTe's K-major GMMA layout (64-byte rows, 64-byte swizzle), filled by cp.async four
+// k-steps ahead; every thread fences its copies to the async proxy before the barrier that precedes
+// the step's wgmma.
 // Step s's wgmma stays in flight across step s + 1's barrier (warpgroup_wait<1>), so a stage is
 // refilled only after the barrier of the step two later, when both warpgroups are past it.
 #pragma once
@@ -30,7 +32,7 @@ namespace block {
 
 template <typename T>
 struct OpmGemmSm90Tile {
-  static constexpr int kStages = 4;
+  static constexpr int kStages = 6;
   static constexpr int kAhead = kStages - 2;  // k-steps copied ahead of the one multiplied
   using Layout = typename sm90::RowTileLayouts<T, kOpmTile, kOpmStep>::RowMajor;  // [128, 32], K-major
   // One warpgroup's [64, 128] += A [64, 32] . B [128, 32]^T
