@@ -11,6 +11,7 @@ stack follows; the settings' checks, presets, copies and pickles, and torch.comp
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import pickle
 import weakref
@@ -186,11 +187,16 @@ def test_recomputed_groups_under_distributed_data_parallel(tmp_path, find_unused
 
     reference = grads(stack)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    ddp = None
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(stack, find_unused_parameters=find_unused)
         for step in range(2):
             assert_bitwise(grads(ddp), reference, f"step {step}")
     finally:
+        # the wrapper (its reducer holds the group) goes before the group: a gloo group destroyed
+        # first and released by the reducer afterwards can hang joining its worker thread
+        ddp = None
+        gc.collect()
         dist.destroy_process_group()
 
 
