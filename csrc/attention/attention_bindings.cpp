@@ -165,6 +165,12 @@ int pair_kind_of(std::optional<at::ScalarType> pair, at::ScalarType dtype) {
   return !pair.has_value() ? kNoPair : *pair == dtype ? kPairInput : kPairFloat;
 }
 
+// The largest head dim the kernels of q's `dtype` take: float32 runs the TF32 kernels, whose buckets
+// end lower (guard_qkv and kernel_smem_bytes apply it).
+int64_t max_head_dim(at::ScalarType dtype) {
+  return dtype == at::kFloat ? limits::kTf32MaxHeadDim : limits::kMaxHeadDim;
+}
+
 // The op kernel_smem_bytes: the most shared memory per block that the kernels of `family` take for q
 // of `dtype` with head dim `head_dim` and a pair bias of `pair_dtype` (None: no pair bias), forward or
 // backward (no device is asked: a build's instantiations answer for any device).
@@ -172,10 +178,9 @@ int64_t kernel_smem_bytes(const std::string& family, at::ScalarType dtype, int64
                           std::optional<at::ScalarType> pair_dtype) {
   EVO_CHECK(family == "sm80" || family == "sm90", "evoformer attention: `family` must be `sm80` or `sm90`, got `",
             family, "`");
-  // (guard_qkv's head-dim rules: float32 runs the TF32 kernels, whose buckets end lower)
-  const int64_t max_head_dim = dtype == at::kFloat ? limits::kTf32MaxHeadDim : limits::kMaxHeadDim;
+  // (guard_qkv's head-dim rules)
   EVO_CHECK(kernel_dtype(dtype) && head_dim > 0 && head_dim % limits::kHeadDimMultiple == 0 &&
-                head_dim <= max_head_dim,
+                head_dim <= max_head_dim(dtype),
             "evoformer attention: no kernels for dtype ", dtype, " and head dim ", head_dim);
   const Kernels kernels = kernels_for(family == "sm90" ? Family::kSm90 : Family::kSm80, dtype, int(head_dim),
                                       pair_kind_of(pair_dtype, dtype));
@@ -223,7 +228,7 @@ void guard_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   EVO_CHECK(d % limits::kHeadDimMultiple == 0 && d <= limits::kMaxHeadDim,
             "evoformer attention: head dim D must be a multiple of ", limits::kHeadDimMultiple, " and at most ",
             limits::kMaxHeadDim, "; ", describe("q", q));
-  EVO_CHECK(q.scalar_type() != at::kFloat || d <= limits::kTf32MaxHeadDim,
+  EVO_CHECK(d <= max_head_dim(q.scalar_type()),
             "evoformer attention: float32 inputs (TF32 kernels) need head dim D at most ", limits::kTf32MaxHeadDim,
             "; ", describe("q", q));
   const int64_t tiles = (std::max(q.size(2), k.size(2)) + limits::kRowTile - 1) / limits::kRowTile;
