@@ -606,6 +606,42 @@ def test_column_sums_reuse_their_tickets_without_a_memset():
     assert any("column_sum_kernel" in n for n in names) and not any("Memset" in n for n in names), names
 
 
+def _row_scale_cases(dtype):
+    """(name, x, s, residual) cases for the row kernel: fractional scales (never only 0/1, so that a
+    product or sum rounded differently shows), views, and layouts the kernel leaves to ATen."""
+    def rand(*shape):
+        return (torch.randn(*shape, device=DEV) * 3).to(dtype)
+
+    scale = lambda *shape: (torch.rand(*shape, device=DEV) * 2 + 0.05).to(dtype)  # noqa: E731
+    wide = rand(2, 37, 29, 64)
+    yield "contiguous", rand(2, 37, 29, 32), scale(2, 37, 29), rand(2, 37, 29, 32)
+    yield "narrowed halves", wide[..., 32:], scale(2, 37, 29), wide[..., :32]
+    yield "odd channels", rand(5, 11, 13), scale(5, 11), rand(5, 11, 13)
+    yield "size-1 dims", rand(1, 300, 1, 128), scale(1, 300, 1), rand(1, 300, 1, 128)
+    yield "one row", rand(1, 1, 24), scale(1, 1), rand(1, 1, 24)
+    yield "transposed rows (ATen)", rand(16, 24, 40).transpose(0, 1), scale(24, 16), rand(24, 16, 40)
+    yield "strided scale (ATen)", rand(9, 64), scale(9, 2)[:, 1], rand(9, 64)
+    yield "empty", rand(0, 3, 16), scale(0, 3), rand(0, 3, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_scale_gives_atens_values(dtype):
+    # the row kernel (the outer product mean's masks and mean, the pair transition's masked residual
+    # add in the block's node) against the ATen calls it replaces, bit for bit, on every layout
+    kernels = _fused.kernels()
+    for name, x, s, residual in _row_scale_cases(dtype):
+        s_c = s.unsqueeze(-1)
+        for mode, want in (("mul", x * s_c), ("div", x / s_c), ("addcmul", torch.addcmul(residual, x, s_c))):
+            got = kernels.row_scale(x, s, residual if mode == "addcmul" else None, mode == "div")
+            assert got.is_contiguous() and got.dtype == want.dtype and got.shape == want.shape, (name, mode)
+            assert torch.equal(got, want), f"{name} {mode}: max diff {(got.float() - want.float()).abs().max()}"
+    x, s = torch.randn(64, 32, device=DEV).to(dtype), torch.rand(64, device=DEV).to(dtype)
+    torch.library.opcheck(kernels.row_scale.default, (x, s, torch.randn_like(x), False))
+    torch.library.opcheck(kernels.row_scale.default, (x, s + 0.5, None, True))
+    with pytest.raises(RuntimeError, match="row scale"):
+        kernels.row_scale(x, s[:-1], None, False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows, c_in, c_out", [(1, 16, 8), (7, 32, 64), (1000, 64, 128), (3000, 128, 512), (513, 64, 1024)])
 @pytest.mark.parametrize("activation", [None, "relu"])

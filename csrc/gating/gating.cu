@@ -28,10 +28,19 @@ void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream
                        n_ctas, (kBlockOpThreads / p.row_threads) * p.C * 4, stream, "evoformer column sum");
 }
 
+template <typename T>
+void launch_row_scale(const RowScaleParams& p, cudaStream_t stream) {
+  const int64_t spans = p.M * ((p.C + Vec<T>::kSize - 1) / Vec<T>::kSize);
+  if (spans == 0) return;
+  row_scale_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+  check_launch("evoformer row scale");
+}
+
 #define EVOFORMER_GATING_OPS(T) \
   template void launch_sigmoid_gate<T>(const SigmoidGateParams&, cudaStream_t); \
   template void launch_sigmoid_gate_backward<T>(const SigmoidGateBackwardParams&, int, cudaStream_t); \
-  template void launch_column_sum<T>(const ColumnSumParams&, int, cudaStream_t);
+  template void launch_column_sum<T>(const ColumnSumParams&, int, cudaStream_t); \
+  template void launch_row_scale<T>(const RowScaleParams&, cudaStream_t);
 EVOFORMER_GATING_OPS(cutlass::half_t)
 EVOFORMER_GATING_OPS(cutlass::bfloat16_t)
 EVOFORMER_GATING_OPS(float)

@@ -3,6 +3,7 @@
 // Sigmoid gate of an output: out = sigmoid(g) * y, all [M, C] (y may be a permuted view, RowMap);
 // its backward can also sum the attention backward's delta (the gated attention).
 // Column sums of [M, C] rows (the gradient of a projection's bias), with a ReLU's backward where asked.
+// Rows scaled by one value each (a mask or a mean's denominator), with a residual added where given.
 #pragma once
 
 #include "common/mma_sm80.cuh"  // sigmoid, to_tf32
@@ -23,6 +24,29 @@ __global__ void __launch_bounds__(kBlockOpThreads) sigmoid_gate_kernel(SigmoidGa
 #pragma unroll
     for (int e = 0; e < kVec; ++e) out.v[e] = sigmoid(g.v[e]) * y.v[e];
     store_span(out, static_cast<T*>(p.out) + r * p.out_stride + c, n, p.vector_ok);
+  });
+}
+
+// out = x * s[r], x / s[r] or residual + x * s[r] per row r (RowScaleParams), 16 bytes per access.
+template <typename T>
+__global__ void __launch_bounds__(kBlockOpThreads) row_scale_kernel(RowScaleParams p) {
+  constexpr int kVec = Vec<T>::kSize;
+  for_each_span<kVec>(p.M, p.C, [&](int64_t r, int64_t c, int n) {
+    Vec<T> x, residual;
+    load_span(x, static_cast<const T*>(p.x) + r * p.x_stride + c, n, p.vector_ok);
+    const float s = float(static_cast<const T*>(p.s)[r]);
+    if (p.residual != nullptr) {
+      load_span(residual, static_cast<const T*>(p.residual) + r * p.residual_stride + c, n, p.vector_ok);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) x.v[e] = __fmaf_rn(x.v[e], s, residual.v[e]);
+    } else if (p.divide) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) x.v[e] = __fdiv_rn(x.v[e], s);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) x.v[e] = __fmul_rn(x.v[e], s);
+    }
+    store_span(x, static_cast<T*>(p.out) + r * p.out_stride + c, n, p.vector_ok);
   });
 }
 

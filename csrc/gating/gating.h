@@ -61,6 +61,22 @@ struct ColumnSumParams {
   int64_t relu_stride = 0, masked_stride = 0;
 };
 
+// out = x * s, x / s or residual + x * s with one scale s per row: x, residual, out [M, C] (each
+// its own row stride), s [M] contiguous, all of one element type. The values are ATen's for
+// at::mul, at::div and at::addcmul on the same tensors (s broadcast over C): the product or IEEE
+// quotient in float32, residual + x * s as one fused multiply-add (PyTorch's addcmul with value 1),
+// rounded once to T.
+struct RowScaleParams {
+  const void* x;
+  const void* s;
+  const void* residual;  // nullptr: none
+  void* out;
+  int64_t M, x_stride, residual_stride, out_stride;
+  int C;
+  bool divide;     // x / s (no residual)
+  bool vector_ok;  // every row 16-byte aligned and C whole 16-byte chunks
+};
+
 // Launchers, one instantiation per element type T (cutlass::half_t, cutlass::bfloat16_t, float);
 // each checks its launch.
 template <typename T>
@@ -69,6 +85,8 @@ template <typename T>
 void launch_sigmoid_gate_backward(const SigmoidGateBackwardParams& p, int n_ctas, cudaStream_t stream);
 template <typename T>
 void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream);
+template <typename T>
+void launch_row_scale(const RowScaleParams& p, cudaStream_t stream);
 
 }  // namespace block
 }  // namespace evoformer

@@ -16,6 +16,9 @@
 //              bias_from=0)
 //       -> (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output), each [0] unless wanted;
 //       bias [out - bias_from] adds to the columns from bias_from on (a stacked projection's biased part)
+//   row_scale(x [..., C], s [...], residual [..., C]?, divide) -> x * s, x / s or residual + x * s with s
+//       broadcast over C (at::mul, at::div, at::addcmul's values, bit for bit), contiguous; x and residual
+//       any layout
 //   rows_product(a [m, K], b [K, n]) -> a . b [m, n] in a's dtype: a sum over K positions that leaves
 //       none out (bindings_common.h's rows_product; a weight's gradient where the Python side forms it);
 //       batched, a [B, m, K] and b [B, K, n] -> [B, m, n] (rows_bmm: the outer product mean's GEMMs)
@@ -265,6 +268,98 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& 
   return sigmoid_gate_bwd_into(dout, g, y, dg, delta_heads, delta_len);
 }
 
+namespace {
+
+// The row stride of t [..., C] seen as [M, C] rows, its leading dims merged without a copy (size-1
+// dims skipped), or -1 where they do not merge or C is not contiguous.
+int64_t merged_row_stride(const at::Tensor& t) {
+  const int64_t C = t.size(-1);
+  if (C > 1 && t.stride(-1) != 1) return -1;
+  int64_t row_stride = -1, span = 0;
+  for (int64_t d = t.dim() - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (row_stride < 0) row_stride = t.stride(d);
+    else if (t.stride(d) != span) return -1;
+    span = t.stride(d) * t.size(d);
+  }
+  return row_stride < 0 ? C : row_stride;
+}
+
+// The row kernel's parameters for out = x * s, x / s or residual + x * s (row_scale_into), or false
+// where it does not take the tensors: one dtype of its three, one CUDA device, s contiguous, rows
+// that merge into [M, C] without a copy, no empty x.
+bool row_scale_params(RowScaleParams& p, const at::Tensor& out, const at::Tensor& x, const at::Tensor& s,
+                      const at::Tensor* residual, bool divide) {
+  const at::ScalarType dtype = x.scalar_type();
+  const auto fits = [&](const at::Tensor& t) { return t.scalar_type() == dtype && t.device() == x.device(); };
+  if (!x.is_cuda() || !is_param_dtype(dtype) || !fits(s) || !fits(out) || (residual != nullptr && !fits(*residual)) ||
+      !s.is_contiguous() || x.numel() == 0)
+    return false;
+  const int64_t x_stride = merged_row_stride(x), out_stride = merged_row_stride(out);
+  const int64_t residual_stride = residual != nullptr ? merged_row_stride(*residual) : 0;
+  if (x_stride < 0 || out_stride < 0 || residual_stride < 0) return false;
+  const int64_t C = x.size(-1), M = x.numel() / C, vec = 16 / x.element_size();
+  const auto rows_ok = [&](const at::Tensor& t, int64_t stride) { return aligned16(t) && (M <= 1 || stride % vec == 0); };
+  const bool vector_ok = C % vec == 0 && rows_ok(x, x_stride) && rows_ok(out, out_stride) &&
+                         (residual == nullptr || rows_ok(*residual, residual_stride));
+  p = RowScaleParams{x.data_ptr(),  s.data_ptr(), residual != nullptr ? residual->data_ptr() : nullptr,
+                     out.data_ptr(), M,           x_stride,
+                     residual_stride, out_stride, int(C),
+                     divide,         vector_ok};
+  return true;
+}
+
+void check_row_scale(const at::Tensor& x, const at::Tensor& s, const at::Tensor* residual, bool divide) {
+  EVO_CHECK(x.dim() >= 1 && s.sizes() == x.sizes().slice(0, x.dim() - 1) &&
+                (residual == nullptr || (residual->sizes() == x.sizes() && !divide)),
+            "row scale: `x` [..., C], `s` [...] and `residual` [..., C] (none with divide) do not fit: ", x.sizes(),
+            ", ", s.sizes(), residual != nullptr ? ", residual " : "", residual != nullptr ? residual->sizes() : x.sizes());
+}
+
+void launch_row_scale_on(const RowScaleParams& p, const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  by_dtype(x.scalar_type(), "row scale",
+           [&](auto e) { launch_row_scale<decltype(e)>(p, c10::cuda::getCurrentCUDAStream()); });
+}
+
+}  // namespace
+
+at::Tensor& row_scale_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& s, const at::Tensor* residual,
+                           bool divide) {
+  check_row_scale(x, s, residual, divide);
+  EVO_CHECK(out.sizes() == x.sizes(), "row scale: `out` must be x's shape ", x.sizes(), ", got ", out.sizes());
+  RowScaleParams p;
+  if (!row_scale_params(p, out, x, s, residual, divide)) {
+    const at::Tensor s_c = s.unsqueeze(-1);  // [..., 1]: ATen's broadcast
+    if (residual != nullptr) return at::addcmul_out(out, *residual, x, s_c);
+    return divide ? at::div_out(out, x, s_c) : at::mul_out(out, x, s_c);
+  }
+  launch_row_scale_on(p, x);
+  return out;
+}
+
+at::Tensor row_scaled(const at::Tensor& x, const at::Tensor& s, const at::Tensor* residual, bool divide) {
+  check_row_scale(x, s, residual, divide);
+  at::Tensor out = output(x.sizes(), x.options());
+  RowScaleParams p;
+  if (!row_scale_params(p, out, x, s, residual, divide)) {  // ATen's calls, with their type promotion
+    const at::Tensor s_c = s.unsqueeze(-1);  // [..., 1]
+    if (residual != nullptr) return at::addcmul(*residual, x, s_c).contiguous();
+    return (divide ? at::div(x, s_c) : at::mul(x, s_c)).contiguous();
+  }
+  launch_row_scale_on(p, x);
+  return out;
+}
+
+namespace {
+
+at::Tensor row_scale_op(const at::Tensor& x, const at::Tensor& s, const std::optional<at::Tensor>& residual,
+                        bool divide) {
+  return row_scaled(x, s, residual.has_value() ? &*residual : nullptr, divide);
+}
+
+}  // namespace
+
 }  // namespace block
 }  // namespace evoformer
 
@@ -276,4 +371,5 @@ TORCH_LIBRARY_IMPL(evoformer_blocks_cuda, CUDA, m) {
   m.impl("column_sum", &evoformer::block::column_sum);
   m.impl("linear_bwd", &evoformer::block::linear_bwd);
   m.impl("rows_product", &evoformer::block::rows_product_op);
+  m.impl("row_scale", &evoformer::block::row_scale_op);
 }

@@ -23,6 +23,14 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& 
                                                               const at::Tensor& y, at::Tensor& dg,
                                                               int64_t delta_heads, int64_t delta_len);
 
+// out = x * s, x / s (divide) or *residual + x * s, one scale per row: x, out, *residual [..., C], s
+// [...]; at::mul, at::div and at::addcmul's values on s broadcast over C, bit for bit (those ATen calls
+// where the row kernel does not take the layouts or dtypes). row_scaled: into a new contiguous tensor
+// (the op row_scale).
+at::Tensor& row_scale_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& s, const at::Tensor* residual,
+                           bool divide);
+at::Tensor row_scaled(const at::Tensor& x, const at::Tensor& s, const at::Tensor* residual, bool divide);
+
 // The op linear_bwd: (dx, dweight, dbias) of x . weight^T + bias (then ReLU, relu_out its output) from
 // dy, each a new [0] tensor unless wanted; the bias over the columns from bias_from on.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(const at::Tensor& dy_in, const at::Tensor& x,

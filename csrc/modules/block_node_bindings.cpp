@@ -2,9 +2,10 @@
 // the order, and with the arguments, that evoformer_blocks/evoformer.py's _MSABlock._update calls
 // them from Python when every module of the block runs its node (AF2's EvoformerBlock: the MSA
 // column attention, the outer product mean after the MSA transition, no chunking). The autograd
-// graph is the one the Python path records (the same nodes: each op below records its own), so
-// results and gradients are equal bit for bit; what goes is the Python between the ops (about half
-// of a small block's forward host time). evoformer_blocks/evoformer.py decides when it may run: per
+// graph is the one the Python path records (the same nodes: each op below records its own; the pair
+// transition's masked residual add is one node of the row kernel where the Python path calls
+// torch.addcmul, whose values it gives), so results and gradients are equal bit for bit; what goes
+// is the Python between the ops (about half of a small block's forward host time) and a slow pass. evoformer_blocks/evoformer.py decides when it may run: per
 // input signature, after one call through Python in which all seventeen nodes ran.
 //
 // Op (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), composite:
@@ -33,6 +34,7 @@
 #include <tuple>
 
 #include "common/bindings_common.h"
+#include "gating/gating_ops.h"
 #include "layer_norm/layer_norm_ops.h"
 #include "modules/nodes.h"
 #include "modules/triangle_parameters.h"
@@ -159,6 +161,30 @@ at::Tensor transition(const at::Tensor& x, Params& p) {
 }
 
 // A triangle multiplication's parameters from p, in its node's order (a braced list reads them in order).
+// z + update * mask with one mask value per row (at::addcmul's values on the mask broadcast over c_z, bit for
+// bit, in one pass of the row kernel), as an autograd node: z's gradient is dz itself and update's dz *
+// mask (the row kernel again: AddcmulBackward's values); the mask gets none (callers pass one that needs none).
+struct MaskedAddNode : public torch::autograd::Function<MaskedAddNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& z, const at::Tensor& update,
+                            const at::Tensor& mask) {
+    ctx->save_for_backward({mask});
+    return block::row_scaled(update, mask, &z, false);  // [*, R, R, c_z]
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor mask = ctx->get_saved_variables()[0];
+    at::Tensor dupdate;
+    if (ctx->needs_input_grad(1)) dupdate = block::row_scaled(grads[0], mask, nullptr, false);
+    return {ctx->needs_input_grad(0) ? grads[0] : at::Tensor(), dupdate, at::Tensor()};
+  }
+};
+
+// The pair transition's residual add, z + update * pair_mask (mask [*, R, R]): MaskedAddNode, or
+// at::addcmul itself where the mask wants a gradient.
+at::Tensor masked_add(const at::Tensor& z, const at::Tensor& update, const at::Tensor& mask) {
+  if (mask.requires_grad()) return at::addcmul(z, update, mask.unsqueeze(-1));
+  return MaskedAddNode::apply(z, update, mask);
+}
+
 TriangleParameters triangle_parameters(Params& p) {
   return {p.tensor(),   p.tensor(),   p.tensor(),   p.tensor(),  p.tensor(),  p.tensor(),  // norm_in, a_p .. b_g
           p.optional(), p.optional(), p.optional(), p.optional(),                            // their biases
@@ -227,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
   // z += PairTransition(z), masked in its residual add
   std::tie(z, z_ln) = add_and_norm(z, update, p, eps[ePairTransition], keeps.get(4));
   update = transition(z_ln, p);
-  return {m, at::addcmul(z, update, pair_mask.unsqueeze(-1))};
+  return {m, masked_add(z, update, pair_mask)};
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 // (evoformer_blocks/outer_product_mean.py: OuterProductMean._normalized) records six nodes for these
 // steps (the stacked projection, the unbind, two mask multiplies, the outer product, the projection)
 // and its backward runs two of them in Python. The same ATen calls and extension entry points with
-// the same arguments as that path on the cutlass backend: results and gradients are equal bit for bit
+// the same arguments as that path on the cutlass backend, but for the masks' multiplies and the mean's
+// division, which the row kernel (gating_ops.h's row_scaled) runs with at::mul's and at::div's values,
+// 16 bytes per access where ATen's broadcast kernels take two: results and gradients are equal bit for bit
 // (tests/test_module_nodes_cuda.py). evoformer_blocks/ops/module_nodes.py decides when the node may run
 // (the fused projection and the column-sum kernels selected, one dtype, no autocast, not compiling).
 //
@@ -68,10 +70,10 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     bool stacked_view = false;
     const at::Tensor stacked = stacked_rows({w_1, w_2}, &stacked_view);  // [2 c, c_m]
     const at::Tensor ab = linear_rows(m, stacked, stacked_rows({b_1, b_2}));  // [*, S, R, 2 c]
-    const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
-    const int64_t last = ab.dim() - 1;  // (each half a view of its columns of ab)
-    const at::Tensor a = at::mul(raw_narrow(ab, last, 0, c), mask_c);  // [*, S, R, c]
-    const at::Tensor b = at::mul(raw_narrow(ab, last, c, c), mask_c);  // [*, S, R, c]
+    // (each half a view of its columns of ab, masked by the row kernel: at::mul's values)
+    const int64_t last = ab.dim() - 1;
+    const at::Tensor a = block::row_scaled(raw_narrow(ab, last, 0, c), mask, nullptr, false);  // [*, S, R, c]
+    const at::Tensor b = block::row_scaled(raw_narrow(ab, last, c, c), mask, nullptr, false);  // [*, S, R, c]
     // the mean's denominator eps + (pairs of residues both unmasked in a sequence: a GEMM over the
     // sequences, rows_bmm as the composed path's _pair_counts)
     const at::Tensor mask3 = reshaped(mask, {batch, seqs, res});  // [B, S, R]
@@ -112,7 +114,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     const int64_t batch = outer.size(0), res = outer.size(1), c = outer.size(2);
     const at::Tensor dout = reshaped(grads[0], {batch, res, res, w_out.size(0)});  // [B, R, R, c_z]
     if (need(kResidual)) result[kResidual] = reshaped(dout, data.at("residual_sizes").toIntVector());
-    const at::Tensor dout_div = at::div(dout, d.unsqueeze(-1)).contiguous();  // [B, R, R, c_z]
+    const at::Tensor dout_div = block::row_scaled(dout, d, nullptr, true);  // [B, R, R, c_z] (at::div's values)
     if (need(kWout)) result[kWout] = opm_weight_grad_op().call(dout_div, outer, w_out.scalar_type());
     if (need(kBout)) result[kBout] = block::column_sum(dout_div, data.at("b_out_dtype").toScalarType());
     const bool need_weights = need(kW1) || need(kW2), need_biases = need(kB1) || need(kB2);
@@ -121,7 +123,6 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     // the outer product's (_OuterProduct's), then the masks' and the unbind's: each masked half written
     // into its columns of one [*, S, R, 2 c] gradient (the values unbind's backward stacks)
     const at::Tensor d_outer = raw_reshape(opm_input_grad_op().call(dout_div, w_out, data.at("family").toStringRef()), {batch, res * c, res * c});
-    const at::Tensor mask_c = mask.unsqueeze(-1);  // [*, S, R, 1]
     std::vector<int64_t> half_sizes(m.sizes().begin(), m.sizes().end());
     half_sizes.back() = c;  // [*, S, R, c]
     std::vector<int64_t> ab_sizes = half_sizes;
@@ -130,7 +131,7 @@ struct OuterProductMeanNode : public torch::autograd::Function<OuterProductMeanN
     for (int64_t i = 0; i < 2; ++i) {  // da = b (d o)^T, then db = a (d o): [B, S, R c]
       const at::Tensor product = i == 0 ? rows_bmm(b3, raw_transpose(d_outer)) : rows_bmm(a3, d_outer);
       at::Tensor half = raw_narrow(d_ab, d_ab.dim() - 1, i * c, c);  // [*, S, R, c]
-      at::mul_out(half, raw_reshape(product, half_sizes), mask_c);
+      block::row_scale_into(half, raw_reshape(product, half_sizes), mask, nullptr, false);  // (at::mul_out's values)
     }
 
     // the stacked projection's (linear_bwd: the bias sums from the first bias wanted on, then the GEMMs)

@@ -56,6 +56,7 @@ SCHEMAS = (
     "sigmoid_gate_bwd_into(Tensor dout, Tensor g, Tensor y, Tensor(a!) dg, int delta_heads=0, int delta_len=0) "
     "-> (Tensor, Tensor)",
     "column_sum(Tensor x, ScalarType dtype) -> Tensor",
+    "row_scale(Tensor x, Tensor s, Tensor? residual, bool divide) -> Tensor",
     "opm_project(Tensor outer, Tensor weight, Tensor? bias, Tensor? denom, Tensor? residual, str family) -> Tensor",
     "opm_project_input_grad(Tensor dout, Tensor weight, str family) -> Tensor",
     "opm_project_weight_grad(Tensor dout, Tensor outer, ScalarType weight_dtype) -> Tensor",

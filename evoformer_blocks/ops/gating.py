@@ -208,6 +208,13 @@ def _(x, dtype):
     return x.new_empty(x.shape[-1], dtype=dtype)
 
 
+@_fused.fake("row_scale")
+def _(x, s, residual, divide):
+    """``x * s``, ``x / s`` or ``residual + x * s`` with ``s [*]`` broadcast over ``x [*, C]``'s last dim,
+    contiguous."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
     """The gradient of a projection's bias from its output gradient ``dy [*, out]``: the column-sum
     kernel where its rows fit, else PyTorch's sum (both in float32), in ``dtype``."""
