@@ -211,8 +211,12 @@ def _(x, dtype):
 @_fused.fake("row_scale")
 def _(x, s, residual, divide):
     """``x * s``, ``x / s`` or ``residual + x * s`` with ``s [*]`` broadcast over ``x [*, C]``'s last dim,
-    contiguous."""
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    contiguous, in the dtype ATen's broadcast op would give (the kernel takes one dtype; other mixes run
+    on ATen)."""
+    dtype = torch.promote_types(x.dtype, s.dtype)
+    if residual is not None:
+        dtype = torch.promote_types(dtype, residual.dtype)
+    return x.new_empty(x.shape, dtype=dtype)
 
 
 def bias_gradient(dy: Tensor, dtype: torch.dtype) -> Tensor:
