@@ -270,19 +270,12 @@ std::tuple<at::Tensor, at::Tensor> sigmoid_gate_backward_into(const at::Tensor& 
 
 namespace {
 
-// The row stride of t [..., C] seen as [M, C] rows, its leading dims merged without a copy (size-1
-// dims skipped), or -1 where they do not merge or C is not contiguous.
+// The row stride of t [..., C] seen as [M, C] rows, its leading dims merged without a copy into one
+// (row_map_of with a single level), or -1 where they do not merge or C is not contiguous.
 int64_t merged_row_stride(const at::Tensor& t) {
-  const int64_t C = t.size(-1);
-  if (C > 1 && t.stride(-1) != 1) return -1;
-  int64_t row_stride = -1, span = 0;
-  for (int64_t d = t.dim() - 2; d >= 0; --d) {
-    if (t.size(d) == 1) continue;
-    if (row_stride < 0) row_stride = t.stride(d);
-    else if (t.stride(d) != span) return -1;
-    span = t.stride(d) * t.size(d);
-  }
-  return row_stride < 0 ? C : row_stride;
+  RowMap map;
+  if ((t.size(-1) > 1 && t.stride(-1) != 1) || !row_map_of(t, map) || map.mid != 1) return -1;
+  return map.s0;
 }
 
 // The row kernel's parameters for out = x * s, x / s or residual + x * s (row_scale_into), or false

@@ -5,8 +5,9 @@
 // graph is the one the Python path records (the same nodes: each op below records its own; the pair
 // transition's masked residual add is one node of the row kernel where the Python path calls
 // torch.addcmul, whose values it gives), so results and gradients are equal bit for bit; what goes
-// is the Python between the ops (about half of a small block's forward host time) and a slow pass. evoformer_blocks/evoformer.py decides when it may run: per
-// input signature, after one call through Python in which all seventeen nodes ran.
+// is the Python between the ops (about half of a small block's forward host time) and a slow pass.
+// evoformer_blocks/evoformer.py decides when it may run: per input signature, after one call through
+// Python in which all seventeen nodes ran.
 //
 // Op (namespace evoformer_blocks_cuda, declared in evoformer_blocks/ops/_fused.py), composite:
 //   evoformer_block_module(Tensor m, Tensor z, Tensor msa_mask, Tensor pair_mask, Tensor row_mask_bias,
