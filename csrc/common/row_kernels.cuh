@@ -111,6 +111,17 @@ struct RowNormThread {
   __device__ __forceinline__ int col(int c) const { return (sub + c * row_threads) * kVec; }
 };
 
+// The lanes per row of a row kernel with kChunks 16-byte chunks per lane: a row of more than one
+// chunk per lane spans the warp (launches give it 32 lanes), which the instantiation then knows at
+// compile time; one chunk per lane takes row_threads as launched. A constant count makes a segment
+// sum five straight shuffles and adds, where a count known only at run time makes each step a turn
+// of a loop (seven instructions where two do): the layer-norm backward at [4096, 384] bf16 (two
+// chunks per lane) 28.6 -> 21.8 us.
+template <int kChunks>
+__device__ __forceinline__ int row_lanes(int row_threads) {
+  return kChunks > 1 ? 32 : row_threads;
+}
+
 // The thread of a row kernel (rows spread as in the row layer norm: row_threads lanes per row,
 // kChunks 16-byte chunks per lane) and its CTA's row slots.
 template <typename T, int kChunks>

@@ -73,7 +73,8 @@ template <typename T, int kChunks, bool kScaled>
 __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm) : 1)
     layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
-  RowSlots<T, kChunks> rs(p.row_threads);
+  const int lanes = row_lanes<kChunks>(p.row_threads);
+  RowSlots<T, kChunks> rs(lanes);
   Th& th = rs.th;
   const int rows_per_cta = rs.rows_per_cta, slot = rs.slot;
   const float inv_c = 1.f / float(p.C);
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRo
         for (int i = 0; i < Th::kVec; ++i) sum += th.x[c].v[i];
       }
     }
-    const float mean = segment_sum(sum, p.row_threads) * inv_c;
+    const float mean = segment_sum(sum, lanes) * inv_c;
     float sq = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRo
           sq = fmaf(d, d, sq);
         }
       }
-    const float rstd = rsqrtf(segment_sum(sq, p.row_threads) * inv_c + p.eps);
+    const float rstd = rsqrtf(segment_sum(sq, lanes) * inv_c + p.eps);
     if (!row_ok) continue;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
 #pragma unroll
@@ -162,7 +163,8 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
   using Th = RowNormThread<T, kChunks>;
   constexpr int kVec = Th::kVec;
   extern __shared__ float partial_smem[];  // [rows_per_cta][2][C] when the affine gradient is wanted
-  RowSlots<T, kChunks> rs(p.row_threads);
+  const int lanes = row_lanes<kChunks>(p.row_threads);
+  RowSlots<T, kChunks> rs(lanes);
   Th& th = rs.th;
   const int rows_per_cta = rs.rows_per_cta, slot = rs.slot;
   const float inv_c = 1.f / float(p.C);
@@ -210,8 +212,8 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
         }
       }
     }
-    const float mean_g = segment_sum(sum_g, p.row_threads) * inv_c;
-    const float mean_gx = segment_sum(sum_gx, p.row_threads) * inv_c;
+    const float mean_g = segment_sum(sum_g, lanes) * inv_c;
+    const float mean_gx = segment_sum(sum_gx, lanes) * inv_c;
     if (!row_ok) continue;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
