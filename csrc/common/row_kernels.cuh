@@ -197,10 +197,12 @@ __device__ __forceinline__ void store_span(const Vec<T>& v, T* p, int n, bool ve
 
 // ---- column sums ----------------------------------------------------------------------------
 
-// The sum of n floats p[0], p[stride], ... in that order, eight loads in flight (read through L2:
-// other CTAs wrote them).
-__device__ __forceinline__ float add_rows_in_order(const float* p, int64_t stride, int n) {
-  constexpr int kInFlight = 8;
+// The sum of n floats p[0], p[stride], ... in that order, kInFlight loads in flight (read through
+// L2: other CTAs wrote them). Not inlined: it runs in a grid's tail, and inlined, its loads' values and
+// addresses raised the registers of the row kernels that call it (the gate backward's 64 to 65: three
+// CTAs per SM where its grid is sized for four, +30 to +44 %).
+template <int kInFlight = 8>
+__device__ __noinline__ float add_rows_in_order(const float* p, int64_t stride, int n) {
   float total = 0.f;
   for (int r0 = 0; r0 < n; r0 += kInFlight) {
     float v[kInFlight];
@@ -229,32 +231,40 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* ticket, unsigned count)
   return last;
 }
 
+// Group sums the final stage reads in one round of loads: every group of a grid of up to 640 CTAs
+// (four per SM on 160 SMs).
+constexpr int kSumGroupsInFlight = 40;
+
 // Adds the partial rows part[i][0 .. gridDim.x) (rows part_stride floats apart) into totals.out[i],
 // in a fixed order whichever CTAs finish last, so the result is bitwise reproducible: the last CTA
 // of each kCtasPerSumGroup consecutive CTAs adds its group's rows in order into totals.group_part,
 // and the last of those adds the groups in order. Two short stages, because one CTA adding every
 // row alone (528 rows on an H100) would run for tens of microseconds after the rest of the grid.
+// Each stage is the grid's tail, the GPU otherwise idle: its threads take the (part, column) pairs
+// together and load all of a pair's rows at once (one round of L2 latency per stage, where eight
+// loads at a time and the parts one after the other took up to ten).
 // Every thread of every CTA calls this after its CTA stored its partials.
 template <int kParts>
 __device__ __forceinline__ void add_partials_in_last_cta(const ColumnTotals& totals, float* const (&part)[kParts],
                                                          int64_t part_stride, int C) {
+  static_assert(kParts == 1 || kParts == 2, "ColumnTotals holds two totals");
   const int n_groups = (int(gridDim.x) + kCtasPerSumGroup - 1) / kCtasPerSumGroup;
   const int group = int(blockIdx.x) / kCtasPerSumGroup, first = group * kCtasPerSumGroup;
   const int in_group = min(kCtasPerSumGroup, int(gridDim.x) - first);
   if (!last_to_arrive(totals.tickets + group, unsigned(in_group))) return;
-#pragma unroll
-  for (int i = 0; i < kParts; ++i) {
-    if (part[i] == nullptr) continue;
-    for (int col = threadIdx.x; col < C; col += blockDim.x)
-      totals.group_part[(int64_t(group) * kParts + i) * C + col] =
-          add_rows_in_order(part[i] + first * part_stride + col, part_stride, in_group);
+  for (int k = threadIdx.x; k < kParts * C; k += blockDim.x) {
+    const int i = kParts == 1 ? 0 : k / C, col = k - i * C;
+    const float* rows = i == 0 ? part[0] : part[kParts - 1];
+    if (rows == nullptr) continue;
+    totals.group_part[(int64_t(group) * kParts + i) * C + col] =
+        add_rows_in_order<kCtasPerSumGroup>(rows + first * part_stride + col, part_stride, in_group);
   }
   if (!last_to_arrive(totals.tickets + n_groups, unsigned(n_groups))) return;
-#pragma unroll
-  for (int i = 0; i < kParts; ++i) {
-    if (part[i] == nullptr) continue;
-    for (int col = threadIdx.x; col < C; col += blockDim.x)
-      param_store(totals.out[i], col, add_rows_in_order(totals.group_part + i * C + col, kParts * C, n_groups));
+  for (int k = threadIdx.x; k < kParts * C; k += blockDim.x) {
+    const int i = kParts == 1 ? 0 : k / C, col = k - i * C;
+    if ((i == 0 ? part[0] : part[kParts - 1]) == nullptr) continue;
+    param_store(i == 0 ? totals.out[0] : totals.out[1], col,
+                add_rows_in_order<kSumGroupsInFlight>(totals.group_part + i * C + col, kParts * C, n_groups));
   }
 }
 
