@@ -63,6 +63,18 @@ recomputation counted, over the wall time).
     python benchmarks/bench_trunk.py [--trunk af2|pairformer] [--shapes all|0,1] [--impls plain,graphs,peer,...]
                                      [--dropout on|off] [--steps 5] [--no-profile] [--no-extra]
                                      [--recompute SPEC] [--backward-thread engine|caller] [--json out.json]
+    python benchmarks/bench_trunk.py --baseline REV --dropout off [--blocks 4] [--rounds 5] [--no-extra] ...
+
+--baseline REV: instead of the implementations' columns, the kernel time of this checkout's plain
+trunk against revision REV's (benchmarks/baseline.py: its library loaded beside this one under
+another name), in one process, so that both sides share the machine instance: the Evoformer or
+Pairformer stack shortened to --blocks blocks (default 4; an extra-MSA stack keeps its own), REV's
+stacks built from REV's preset with the same block counts and options and given this side's
+weights, one set of inputs, two untimed steps each, then --rounds profiled steps of each side
+alternating (default 5). Reported: each side's median CUDA time of a step (torch.profiler) and the
+ratio of the medians, every round's, launches and memsets, each side's peak memory over one step,
+and whether both sides' gradients (every parameter and input) are bitwise equal. Dropout off: two
+revisions need not draw the same masks.
 
 --recompute (plain and graphs): what the checkpointed blocks of the trunk's stacks keep instead of
 recomputing (evoformer_blocks.recompute): a policy (full, attention, attention+triangle), then
@@ -79,6 +91,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import statistics
 from collections import Counter
 import sys
@@ -92,7 +105,6 @@ from bench_block import DTYPE, block_flops, pairformer_block_flops, pct_of_peak,
 from harness import CommandLine, failure_reason, fmt, markdown_table, optional_import, run_info_line, speedup, write_json  # noqa: E402
 
 import evoformer_blocks as eb  # noqa: E402
-from evoformer_blocks.config import get_config  # noqa: E402
 from evoformer_blocks import recompute  # noqa: E402
 from evoformer_blocks.ops import module_nodes  # noqa: E402
 from evoformer_blocks.primitives import separate_storages  # noqa: E402
@@ -167,6 +179,19 @@ def recompute_options(spec: str) -> tuple[dict, dict]:
     return common, {**common, **last}
 
 
+STACK_SECTIONS = ("extra_msa_stack", "evoformer_stack", "pairformer_stack")
+
+
+def preset_config(library, preset: str, like=None):
+    """``library``'s preset ``preset`` (its ``config.get_config``); with ``like`` (another
+    library's config), each stack section's block count taken from it."""
+    cfg = importlib.import_module(library.__name__ + ".config").get_config(preset)
+    for section in STACK_SECTIONS if like is not None else ():
+        if section in cfg and section in like:
+            cfg[section].no_blocks = like[section].no_blocks
+    return cfg
+
+
 class AF2Trunk:
     """The AF2 trunk: ExtraMSAStack (unless ``extra`` is False) then EvoformerStack of ``preset``.
     A trunk gives its cases, model FLOPs, stacks per implementation, inputs, the leaves among them
@@ -175,8 +200,11 @@ class AF2Trunk:
     name = "af2"
     cases = [Case(128, 256), Case(512, 384)]
 
-    def __init__(self, extra: bool = True, preset: str = "af2", recompute: str = "full"):
-        self.extra, self.cfg, self.recompute = extra, get_config(preset), recompute
+    def __init__(self, extra: bool = True, preset: str = "af2", recompute: str = "full", blocks: int = 0):
+        self.extra, self.preset, self.recompute = extra, preset, recompute
+        self.cfg = preset_config(eb, preset)
+        if blocks:
+            self.cfg.evoformer_stack.no_blocks = blocks
         self.title = "extra-MSA and Evoformer stacks" if extra else "Evoformer stack alone"
         self.leaves = ("m", "z", "m_extra") if extra else ("m", "z")
 
@@ -187,13 +215,15 @@ class AF2Trunk:
         extra = block_flops(dict(cfg.extra_msa_stack), N_EXTRA, case.n_res, True)[1]
         return cfg.evoformer_stack.no_blocks * evo + self.extra * cfg.extra_msa_stack.no_blocks * extra
 
-    def stacks(self, impl: str) -> list[torch.nn.Module]:
-        """[extra-MSA stack (with ``extra``), Evoformer stack] of the implementation, as built."""
-        cfg = self.cfg
+    def stacks(self, impl: str, library=eb) -> list[torch.nn.Module]:
+        """[extra-MSA stack (with ``extra``), Evoformer stack] of the implementation, as built (the
+        plain stacks from ``library``: this checkout's, or a baseline revision's, from its own preset
+        with this trunk's block counts)."""
+        cfg = self.cfg if library is eb else preset_config(library, self.preset, like=self.cfg)
         if impl in PLAIN:
             earlier, last = recompute_options(self.recompute)
-            extra = eb.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **earlier)
-            evo = eb.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)
+            extra = library.ExtraMSAStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **earlier)
+            evo = library.EvoformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)
         else:
             mode = peer_compile_mode(impl)
             import trunk_peer
@@ -231,17 +261,21 @@ class PairformerTrunk:
     title = "Pairformer stack"
     leaves = ("s", "z")
 
-    def __init__(self, preset: str = "af3", recompute: str = "full"):
-        self.cfg, self.recompute = get_config(preset), recompute
+    def __init__(self, preset: str = "af3", recompute: str = "full", blocks: int = 0):
+        self.preset, self.recompute = preset, recompute
+        self.cfg = preset_config(eb, preset)
+        if blocks:
+            self.cfg.pairformer_stack.no_blocks = blocks
 
     def flops(self, case: TokenCase) -> float:
         section = self.cfg.pairformer_stack
         return section.no_blocks * pairformer_block_flops(dict(section), case.n_token)[1]
 
-    def stacks(self, impl: str) -> list[torch.nn.Module]:
+    def stacks(self, impl: str, library=eb) -> list[torch.nn.Module]:
         if impl in PLAIN:
+            cfg = self.cfg if library is eb else preset_config(library, self.preset, like=self.cfg)
             _, last = recompute_options(self.recompute)
-            return [eb.PairformerStack.from_config(self.cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)]
+            return [library.PairformerStack.from_config(cfg, blocks_per_ckpt=1, cuda_graphs=impl == "graphs", **last)]
         mode = peer_compile_mode(impl)
         import trunk_peer
 
@@ -291,6 +325,65 @@ def make_step(trunk, stacks, t):
         trunk.loss(stacks, t).backward()
 
     return step
+
+
+def baseline_pair(trunk, case, revision: str, train: bool = False, device="cuda", dtype=DTYPE):
+    """This checkout's plain stacks and revision ``revision``'s (benchmarks/baseline.py) with the
+    same weights, one set of inputs: (our step, the baseline's step, whether one step of each gives
+    every gradient, of the parameters (by name) and of the inputs, bitwise equal). Each step has run
+    twice (warm-up: a block decides its one-call path in its first call). Exits where the
+    revision's stacks do not take this checkout's weights."""
+    import baseline
+
+    library = baseline.load(revision)
+    ours = build_stacks(trunk, "plain", train, device, dtype)
+    theirs = [stack.to(device, dtype).train(train) for stack in trunk.stacks("plain", library)]
+    for mine, other in zip(ours, theirs):
+        mismatch = other.load_state_dict(mine.state_dict(), strict=False)
+        if mismatch.missing_keys or mismatch.unexpected_keys:
+            raise SystemExit(f"--baseline {revision}: its {type(other).__name__} does not take this one's weights: "
+                             f"{mismatch}")
+    t = trunk.inputs(case, device, dtype)
+    grads = []
+    for stacks in (ours, theirs):
+        step = make_step(trunk, stacks, t)
+        for _ in range(2):
+            step()
+        named = {f"{i}.{name}": p.grad for i, stack in enumerate(stacks) for name, p in stack.named_parameters()}
+        grads.append(({name: g.clone() for name, g in named.items()}, [t[name].grad.clone() for name in trunk.leaves]))
+    (mine, mine_in), (other, other_in) = grads
+    same = mine.keys() == other.keys() and all(torch.equal(g, other[name]) for name, g in mine.items()) and all(
+        torch.equal(a, b) for a, b in zip(mine_in, other_in))
+    return make_step(trunk, ours, t), make_step(trunk, theirs, t), same
+
+
+def against_baseline(trunk, case, revision: str, rounds: int) -> dict:
+    """--baseline: this checkout's plain trunk and revision ``revision``'s, profiled steps alternating
+    (the module docstring says what is reported)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    ours, theirs, same = baseline_pair(trunk, case, revision)
+    steps = {"ours": ours, "baseline": theirs}
+    runs = {side: [] for side in steps}
+    for index in range(rounds):
+        for side in steps if index % 2 == 0 else reversed(list(steps)):
+            runs[side].append(profile_step(steps[side]))
+    result = {"revision": revision, "gradients_bitwise_equal": same}
+    for side, step in steps.items():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        kernels = [run["kernels_ms"] for run in runs[side]]
+        result[side] = {
+            "kernels_ms": statistics.median(kernels), "kernels_ms_all": kernels,
+            "launches": runs[side][-1]["launches"],
+            "memsets": runs[side][-1]["kernel_groups"].get("memsets", [0.0, 0])[1],
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    result["ratio"] = result["ours"]["kernels_ms"] / result["baseline"]["kernels_ms"]
+    return result
 
 
 def wall_ms(step, steps: int) -> list[float]:
@@ -420,17 +513,47 @@ def main() -> None:
                      help="POLICY[,budget=GIB][,last]: what checkpointed blocks keep (see above; default full)")
     cli.add_argument("--backward-thread", choices=("engine", "caller"), default="engine",
                      help="caller: torch.autograd.set_multithreading_enabled(False) for the whole run")
+    cli.add_argument("--baseline", default="", metavar="REV",
+                     help="the plain trunk's kernel time against revision REV's in one process (see above)")
+    cli.add_argument("--blocks", type=int, default=4,
+                     help="with --baseline: blocks of the Evoformer or Pairformer stack (default 4)")
+    cli.add_argument("--rounds", type=int, default=5, help="with --baseline: profiled steps of each side (default 5)")
     args = cli.parse()
     if args.forward_only:
         cli.error("--forward-only: a training step is a forward and a backward")
     if args.no_extra and args.trunk != "af2":
         cli.error("--no-extra: only the af2 trunk has an extra-MSA stack")
+    if args.baseline and args.dropout != "off":
+        cli.error("--baseline needs --dropout off (two revisions need not draw the same dropout masks)")
+    if args.baseline and (args.blocks < 1 or args.rounds < 1):
+        cli.error("--blocks and --rounds must be at least 1")
+    blocks = args.blocks if args.baseline else 0
     if args.trunk == "af2":
-        trunk = AF2Trunk(extra=not args.no_extra, recompute=args.recompute)
+        trunk = AF2Trunk(extra=not args.no_extra, recompute=args.recompute, blocks=blocks)
     else:
-        trunk = PairformerTrunk(recompute=args.recompute)
+        trunk = PairformerTrunk(recompute=args.recompute, blocks=blocks)
     torch.autograd.set_multithreading_enabled(args.backward_thread == "engine")
     print(run_info_line(), flush=True)
+    if args.baseline:
+        results = []
+        for index in args.shapes:
+            case = trunk.cases[index]
+            r = against_baseline(trunk, case, args.baseline, args.rounds)
+            print(f"\n## trunk step ({trunk.title}, {args.blocks} blocks), {case.label()}, dropout off, recompute "
+                  f"{args.recompute}: this checkout against {args.baseline}, {args.rounds} profiled steps each, "
+                  "alternating", flush=True)
+            print(markdown_table(
+                ["side", "CUDA ms (median)", "rounds", "launches", "memsets", "peak GiB allocated"],
+                [[side, fmt(r[side]["kernels_ms"], 2), ", ".join(fmt(x, 2) for x in r[side]["kernels_ms_all"]),
+                  r[side]["launches"], r[side]["memsets"], f"{r[side]['peak_allocated_gib']:.2f}"]
+                 for side in ("ours", "baseline")]), flush=True)
+            print(f"ours / baseline {r['ratio']:.4f}; gradients bitwise equal: {r['gradients_bitwise_equal']}",
+                  flush=True)
+            results.append({"case": case.label(), "blocks": args.blocks, **trunk.report(), **r})
+            torch.cuda.empty_cache()
+        if args.json:
+            write_json(args.json, results)
+        return
     results = []
     for index in args.shapes:
         case = trunk.cases[index]

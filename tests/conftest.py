@@ -1,9 +1,15 @@
-"""Shared test fixtures: per-dtype tolerances, seeding, backend isolation, recording backends and an
-independent float64 reference of the attention op. Nothing here needs a GPU."""
+"""Shared test fixtures: per-dtype tolerances, seeding, backend isolation, recording backends, an
+independent float64 reference of the attention op and a subprocess beside a baseline revision's
+library. Nothing here needs a GPU."""
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -144,3 +150,22 @@ def recording_backends():
             if op != _dispatch.ATTENTION_OP:
                 _dispatch.register(BlockOpSpy(op, impl.name, impl.block_calls), auto_priority=priority)
     yield calls, backends
+
+
+@pytest.fixture
+def run_beside_baseline(tmp_path):
+    """``run(script)``: ``script`` in a new Python process from the repository's root, the folder of
+    benchmarks/baseline.py's prepared revisions in ``tmp_path`` (a process holds one baseline
+    revision); asserts that it exited cleanly with "ok" as its last output. Skips without a git
+    checkout (a revision is made from the repository's history)."""
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("needs a git checkout of the repository")
+    env = dict(os.environ, EVOFORMER_BLOCKS_BASELINE_DIR=str(tmp_path), PYTHONPATH=str(repo))
+
+    def run(script: str) -> None:
+        done = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+    return run

@@ -1,12 +1,9 @@
 """benchmarks/baseline.py: a git revision of the library loaded beside the checkout's under another name
-(the host-time A/B of `bench_block.py --host --baseline REV`). CPU only: the renamed package imports,
+(the A/Bs of `bench_block.py --host --baseline REV` and `bench_trunk.py --baseline REV`). CPU only: the renamed package imports,
 nothing of the checkout's names is left where two libraries in one process would collide, and its
 EvoformerBlock takes the checkout's weights."""
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,13 +38,8 @@ print("ok")
 """
 
 
-def test_baseline_loads_a_revision_beside_the_package(tmp_path):
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.skip("needs a git checkout of the repository")
-    env = dict(os.environ, EVOFORMER_BLOCKS_BASELINE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+def test_baseline_loads_a_revision_beside_the_package(tmp_path, run_beside_baseline):
+    run_beside_baseline(SCRIPT)
     prepared = [p.name for p in tmp_path.iterdir()]
     assert len(prepared) == 1 and re.fullmatch(r"[0-9a-f]{12}", prepared[0]), prepared
 

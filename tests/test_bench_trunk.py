@@ -2,7 +2,8 @@
 cuEquivariance cannot run: its three fused ops are replaced by reference functions written from
 their documented semantics (cuequivariance_torch 0.13), with its signatures. The peer's Pairformer
 block on the weights of the library's PairformerBlock computes the same function; the trunk steps of
-both trunks (ours and the peer, eager) run end to end at tiny sizes, every gradient reached."""
+both trunks (ours and the peer, eager) run end to end at tiny sizes, every gradient reached; and
+--baseline's pairing of this checkout's stacks with a revision's gives the same gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -238,3 +239,31 @@ def test_block_arguments_build_the_presets_blocks():
     ExtraMSABlock(**bench_block.block_args(True))
     assert bench_block.pairformer_block_args()["c_s"] == 384
     PairformerBlock(**bench_block.pairformer_block_args())
+
+
+# --------------------------------------------------------------------------------------------
+# --baseline: this checkout's trunk against a revision's, paired (a subprocess: one baseline per process)
+
+BASELINE_SCRIPT = r"""
+import sys
+sys.path.insert(0, "benchmarks")
+import bench_trunk
+for trunk, case in ((bench_trunk.AF2Trunk(preset="small", blocks=2), bench_trunk.Case(3, 8)),
+                    (bench_trunk.PairformerTrunk(preset="af3_small", blocks=2), bench_trunk.TokenCase(8))):
+    assert trunk.flops(case) > 0
+    ours, theirs, same = bench_trunk.baseline_pair(trunk, case, "HEAD", device="cpu")
+    assert same, type(trunk).__name__
+    ours(), theirs()
+# in training mode each step draws its own dropout masks: the comparison tells
+trunk = bench_trunk.AF2Trunk(preset="small", blocks=1)
+trunk.cfg.evoformer_stack.msa_dropout = trunk.cfg.evoformer_stack.pair_dropout = 0.25
+assert not bench_trunk.baseline_pair(trunk, bench_trunk.Case(3, 8), "HEAD", train=True, device="cpu")[2]
+print("ok")
+"""
+
+
+def test_baseline_pair_gives_the_same_gradients(run_beside_baseline):
+    """`--baseline`'s pairing on the CPU against this checkout's own commit: the revision's stacks
+    (both trunks, two blocks) take this side's weights and give every gradient bitwise equal; with
+    dropout drawn per step they do not (what the check would report)."""
+    run_beside_baseline(BASELINE_SCRIPT)
