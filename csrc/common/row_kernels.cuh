@@ -241,8 +241,9 @@ constexpr int kSumGroupsInFlight = 40;
 // and the last of those adds the groups in order. Two short stages, because one CTA adding every
 // row alone (528 rows on an H100) would run for tens of microseconds after the rest of the grid.
 // Each stage is the grid's tail, the GPU otherwise idle: its threads take the (part, column) pairs
-// together and load all of a pair's rows at once (one round of L2 latency per stage, where eight
-// loads at a time and the parts one after the other took up to ten).
+// together and load all of a pair's rows at once, one round of L2 latency per pair a thread takes
+// (at C = 256 with two parts, two per stage), where eight loads at a time, part after part, took up
+// to ten in the second stage (33 groups at 528 CTAs).
 // Every thread of every CTA calls this after its CTA stored its partials.
 template <int kParts>
 __device__ __forceinline__ void add_partials_in_last_cta(const ColumnTotals& totals, float* const (&part)[kParts],
