@@ -19,6 +19,20 @@ inline unsigned span_grid(int64_t items) {
   return unsigned(blocks < 8192 ? (blocks > 0 ? blocks : 1) : 8192);
 }
 
+// 16-byte spans of T covering M rows of C values (each row's last span possibly partial).
+template <typename T>
+int64_t row_spans(int64_t M, int64_t C) {
+  return M * ((C + Vec<T>::kSize - 1) / Vec<T>::kSize);
+}
+
+// Launches a grid-stride kernel over `spans` 16-byte spans (span_grid CTAs; nothing where there are none).
+template <typename Params>
+void launch_spans(void (*kernel)(Params), const Params& p, int64_t spans, cudaStream_t stream, const char* name) {
+  if (spans == 0) return;
+  kernel<<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
+  check_launch(name);
+}
+
 // Lanes' 16-byte chunks of a row of C values spread over row_threads lanes.
 template <typename T>
 int chunks_per_lane(int C, int row_threads) {

@@ -7,10 +7,7 @@ namespace block {
 
 template <typename T>
 void launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
-  const int64_t spans = p.M * ((p.C + Vec<T>::kSize - 1) / Vec<T>::kSize);
-  if (spans == 0) return;
-  sigmoid_gate_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
-  check_launch("evoformer sigmoid gate");
+  launch_spans(sigmoid_gate_kernel<T>, p, row_spans<T>(p.M, p.C), stream, "evoformer sigmoid gate");
 }
 
 template <typename T>
@@ -30,10 +27,7 @@ void launch_column_sum(const ColumnSumParams& p, int n_ctas, cudaStream_t stream
 
 template <typename T>
 void launch_row_scale(const RowScaleParams& p, cudaStream_t stream) {
-  const int64_t spans = p.M * ((p.C + Vec<T>::kSize - 1) / Vec<T>::kSize);
-  if (spans == 0) return;
-  row_scale_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
-  check_launch("evoformer row scale");
+  launch_spans(row_scale_kernel<T>, p, row_spans<T>(p.M, p.C), stream, "evoformer row scale");
 }
 
 #define EVOFORMER_GATING_OPS(T) \

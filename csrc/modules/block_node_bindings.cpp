@@ -161,7 +161,6 @@ at::Tensor transition(const at::Tensor& x, Params& p) {
   return transition_op().call(x, w1, b1, w2, b2);
 }
 
-// A triangle multiplication's parameters from p, in its node's order (a braced list reads them in order).
 // z + update * mask with one mask value per row (at::addcmul's values on the mask broadcast over c_z, bit for
 // bit, in one pass of the row kernel), as an autograd node: z's gradient is dz itself and update's dz *
 // mask (the row kernel again: AddcmulBackward's values); the mask gets none (callers pass one that needs none).
@@ -186,6 +185,7 @@ at::Tensor masked_add(const at::Tensor& z, const at::Tensor& update, const at::T
   return MaskedAddNode::apply(z, update, mask);
 }
 
+// A triangle multiplication's parameters from p, in its node's order (a braced list reads them in order).
 TriangleParameters triangle_parameters(Params& p) {
   return {p.tensor(),   p.tensor(),   p.tensor(),   p.tensor(),  p.tensor(),  p.tensor(),  // norm_in, a_p .. b_g
           p.optional(), p.optional(), p.optional(), p.optional(),                            // their biases

@@ -7,10 +7,8 @@ namespace block {
 
 template <typename T>
 void launch_gate_pack(const GatePackParams& p, cudaStream_t stream) {
-  const int64_t spans = int64_t(2) * p.C * ((p.M + Vec<T>::kSize - 1) / Vec<T>::kSize);
-  if (spans == 0) return;
-  gate_pack_kernel<T><<<span_grid(spans), kBlockOpThreads, 0, stream>>>(p);
-  check_launch("evoformer triangle gate pack");
+  // (2 C channel rows of M positions)
+  launch_spans(gate_pack_kernel<T>, p, row_spans<T>(int64_t(2) * p.C, p.M), stream, "evoformer triangle gate pack");
 }
 
 template <typename T>
