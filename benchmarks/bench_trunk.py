@@ -344,17 +344,17 @@ def baseline_pair(trunk, case, revision: str, train: bool = False, device="cuda"
             raise SystemExit(f"--baseline {revision}: its {type(other).__name__} does not take this one's weights: "
                              f"{mismatch}")
     t = trunk.inputs(case, device, dtype)
-    grads = []
+    steps, grads = [], []
     for stacks in (ours, theirs):
-        step = make_step(trunk, stacks, t)
+        steps.append(make_step(trunk, stacks, t))
         for _ in range(2):
-            step()
+            steps[-1]()
         named = {f"{i}.{name}": p.grad for i, stack in enumerate(stacks) for name, p in stack.named_parameters()}
         grads.append(({name: g.clone() for name, g in named.items()}, [t[name].grad.clone() for name in trunk.leaves]))
     (mine, mine_in), (other, other_in) = grads
     same = mine.keys() == other.keys() and all(torch.equal(g, other[name]) for name, g in mine.items()) and all(
         torch.equal(a, b) for a, b in zip(mine_in, other_in))
-    return make_step(trunk, ours, t), make_step(trunk, theirs, t), same
+    return steps[0], steps[1], same
 
 
 def against_baseline(trunk, case, revision: str, rounds: int) -> dict:
