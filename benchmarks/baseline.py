@@ -1,7 +1,8 @@
 """An earlier revision of this repository's library loaded beside the checkout's, in one process, so
-that a change's host time can be compared with the code before it on the same machine at the same
-moment (`bench_block.py --host --baseline REV`): hosts differ between machine instances, and one
-host's speed drifts, by more than most host-side changes move it.
+that a change can be compared with the code before it on the same machine at the same moment: host
+time (`bench_block.py --host --baseline REV`), a trunk step's kernel time (`bench_trunk.py --baseline
+REV`), the attention's (`bench_attention.py --baseline REV`). Hosts and GPUs differ between machine
+instances, and drift on one, by more than most single changes move them.
 
 `load(rev)` copies the revision's `evoformer_blocks/`, `csrc/` and `pyproject.toml` out of git
 (`git archive`) into a folder of its own (``$EVOFORMER_BLOCKS_BASELINE_DIR``, else the system's temp

@@ -12,6 +12,15 @@ that do not run in this process (cuEquivariance, trifast, DeepSpeed; RESULTS.md,
 printed under each shape, without ratios.
 
     python benchmarks/bench_attention.py [--shapes all|0,4] [--impls cutlass,flex] [--json out.json] [--forward-only]
+    python benchmarks/bench_attention.py --baseline REV [--gated] [--rounds 5] [--shapes ...] [--forward-only]
+
+--baseline REV: instead of the implementations, this checkout's cutlass backend against git revision
+REV's (benchmarks/baseline.py: its library loaded beside this one) on the same inputs: forward and
+forward+backward medians (do_bench, L2 flushed) of --rounds rounds per side, the sides alternating
+within each phase, their ratio, and whether one forward+backward of each gives the same output and
+gradients bit for bit. --gated times gated_evoformer_attention instead (the attention modules' op:
+q, k, v and the gate g as one [B, N, L, 4 * H * D] projection, sigmoid(g) * attention), gradients of
+that projection and the pair bias.
 
 one_step.py, profile_kernels.py and host_overhead.py run single implementations on this suite
 through attention_step().
@@ -20,6 +29,7 @@ through attention_step().
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -85,15 +95,15 @@ H100_PEERS = {
 }
 
 
-def make_inputs(shape: Shape, dtype=torch.bfloat16, seed=0):
+def make_inputs(shape: Shape, dtype=torch.bfloat16, seed=0, device="cuda"):
     """(q, k, v, mask_bias, pair_bias): 10 % of keys masked as 1e9 * (mask - 1); pair_bias None for
     shapes without one."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     b, n, l, h, d = shape.batch, shape.rows, shape.length, shape.heads, shape.head_dim
-    q, k, v = (torch.randn(b, n, l, h, d, generator=gen, device="cuda").to(dtype) for _ in range(3))
-    keep = torch.rand(b, n, 1, 1, l, generator=gen, device="cuda") > 0.1
+    q, k, v = (torch.randn(b, n, l, h, d, generator=gen, device=device).to(dtype) for _ in range(3))
+    keep = torch.rand(b, n, 1, 1, l, generator=gen, device=device) > 0.1
     mask_bias = (1e9 * (keep.to(dtype) - 1)).to(dtype)
-    pair_bias = torch.randn(b, 1, h, l, l, generator=gen, device="cuda").to(dtype) if shape.pair else None
+    pair_bias = torch.randn(b, 1, h, l, l, generator=gen, device=device).to(dtype) if shape.pair else None
     return q, k, v, mask_bias, pair_bias
 
 
@@ -220,6 +230,81 @@ def accuracy(inputs) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+# ---- --baseline: this checkout's backend against a git revision's ---------------------------------
+def baseline_calls(shape: Shape, revision: str, *, gated: bool, backend: str = "cutlass", device="cuda",
+                   dtype=torch.bfloat16, seed: int = 0):
+    """The attention of this checkout and of revision ``revision`` (benchmarks/baseline.py) on one
+    set of inputs of ``shape``: ({"ours": call, "baseline": call}, leaves), each call running the
+    ``backend`` of its library. Plain: evoformer_attention(q, k, v, mask_bias, pair_bias), leaves
+    q, k, v and the pair bias. ``gated``: gated_evoformer_attention(qkvg, H, mask_bias, pair_bias),
+    qkvg [B, N, L, 4 * H * D] made of q, k, v and a random gate, leaves qkvg and the pair bias."""
+    import importlib
+
+    import baseline
+
+    theirs = importlib.import_module(baseline.load(revision).__name__ + ".ops")
+    q, k, v, m, p = inputs = make_inputs(shape, dtype, seed, device)
+    leaves = grad_leaves(inputs)
+    if gated:
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+        qkvg = torch.cat([t.flatten(-2) for t in (q, k, v, g)], dim=-1)  # [B, N, L, 4 H D]
+        leaves = [qkvg] + leaves[3:]
+
+    def side(lib):  # the call of one library's op
+        if gated:
+            return lambda: lib.gated_evoformer_attention(qkvg, shape.heads, m, p, backend=backend)
+        return lambda: lib.evoformer_attention(q, k, v, m, p, backend=backend)
+
+    return {"ours": side(ops), "baseline": side(theirs)}, leaves
+
+
+def baseline_bitwise(calls: dict, leaves: list[torch.Tensor]) -> bool:
+    """Whether one forward+backward of each side (the same cotangent) gives the same output and the
+    same gradients of ``leaves``, bit for bit."""
+    results = []
+    for t in leaves:
+        t.requires_grad_(True)
+    for call in calls.values():
+        out = call()
+        dout = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7),
+                           device=out.device).to(out.dtype)
+        results.append([out.detach(), *torch.autograd.grad(out, leaves, dout)])
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def against_baseline(shape: Shape, revision: str, *, gated: bool, rounds: int, forward_only: bool) -> dict:
+    """--baseline on one shape (the module docstring says what is reported)."""
+    calls, leaves = baseline_calls(shape, revision, gated=gated)
+    row = {"shape": shape.name, "revision": revision, "gated": gated,
+           "bitwise_equal": baseline_bitwise(calls, leaves)}
+    for phase, backward in (("fwd", False), ("fwdbwd", True)):
+        if backward and forward_only:
+            continue
+        steps = {side: harness.make_step(call, leaves, backward=backward) for side, call in calls.items()}
+        times = {side: [] for side in steps}
+        for index in range(rounds):
+            for side in steps if index % 2 == 0 else reversed(list(steps)):
+                times[side].append(harness.median_ms(steps[side]))
+        for side, ms in times.items():
+            row[f"{side}_{phase}_ms"], row[f"{side}_{phase}_ms_all"] = statistics.median(ms), ms
+        row[f"{phase}_ratio"] = row[f"ours_{phase}_ms"] / row[f"baseline_{phase}_ms"]
+    return row
+
+
+def print_baseline(rows: list[dict]) -> None:
+    """The --baseline table: ms ours / the revision's and their ratio, per phase."""
+    def cell(row, phase):
+        if f"{phase}_ratio" not in row:
+            return "–"
+        return (f"{harness.fmt(row[f'ours_{phase}_ms'])} / {harness.fmt(row[f'baseline_{phase}_ms'])} "
+                f"({row[f'{phase}_ratio']:.4f})")
+    revision, op = rows[0]["revision"], "gated_evoformer_attention" if rows[0]["gated"] else "evoformer_attention"
+    print(f"\n## {op}, cutlass: this checkout against {revision} (medians of the rounds; ours / {revision} ms)")
+    print(harness.markdown_table(["shape", "fwd", "fwd+bwd", "output and gradients bitwise equal"],
+                                 [[r["shape"], cell(r, "fwd"), cell(r, "fwdbwd"), r["bitwise_equal"]] for r in rows]))
+
+
 def print_shape(shape: Shape, row: dict, impls: list[str], on_h100: bool) -> None:
     floor_f, floor_fb = row["floor_ms"]
     flop_f, _ = shape.flops()
@@ -251,8 +336,29 @@ def print_shape(shape: Shape, row: dict, impls: list[str], on_h100: bool) -> Non
 
 def main() -> None:
     cli = command_line(__doc__, default_impls=default_impls)
+    cli.add_argument("--baseline", default="", metavar="REV",
+                     help="time this checkout's cutlass backend against revision REV's instead (see above)")
+    cli.add_argument("--gated", action="store_true", help="with --baseline: gated_evoformer_attention")
+    cli.add_argument("--rounds", type=int, default=5, help="with --baseline: rounds per side and phase (default 5)")
     args = cli.parse()
+    if args.rounds < 1:
+        cli.error("--rounds must be at least 1")
+    if args.gated and not args.baseline:
+        cli.error("--gated goes with --baseline")
     print(harness.run_info_line() + (", cutlass runs its Hopper kernels" if hopper_kernels() else ""), flush=True)
+    if args.baseline:
+        rows = []
+        for index in args.shapes:
+            rows.append(against_baseline(SUITE[index], args.baseline, gated=args.gated, rounds=args.rounds,
+                                         forward_only=args.forward_only))
+            row = rows[-1]
+            print(f"{row['shape']}: ours / {args.baseline} forward {row['fwd_ratio']:.4f}"
+                  + (f", forward+backward {row['fwdbwd_ratio']:.4f}" if "fwdbwd_ratio" in row else "")
+                  + f"; bitwise equal: {row['bitwise_equal']}", flush=True)
+        print_baseline(rows)
+        if args.json:
+            harness.write_json(args.json, rows)
+        return
     on_h100 = "H100" in torch.cuda.get_device_name()
     results = []
     for index in args.shapes:

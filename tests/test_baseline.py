@@ -1,5 +1,6 @@
 """benchmarks/baseline.py: a git revision of the library loaded beside the checkout's under another name
-(the A/Bs of `bench_block.py --host --baseline REV` and `bench_trunk.py --baseline REV`). CPU only: the renamed package imports,
+(the A/Bs of `bench_block.py --host --baseline REV`, `bench_trunk.py --baseline REV` and
+`bench_attention.py --baseline REV`). CPU only: the renamed package imports,
 nothing of the checkout's names is left where two libraries in one process would collide, and its
 EvoformerBlock takes the checkout's weights."""
 
