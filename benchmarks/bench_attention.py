@@ -282,11 +282,7 @@ def against_baseline(shape: Shape, revision: str, *, gated: bool, rounds: int, f
         if backward and forward_only:
             continue
         steps = {side: harness.make_step(call, leaves, backward=backward) for side, call in calls.items()}
-        times = {side: [] for side in steps}
-        for index in range(rounds):
-            for side in steps if index % 2 == 0 else reversed(list(steps)):
-                times[side].append(harness.median_ms(steps[side]))
-        for side, ms in times.items():
+        for side, ms in harness.alternating_rounds(steps, rounds, harness.median_ms).items():
             row[f"{side}_{phase}_ms"], row[f"{side}_{phase}_ms_all"] = statistics.median(ms), ms
         row[f"{phase}_ratio"] = row[f"ours_{phase}_ms"] / row[f"baseline_{phase}_ms"]
     return row

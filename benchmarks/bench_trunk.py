@@ -102,7 +102,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_block import DTYPE, block_flops, pairformer_block_flops, pct_of_peak, randomized  # noqa: E402
-from harness import CommandLine, failure_reason, fmt, markdown_table, optional_import, run_info_line, speedup, write_json  # noqa: E402
+from harness import (CommandLine, alternating_rounds, failure_reason, fmt, markdown_table, optional_import,  # noqa: E402
+                     run_info_line, speedup, write_json)
 
 import evoformer_blocks as eb  # noqa: E402
 from evoformer_blocks import recompute  # noqa: E402
@@ -364,10 +365,7 @@ def against_baseline(trunk, case, revision: str, rounds: int) -> dict:
     torch.cuda.empty_cache()
     ours, theirs, same = baseline_pair(trunk, case, revision)
     steps = {"ours": ours, "baseline": theirs}
-    runs = {side: [] for side in steps}
-    for index in range(rounds):
-        for side in steps if index % 2 == 0 else reversed(list(steps)):
-            runs[side].append(profile_step(steps[side]))
+    runs = alternating_rounds(steps, rounds, profile_step)
     result = {"revision": revision, "gradients_bitwise_equal": same}
     for side, step in steps.items():
         gc.collect()

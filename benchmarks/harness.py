@@ -251,6 +251,18 @@ def median_ms(step: Callable[[], Any], *, warmup_ms: int = 50, rep_ms: int = 300
     return do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def alternating_rounds(steps: Mapping[str, Callable[[], Any]], rounds: int,
+                       measure: Callable[[Callable[[], Any]], Any]) -> dict[str, list[Any]]:
+    """``{side: [measure(step) of each round]}`` for the ``steps`` of an A/B in one process: each
+    round measures every side once, in reverse order every second round, so that no side always
+    runs right after the same other one."""
+    results: dict[str, list[Any]] = {side: [] for side in steps}
+    for index in range(rounds):
+        for side in steps if index % 2 == 0 else reversed(list(steps)):
+            results[side].append(measure(steps[side]))
+    return results
+
+
 def peak_mib(step: Callable[[], Any]) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
