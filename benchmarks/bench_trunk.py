@@ -73,8 +73,8 @@ stacks built from REV's preset with the same block counts and options and given 
 weights, one set of inputs, two untimed steps each, then --rounds profiled steps of each side
 alternating (default 5). Reported: each side's median CUDA time of a step (torch.profiler) and the
 ratio of the medians, every round's, launches and memsets, each side's peak memory over one step,
-and whether both sides' gradients (every parameter and input) are bitwise equal. Dropout off: two
-revisions need not draw the same masks.
+whether both sides' gradients (every parameter and input) are bitwise equal, and each side's median
+CUDA time per kernel group (KERNEL_GROUPS). Dropout off: two revisions need not draw the same masks.
 
 --recompute (plain and graphs): what the checkpointed blocks of the trunk's stacks keep instead of
 recomputing (evoformer_blocks.recompute): a policy (full, attention, attention+triangle), then
@@ -374,8 +374,11 @@ def against_baseline(trunk, case, revision: str, rounds: int) -> dict:
         step()
         torch.cuda.synchronize()
         kernels = [run["kernels_ms"] for run in runs[side]]
+        groups = {group for run in runs[side] for group in run["kernel_groups"]}
         result[side] = {
             "kernels_ms": statistics.median(kernels), "kernels_ms_all": kernels,
+            "groups_ms": {group: statistics.median(run["kernel_groups"].get(group, [0.0])[0] for run in runs[side])
+                          for group in groups},
             "launches": runs[side][-1]["launches"],
             "memsets": runs[side][-1]["kernel_groups"].get("memsets", [0.0, 0])[1],
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -547,6 +550,13 @@ def main() -> None:
                  for side in ("ours", "baseline")]), flush=True)
             print(f"ours / baseline {r['ratio']:.4f}; gradients bitwise equal: {r['gradients_bitwise_equal']}",
                   flush=True)
+            ours_groups, their_groups = r["ours"]["groups_ms"], r["baseline"]["groups_ms"]
+            names = sorted(set(ours_groups) | set(their_groups), key=lambda g: -their_groups.get(g, 0.0))
+            print("\nby kernel group (KERNEL_GROUPS; medians over the rounds, ms):", flush=True)
+            print(markdown_table(
+                ["group", "ours", "baseline", "difference"],
+                [[g, fmt(ours_groups.get(g, 0.0), 3), fmt(their_groups.get(g, 0.0), 3),
+                  f"{ours_groups.get(g, 0.0) - their_groups.get(g, 0.0):+.3f}"] for g in names]), flush=True)
             results.append({"case": case.label(), "blocks": args.blocks, **trunk.report(), **r})
             torch.cuda.empty_cache()
         if args.json:

@@ -111,6 +111,7 @@ class _GatedAttention(StackedParameters, nn.Module):
         chunk_size: Optional[int],
         transposed: bool = False,
         qkvg: Optional[torch.Tensor] = None,
+        output_bias: bool = True,
     ) -> torch.Tensor:
         """x: [*, N, L, c_in] (normalized), or with ``transposed`` [*, L, N, c_in]: the rows n along
         dim -2 and the positions they attend over along dim -3 (column attention and the ending node
@@ -118,13 +119,14 @@ class _GatedAttention(StackedParameters, nn.Module):
         strided q, k, v). mask_bias: [*, N, L] (``mask_to_bias`` of the mask, any strides) or None,
         in the attention's orientation; pair_bias: [B, 1, H, L, L] (from :meth:`_pair_bias`) or None;
         qkvg: the stacked q, k, v, g projection of x [B, A, B', 4 H C] where the caller made it.
+        output_bias: False: ``linear_o`` without its bias (a block adds it in its next residual add).
 
         Row ``n`` attends over its ``L`` positions; ``pair_bias[b, 0, h, i, j]`` is added to the
         logit of query ``i`` and key ``j`` in head ``h`` of every row. Returns the update in x's
         layout.
         """
         if qkvg is None:  # the whole update as one node where it can run (ops.module_nodes)
-            out = self._node(x, mask_bias, pair_bias, transposed)
+            out = self._node(x, mask_bias, pair_bias, transposed, output_bias=output_bias)
             if out is not None:
                 return out  # [*, A, B', c_in]
         batch_shape = x.shape[:-3]
@@ -142,11 +144,12 @@ class _GatedAttention(StackedParameters, nn.Module):
             qkvg, self.no_heads, mask_bias, pair_bias, transposed=transposed, backend=self.backend,
             chunk_size=chunk_size,
         )  # [B, A, B', H * C]
-        out = self.linear_o(o)  # [B, A, B', c_in]
+        out = self.linear_o(o, output_bias)  # [B, A, B', c_in]
         return out.reshape(*batch_shape, *out.shape[1:])  # [*, A, B', c_in]
 
     def _node(self, x, mask_bias, pair_bias, transposed: bool, head_major: Optional[Linear] = None,
-              transpose_head: bool = False, pair_source: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+              transpose_head: bool = False, pair_source: Optional[torch.Tensor] = None,
+              output_bias: bool = True) -> Optional[torch.Tensor]:
         """:meth:`_attend`'s result (with ``head_major``, the pair bias from x's own head-major
         projection, transposed with ``transpose_head``, or from ``pair_source``'s) as one autograd
         node, or None where the node cannot stand for the composed ops
@@ -154,7 +157,7 @@ class _GatedAttention(StackedParameters, nn.Module):
         return module_nodes.gated_attention(
             x, self.no_heads, mask_bias, pair_bias, self._qkvg(), self.linear_o,
             head_weight=None if head_major is None else head_major.weight, transpose_head=transpose_head,
-            pair_source=pair_source, transposed=transposed, backend=self.backend,
+            pair_source=pair_source, transposed=transposed, backend=self.backend, output_bias=output_bias,
         )
 
     def _mask_bias(
@@ -242,15 +245,18 @@ class MSARowAttentionWithPairBias(_GatedAttention):
         return self._normalized(self.layer_norm_m(m), self.layer_norm_z(z), mask_bias, chunk_size)
 
     def _normalized(
-        self, m: torch.Tensor, z: torch.Tensor, mask_bias: Optional[torch.Tensor], chunk_size: Optional[int]
+        self, m: torch.Tensor, z: torch.Tensor, mask_bias: Optional[torch.Tensor], chunk_size: Optional[int],
+        output_bias: bool = True,
     ) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` and ``z = layer_norm_z(z)`` (the block normalises
-        both with the residual streams kept, :func:`ops.layer_norm_keeping_input`)."""
-        out = self._node(m, mask_bias, None, False, self.linear_z, pair_source=z)  # (the pair bias in the node)
+        both with the residual streams kept, :func:`ops.layer_norm_keeping_input`); without
+        ``linear_o``'s bias where ``output_bias`` is False (the block adds it in its next residual add)."""
+        out = self._node(m, mask_bias, None, False, self.linear_z, pair_source=z,
+                         output_bias=output_bias)  # (the pair bias in the node)
         if out is not None:
             return out  # [*, N_seq, N_res, c_m]
         pair_bias = self._pair_bias(z)  # [B, 1, H, N_res, N_res]
-        return self._attend(m, mask_bias, pair_bias, chunk_size)  # [*, N_seq, N_res, c_m]
+        return self._attend(m, mask_bias, pair_bias, chunk_size, output_bias=output_bias)  # [*, N_seq, N_res, c_m]
 
 
 class MSAColumnAttention(_GatedAttention):
@@ -305,15 +311,17 @@ class MSAColumnAttention(_GatedAttention):
             check_mask(name, "mask", mask, m, "[*, N_seq, N_res]")
         return self._normalized(self.layer_norm_m(m), mask, chunk_size)
 
-    def _normalized(self, m: torch.Tensor, mask, chunk_size: Optional[int], mask_bias=None) -> torch.Tensor:
+    def _normalized(self, m: torch.Tensor, mask, chunk_size: Optional[int], mask_bias=None,
+                    output_bias: bool = True) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` (checked inputs; the block passes its fused residual
         add and layer norm's output here, and ``mask_bias = mask_to_bias(mask)`` [*, N_seq, N_res]
-        when it has it already)."""
+        when it has it already); without ``linear_o``'s bias where ``output_bias`` is False."""
         mask_bias = self._mask_bias(mask, m, mask_bias)  # [*, N_seq, N_res] or None
         if mask_bias is not None:
             mask_bias = mask_bias.transpose(-1, -2)  # [*, N_res, N_seq]: row r attends over s
         # each residue column attends over the sequences: rows along dim -2, positions along dim -3
-        return self._attend(m, mask_bias, None, chunk_size, transposed=True)  # [*, N_seq, N_res, c_m]
+        return self._attend(m, mask_bias, None, chunk_size, transposed=True,
+                            output_bias=output_bias)  # [*, N_seq, N_res, c_m]
 
 
 class _TriangleAttention(_GatedAttention):
@@ -370,14 +378,16 @@ class _TriangleAttention(_GatedAttention):
             check_mask(name, "mask", mask, z, "[*, N_res, N_res]")
         return self._normalized(self.layer_norm_z(z), mask, chunk_size)
 
-    def _normalized(self, z: torch.Tensor, mask, chunk_size: Optional[int], mask_bias=None) -> torch.Tensor:
+    def _normalized(self, z: torch.Tensor, mask, chunk_size: Optional[int], mask_bias=None,
+                    output_bias: bool = True) -> torch.Tensor:
         """The update from ``z = layer_norm_z(z)`` [*, I, J, c_z] (checked inputs; the block passes its
         fused residual add and layer norm's output here, and ``mask_bias = mask_to_bias(mask)``
-        [*, I, J] when it has it already)."""
+        [*, I, J] when it has it already); without ``linear_o``'s bias where ``output_bias`` is False."""
         mask_bias = self._mask_bias(mask, z, mask_bias)  # [*, I, J] or None
         # (the ending node's mask in its attention's orientation: row j attends over i)
         node_mask = mask_bias if self._starting or mask_bias is None else mask_bias.transpose(-1, -2)  # [*, J, I]
-        out = self._node(z, node_mask, None, not self._starting, self.linear_z, not self._starting and not self.bias_ik)
+        out = self._node(z, node_mask, None, not self._starting, self.linear_z, not self._starting and not self.bias_ik,
+                         output_bias=output_bias)
         if out is not None:
             return out  # [*, I, J, c_z]
         # Starting node: row i, query j, key k; the bias comes from the third edge z[j, k], i.e.
@@ -387,7 +397,8 @@ class _TriangleAttention(_GatedAttention):
             _flatten_batch(z, 3), self._qkvg(), head_major=self.linear_z
         )  # [B, I, J, 4 H C], [B, 1, H, I, J]
         if self._starting:
-            return self._attend(z, mask_bias, triangle_bias, chunk_size, qkvg=qkvg)  # [*, I, J, c_z]
+            return self._attend(z, mask_bias, triangle_bias, chunk_size, qkvg=qkvg,
+                                output_bias=output_bias)  # [*, I, J, c_z]
         # Ending node = the starting node on z^T, run on z's own layout: row j attends over the
         # edges (k, j) with the bias of the third edge z[k, i], i.e. the starting node's bias of z^T.
         # (the one copy here is of the bias, H * N_res^2 values, instead of z's c_z * N_res^2)
@@ -396,7 +407,8 @@ class _TriangleAttention(_GatedAttention):
             triangle_bias = triangle_bias.transpose(-1, -2).contiguous()  # [B, 1, H, J, I]
         if mask_bias is not None:
             mask_bias = mask_bias.transpose(-1, -2)  # [*, J, I]: row j attends over i
-        return self._attend(z, mask_bias, triangle_bias, chunk_size, transposed=True, qkvg=qkvg)  # [*, I, J, c_z]
+        return self._attend(z, mask_bias, triangle_bias, chunk_size, transposed=True, qkvg=qkvg,
+                            output_bias=output_bias)  # [*, I, J, c_z]
 
 
 class TriangleAttentionStartingNode(_TriangleAttention):
@@ -517,28 +529,32 @@ class MSAColumnGlobalAttention(nn.Module):
 
         return self._update(m, mask, chunk_size, normalized=False)
 
-    def _normalized(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], mask_bias=None) -> torch.Tensor:
+    def _normalized(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], mask_bias=None,
+                    output_bias: bool = True) -> torch.Tensor:
         """The update from ``m = layer_norm_m(m)`` (checked inputs, mask not None; the block passes its
-        fused residual add and layer norm's output here). ``mask_bias`` is accepted for the block's
-        one call signature and not used: the pooled query needs the 0/1 mask itself."""
-        return self._update(m, mask, chunk_size, normalized=True)
+        fused residual add and layer norm's output here); without ``linear_o``'s bias where
+        ``output_bias`` is False. ``mask_bias`` is accepted for the block's one call signature and not
+        used: the pooled query needs the 0/1 mask itself."""
+        return self._update(m, mask, chunk_size, normalized=True, output_bias=output_bias)
 
-    def _update(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], normalized: bool) -> torch.Tensor:
+    def _update(self, m: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int], normalized: bool,
+                output_bias: bool = True) -> torch.Tensor:
         # in m's own layout [*, N_seq, N_res, c_m]: a column is a residue r, its rows the sequences
         n_res = m.shape[-2]
         if chunk_size is None or chunk_size >= n_res:
-            return self._columns(m, mask, normalized)  # [*, N_seq, N_res, c_m]
+            return self._columns(m, mask, normalized, output_bias)  # [*, N_seq, N_res, c_m]
         return torch.cat(
             [
-                self._columns(m[..., i : i + chunk_size, :], mask[..., i : i + chunk_size], normalized)
+                self._columns(m[..., i : i + chunk_size, :], mask[..., i : i + chunk_size], normalized, output_bias)
                 for i in range(0, n_res, chunk_size)
             ],
             dim=-2,
         )  # [*, N_seq, N_res, c_m]
 
-    def _columns(self, m: torch.Tensor, mask: torch.Tensor, normalized: bool) -> torch.Tensor:
+    def _columns(self, m: torch.Tensor, mask: torch.Tensor, normalized: bool, output_bias: bool = True) -> torch.Tensor:
         """m: [*, S, R, c_m] (S sequences, R residue columns; layer-normalised already when
-        ``normalized``); mask: [*, S, R]. Returns [*, S, R, c_m]. Nothing is transposed in memory:
+        ``normalized``); mask: [*, S, R]. Returns [*, S, R, c_m] (without ``linear_o``'s bias where
+        ``output_bias`` is False). Nothing is transposed in memory:
         the column reductions run over dim -3 and the per-column products are batched over R on
         strided views."""
         heads, c = self.no_heads, self.c_hidden
@@ -569,4 +585,4 @@ class MSAColumnGlobalAttention(nn.Module):
 
         # each sequence's gate on its column's pooled output: [*, S, R, H C]
         gated = torch.sigmoid(g) * o.flatten(-2).unsqueeze(-3)  # [*, S, R, H * C]
-        return self.linear_o(gated)  # [*, S, R, c_m]
+        return self.linear_o(gated, output_bias)  # [*, S, R, c_m]

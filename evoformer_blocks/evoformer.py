@@ -44,15 +44,21 @@ from .triangle_multiplication import (
 )
 
 
-def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: Optional[torch.Tensor] = None):
+def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None):
     """(x + update, norm(x + update)) by :func:`ops.add_layer_norm` (one pass each way) where x and
     update share shape and dtype; the sum is what ``x + update`` gives. With ``scale`` (broadcasting
     to x's shape: a row mask ``[*, 1]``, a dropout keep-mask), the update is scaled in the same pass:
-    what ``x + update * scale`` gives."""
-    if update.dtype != x.dtype or update.shape != x.shape:  # e.g. autocast: the plain add promotes
+    what ``x + update * scale`` gives. With ``bias`` (``[C]``: the bias of the projection that made
+    the update, which left it out: a module's ``output_bias=False``), ``x + (update + bias) * scale``,
+    the bias added in the same pass and its gradient summed in the same backward pass."""
+    if update.dtype != x.dtype or update.shape != x.shape or (bias is not None and bias.dtype != x.dtype):
+        # (e.g. autocast: the plain adds promote)
+        update = update if bias is None else update + bias
         s = x + (update if scale is None else update * scale)
         return s, norm(s)
-    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=scale, backend=norm.backend)
+    return add_layer_norm(x, update, norm.weight, norm.bias, norm.eps, residual_scale=scale, residual_bias=bias,
+                          backend=norm.backend)
 
 
 def keep_and_norm(x: torch.Tensor, norm: LayerNorm):
@@ -161,13 +167,15 @@ class _PairUpdates(nn.Module):
         z, update = self.tri_mul_in._keeping_input(z, pair_mask)
         z, z_ln = add_and_norm(z, self.tri_att_start.layer_norm_z, update, keep_in)
         pair_bias = self.tri_att_start._mask_bias(pair_mask, z, pair_bias)  # [*, N_res, N_res]
-        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias)
-        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start)
+        # (each attention's output bias added in the residual add after it: output_bias=False)
+        update = self.tri_att_start._normalized(z_ln, pair_mask, chunk_size, mask_bias=pair_bias, output_bias=False)
+        z, z_ln = add_and_norm(z, self.tri_att_end.layer_norm_z, update, keep_start, self.tri_att_start.linear_o.bias)
         update = self.tri_att_end._normalized(
-            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end)
+            z_ln, pair_mask, chunk_size, mask_bias=_shared(pair_bias, self.tri_att_start, self.tri_att_end),
+            output_bias=False,
         )
         del pair_bias
-        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end)
+        z, z_ln = add_and_norm(z, self.pair_transition.layer_norm, update, keep_end, self.tri_att_end.linear_o.bias)
         return self.pair_transition._normalized(z_ln, pair_mask, chunk_size, residual=z)
 
     def pair_dropout_masks(self, z: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
@@ -444,21 +452,24 @@ class _MSABlock(_PairUpdates):
         msa_bias = self.msa_att_row._mask_bias(msa_mask, m, msa_bias)  # [*, N_seq, N_res]
         m, m_ln = keep_and_norm(m, self.msa_att_row.layer_norm_m)
         z, z_ln = keep_and_norm(z, self.msa_att_row.layer_norm_z)
-        update = self.msa_att_row._normalized(m_ln, z_ln, msa_bias, chunk_size)
-        scale = keep_msa  # the scale of `update` in the next residual add
+        # (each update's output bias added in the residual add after it: output_bias=False)
+        update = self.msa_att_row._normalized(m_ln, z_ln, msa_bias, chunk_size, output_bias=False)
+        scale, bias = keep_msa, self.msa_att_row.linear_o.bias  # the scale and bias of `update` in the next add
         if self.msa_att_col is not None:  # (OpenFold's no_column_attention: none)
-            m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, scale)
+            m, m_ln = add_and_norm(m, self.msa_att_col.layer_norm_m, update, scale, bias)
             update = self.msa_att_col._normalized(
-                m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col)
+                m_ln, msa_mask, chunk_size, mask_bias=_shared(msa_bias, self.msa_att_row, self.msa_att_col),
+                output_bias=False,
             )
-            scale = None
+            scale, bias = None, self.msa_att_col.linear_o.bias
         del msa_bias  # (each bias lives only while its two attentions run)
-        m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update, scale)
+        m, m_ln = add_and_norm(m, self.msa_transition.layer_norm, update, scale, bias)
         if self.opm_first:  # the transition's update is the block's last MSA update: masked and added
             m = self.msa_transition._normalized(m_ln, msa_mask, chunk_size, residual=m)
         else:
-            update = self.msa_transition._normalized_unmasked(m_ln, chunk_size)
-            m, m_ln = add_and_norm(m, opm.layer_norm, update, msa_mask.unsqueeze(-1))
+            update = self.msa_transition._normalized_unmasked(m_ln, chunk_size, output_bias=False)
+            m, m_ln = add_and_norm(m, opm.layer_norm, update, msa_mask.unsqueeze(-1),
+                                   self.msa_transition._output().bias)
             z = opm._normalized(m_ln, msa_mask, chunk_size, residual=z)
         z = self._pair_updates(z, pair_mask, chunk_size, (keep_out, keep_in, keep_start, keep_end), pair_bias)
         return m, z

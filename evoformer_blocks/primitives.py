@@ -122,8 +122,10 @@ class Linear(nn.Linear):
                 self.bias.zero_()
             _INITS[init](self.weight, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, backend=self.backend)
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """``x W^T + b``; with ``with_bias=False``, ``x W^T`` (a caller adding the bias later, as the
+        blocks do in the residual add after an update)."""
+        return linear(x, self.weight, self.bias if with_bias else None, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init={self.init!r}"

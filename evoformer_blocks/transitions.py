@@ -39,15 +39,19 @@ class Transition(nn.Module):
     def _update(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self._after_norm(self.layer_norm(x), mask)  # [*, N_b, c]
 
-    def _unmasked_update(self, x: torch.Tensor) -> torch.Tensor:
+    def _output(self) -> Linear:
+        """The output layer (whose bias a block may add in its next residual add instead)."""
+        return self.linear_2
+
+    def _unmasked_update(self, x: torch.Tensor, output_bias: bool = True) -> torch.Tensor:
         # x = layer_norm(x) [*, N_b, c]; relu(linear_1(x)), the ReLU in the GEMM's epilogue where the
-        # backend can, then linear_2: the update before its mask [*, N_b, c]; as one node where it can
-        # run (ops.module_nodes)
-        update = module_nodes.transition(x, self.linear_1, self.linear_2)
+        # backend can, then linear_2 (without its bias where output_bias is False): the update before
+        # its mask [*, N_b, c]; as one node where it can run (ops.module_nodes)
+        update = module_nodes.transition(x, self.linear_1, self.linear_2, output_bias)
         if update is not None:
             return update
         x = linear(x, self.linear_1.weight, self.linear_1.bias, activation="relu", backend=self.linear_1.backend)
-        return self.linear_2(x)
+        return self.linear_2(x, output_bias)
 
     def _after_norm(self, x: torch.Tensor, mask: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x = layer_norm(x) [*, N_b, c], mask [*, N_b, 1]
@@ -75,10 +79,12 @@ class Transition(nn.Module):
         update = self._run(self._after_norm, x, mask, chunk_size)
         return update if residual is None else residual + update
 
-    def _normalized_unmasked(self, x: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
+    def _normalized_unmasked(self, x: torch.Tensor, chunk_size: Optional[int], output_bias: bool = True) -> torch.Tensor:
         """The update from ``x = layer_norm(x)`` before its mask (checked inputs): the block masks it in
-        the residual add that follows (``ops.add_layer_norm``'s ``residual_scale``)."""
-        return chunked(self._unmasked_update, {"x": x}, no_batch_dims=x.dim() - 2, chunk_size=chunk_size)
+        the residual add that follows (``ops.add_layer_norm``'s ``residual_scale``), and with
+        ``output_bias=False`` adds the output layer's bias there too (``residual_bias``)."""
+        return chunked(lambda x: self._unmasked_update(x, output_bias), {"x": x}, no_batch_dims=x.dim() - 2,
+                       chunk_size=chunk_size)
 
     def _run(self, update, x: torch.Tensor, mask: torch.Tensor, chunk_size: Optional[int]) -> torch.Tensor:
         mask = mask.unsqueeze(-1)  # [*, N_a, N_b, 1]
@@ -117,8 +123,11 @@ class SwiGLUTransition(Transition):
         self.linear_b = Linear(c, n * c, bias=False, init="relu", backend=backend)
         self.linear_out = Linear(n * c, c, bias=False, init="final", backend=backend)
 
-    def _unmasked_update(self, x: torch.Tensor) -> torch.Tensor:
+    def _output(self) -> Linear:
+        return self.linear_out
+
+    def _unmasked_update(self, x: torch.Tensor, output_bias: bool = True) -> torch.Tensor:
         # x = layer_norm(x) [*, N_b, c]
         ab = stacked_projection(x, (self.linear_a, self.linear_b))  # [*, N_b, 2 n c]
         a, b = ab.chunk(2, dim=-1)  # [*, N_b, n c] each (views)
-        return self.linear_out(torch.nn.functional.silu(a) * b)  # [*, N_b, c]
+        return self.linear_out(torch.nn.functional.silu(a) * b, output_bias)  # [*, N_b, c]

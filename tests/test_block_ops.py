@@ -187,23 +187,35 @@ def test_layer_norm_cutlass_on_cpu_lists_reasons():
 
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_add_layer_norm_eager_is_the_add_then_the_norm(affine, scaled):
+@pytest.mark.parametrize("biased", [False, True])
+def test_add_layer_norm_eager_is_the_add_then_the_norm(affine, scaled, biased):
     x = (torch.randn(2, 5, 16, dtype=torch.float64) * 3 + 1).requires_grad_(True)
     r = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
     w, b = ((torch.randn(16, dtype=torch.float64, requires_grad=True),
              torch.randn(16, dtype=torch.float64, requires_grad=True)) if affine else (None, None))
     scale = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True) if scaled else None  # broadcast over dim 0
-    s, y = ops.add_layer_norm(x, r, w, b, 1e-5, residual_scale=scale)
-    s_ref = x + (r if scale is None else r * scale)
+    rb = torch.randn(16, dtype=torch.float64, requires_grad=True) if biased else None  # the residual's bias
+    s, y = ops.add_layer_norm(x, r, w, b, 1e-5, residual_scale=scale, residual_bias=rb)
+    update = r if rb is None else r + rb
+    s_ref = x + (update if scale is None else update * scale)
     y_ref = F.layer_norm(s_ref, (16,), w, b, 1e-5)
     torch.testing.assert_close(s, s_ref)
     torch.testing.assert_close(y, y_ref)
     ds, dy = torch.randn_like(s), torch.randn_like(y)
-    leaves = [t for t in (x, r, w, b, scale) if t is not None]
+    leaves = [t for t in (x, r, w, b, scale, rb) if t is not None]
     got = torch.autograd.grad((s, y), leaves, (ds, dy))
     want = torch.autograd.grad((s_ref, y_ref), leaves, (ds, dy))
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [torch.randn(5), torch.randn(4, dtype=torch.float64), torch.randn(1, 4), torch.randn(3, 4), "not a tensor"],
+)
+def test_add_layer_norm_invalid_residual_bias(bias):
+    with pytest.raises(ValueError, match="`residual_bias`"):
+        ops.add_layer_norm(torch.randn(3, 4), torch.randn(3, 4), residual_bias=bias)
 
 
 @pytest.mark.parametrize(
@@ -387,15 +399,19 @@ def test_layer_norm_keeping_input_compile_fullgraph_traces_the_fakes(param_dtype
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype, scaled):
+@pytest.mark.parametrize("residual_bias", [False, True])
+def test_add_layer_norm_compile_fullgraph_traces_the_fakes(param_dtype, scaled, residual_bias):
     from evoformer_blocks.ops import normalization
 
     x, r = _meta_leaf(3, 5, 32), _meta_leaf(3, 5, 32)
     weight, bias = _meta_leaf(32, dtype=param_dtype), _meta_leaf(32, dtype=param_dtype)
-    leaves = [x, r, weight, bias] + ([_meta_leaf(3, 1, 32)] if scaled else [])
+    scale = _meta_leaf(3, 1, 32) if scaled else None
+    leaves = [x, r, weight, bias] + ([scale] if scaled else []) + ([_meta_leaf(32)] if residual_bias else [])
 
-    def run(x, r, weight, bias, *scale):
-        inputs = normalization.validate_add(x, r, weight, bias, 1e-5, *scale)
+    def run(x, r, weight, bias, *rest):
+        scale = rest[0] if scaled else None
+        rb = rest[-1] if residual_bias else None
+        inputs = normalization.validate_add(x, r, weight, bias, 1e-5, scale, rb)
         s, y = normalization.CutlassAddLayerNorm().forward(inputs)
         return s * 3 + y * 2
 

@@ -131,16 +131,32 @@ def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
     # scale gets its own) against float64 with the 2x rule. Scales: a 0/1 row mask [*, 1], random
     # values per row (requiring grad), dropout keep-masks shared along the rows ([1, *, C] broadcast
     # over dim 0) or along dim -2 ([*, 1, C]), and a per-element scale read through a strided view.
+    _check_add_layer_norm(dtype, shape, params, scale, residual_bias=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(7, 64), (3, 37, 128), (1000, 256), (5, 1024)])
+@pytest.mark.parametrize("scale", ["none", "mask", "random", "dropout columns"])
+def test_add_layer_norm_residual_bias_matches_reference(dtype, shape, scale):
+    # the residual's bias added in the same pass: s = x + (residual + residual_bias) (* scale) as torch
+    # rounds it, bit for bit; the bias's gradient (the residual's summed over rows, in the backward's
+    # pass) with the others against float64 with the 2x rule
+    _check_add_layer_norm(dtype, shape, "affine", scale, residual_bias=True)
+
+
+def _check_add_layer_norm(dtype, shape, params, scale, residual_bias):
     c = shape[-1]
     if c * torch.finfo(dtype).bits // 8 > 2048:
         pytest.skip("wider than the kernel's rows: the op routes it to eager")
     x = (torch.randn(shape, device=DEV) * 2 + 0.5).to(dtype).requires_grad_(True)
     r = torch.randn(shape, device=DEV).to(dtype).requires_grad_(True)
-    w = b = sc = None
+    w = b = sc = rb = None
     if params != "none":
         w = (1 + 0.5 * torch.randn(c, device=DEV)).to(torch.float32 if params == "float32 weight" else dtype)
         w.requires_grad_(True)
         b = torch.randn(c, device=DEV).to(dtype).requires_grad_(True)
+    if residual_bias:
+        rb = (torch.randn(c, device=DEV) * 0.5).to(dtype).requires_grad_(True)
     if scale == "mask":  # a 0/1 row mask with a fully masked row
         sc = (torch.rand(*shape[:-1], 1, device=DEV) > 0.3).to(dtype)
         sc.view(-1)[0] = 0
@@ -151,33 +167,42 @@ def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
         sc = torch.nn.functional.dropout(torch.ones(keep_shape, device=DEV, dtype=dtype), p=0.25, training=True)
     elif scale == "strided":  # every value its own, read from a view with padded rows
         sc = (torch.randn(*shape[:-1], c + 8, device=DEV) + 1).to(dtype)[..., :c]
-    leaves = [t for t in (x, r, w, b) if t is not None] + ([sc] if scale == "random" else [])
+    leaves = ([t for t in (x, r, w, b) if t is not None] + ([sc] if scale == "random" else [])
+              + ([rb] if residual_bias else []))
     ds, dy = torch.randn(shape, device=DEV), torch.randn(shape, device=DEV)
 
     def run(fn, leaves):
         s, y = fn()
         return [s.detach(), y.detach(), *torch.autograd.grad((s, y), leaves, (ds.to(s.dtype), dy.to(y.dtype)))]
 
-    fused = run(lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, backend="cutlass"), leaves)
-    eager = run(lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, backend="eager"), leaves)
-    assert torch.equal(fused[0], eager[0]), "s must be x + residual (* scale) as torch rounds it"
+    def op(backend):
+        return lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, residual_bias=rb, backend=backend)
+
+    fused, eager = run(op("cutlass"), leaves), run(op("eager"), leaves)
+    assert torch.equal(fused[0], eager[0]), "s must be x + (residual + bias) (* scale) as torch rounds it"
     if scale == "mask":  # a masked row's residual gets no gradient, as from the multiply
         assert not fused[3].view(-1, c)[0].any()
     l64 = [t.detach().double().requires_grad_(True) for t in leaves]
     x64, r64 = l64[0], l64[1]
     w64, b64 = (l64[2], l64[3]) if w is not None else (None, None)
+
+    def update64():  # the residual as the op rounds it: with its bias added (rounded) first
+        return r64 if rb is None else (r64 + l64[-1]).to(dtype).double()
+
     if scale == "none":
-        s64 = lambda: x64 + r64  # noqa: E731
+        s64 = lambda: x64 + update64()  # noqa: E731
     elif scale == "random":
-        s64 = lambda: x64 + (r64 * l64[-1]).to(dtype).double()  # noqa: E731
+        s64 = lambda: x64 + (update64() * l64[len(leaves) - 1 - residual_bias]).to(dtype).double()  # noqa: E731
     else:
-        s64 = lambda: x64 + (r64 * sc.double()).to(dtype).double()  # noqa: E731
+        s64 = lambda: x64 + (update64() * sc.double()).to(dtype).double()  # noqa: E731
     # the reference normalises the rounded sum, as both backends do
     ref = run(lambda: (s64(), F.layer_norm(s64().to(dtype).double(), (c,), w64, b64, 1e-5)), l64)
-    names = ["y", "dx", "dresidual"] + (["dw", "db"] if w is not None else []) + (["dscale"] if scale == "random" else [])
+    names = (["y", "dx", "dresidual"] + (["dw", "db"] if w is not None else []) + (["dscale"] if scale == "random" else [])
+             + (["dresidual_bias"] if residual_bias else []))
+    assert len(names) == len(fused) - 1
     for name, f, e, rf in zip(names, fused[1:], eager[1:], ref[1:]):
         check(name, f, e, rf, dtype)
-    runs = [run(lambda: ops.add_layer_norm(x, r, w, b, residual_scale=sc, backend="cutlass"), leaves) for _ in range(2)]
+    runs = [run(op("cutlass"), leaves) for _ in range(2)]
     for a, b_ in zip(*runs):
         assert torch.equal(a, b_), "the fused add + layer norm must be bitwise reproducible"
 
@@ -460,6 +485,16 @@ def test_block_ops_pass_opcheck():
         s, y, mean, rstd = kernels.add_layer_norm_fwd(x, torch.randn_like(x), weight, bias, 1e-5, scale)
         torch.library.opcheck(kernels.add_layer_norm_bwd.default, (
             torch.randn_like(s), torch.randn_like(y), s, weight, mean, rstd, True, torch.float32, scale))
+    # with the residual's bias: forward, and its gradient with and without the affine ones
+    residual_bias = torch.randn(64, device=DEV).to(x.dtype)
+    for scale in (None, (torch.rand(5, 7, 1, device=DEV) > 0.5).to(x.dtype)):
+        args = (x, torch.randn_like(x), weight, bias, 1e-5, scale, residual_bias)
+        torch.library.opcheck(kernels.add_layer_norm_fwd.default, args)
+        s, y, mean, rstd = kernels.add_layer_norm_fwd(*args)
+        for need_affine in (False, True):
+            torch.library.opcheck(kernels.add_layer_norm_bwd.default, (
+                torch.randn_like(s), torch.randn_like(y), s, weight, mean, rstd, need_affine, torch.float32, scale,
+                torch.bfloat16))
     # the linear backward: with a ReLU's output, a stacked projection's bias from a column on, no bias
     x = torch.randn(6, 5, 32, device=DEV, dtype=torch.bfloat16)
     weight = torch.randn(64, 32, device=DEV)  # a float32 weight under bfloat16 activations

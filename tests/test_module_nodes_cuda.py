@@ -482,9 +482,12 @@ def _norm_parameters(kind: str, width: int, dtype, gen):
 @pytest.mark.parametrize("params", ["same", "float32", "weight_only", "none"])
 @pytest.mark.parametrize("scale", [None, "row_mask", "dropout", "scale_grad"])
 @pytest.mark.parametrize("outputs", ["both", "y_only"])
-def test_add_layer_norm_node_equals_the_function(dtype, params, scale, outputs):
+@pytest.mark.parametrize("residual_bias", [False, True], ids=["", "residual_bias"])
+def test_add_layer_norm_node_equals_the_function(dtype, params, scale, outputs, residual_bias):
     # ops.add_layer_norm on the cutlass backend: the C++ node against the Python Function (inside
-    # module_nodes.composed()), sum, y and every gradient bitwise
+    # module_nodes.composed()), sum, y and every gradient bitwise (with the residual's bias: its too)
+    if residual_bias and params in ("float32", "none"):
+        pytest.skip("the residual bias does not depend on the layer norm's parameters")
     gen = torch.Generator().manual_seed(11)
     shape = (2, 9, 24, 64)
     x, residual = (torch.randn(shape, generator=gen).to("cuda", dtype) for _ in range(2))
@@ -496,18 +499,23 @@ def test_add_layer_norm_node_equals_the_function(dtype, params, scale, outputs):
         "scale_grad": torch.rand(*shape[:-1], 1, generator=gen).to("cuda", dtype),
     }[scale]
     weights = [torch.randn(shape, generator=gen).to("cuda") for _ in range(2)]
+    bias_of_residual = (0.5 * torch.randn(shape[-1], generator=gen)).to("cuda", dtype) if residual_bias else None
 
     def run():
         leaves = [x.clone().requires_grad_(True), residual.clone().requires_grad_(True)]
         leaves += [p.clone().requires_grad_(True) for p in (weight, bias) if p is not None]
+        w_in, b_in = (leaves[2] if weight is not None else None,
+                      leaves[3] if bias is not None else None)
         scale_in = residual_scale
         if scale == "scale_grad":
             scale_in = residual_scale.clone().requires_grad_(True)
             leaves.append(scale_in)
-        w_in, b_in = (leaves[2] if weight is not None else None,
-                      leaves[3] if bias is not None else None)
+        rb_in = None
+        if residual_bias:
+            rb_in = bias_of_residual.clone().requires_grad_(True)
+            leaves.append(rb_in)
         s, y = eb.ops.add_layer_norm(leaves[0], leaves[1], w_in, b_in, 1e-5, residual_scale=scale_in,
-                                     backend="cutlass")
+                                     residual_bias=rb_in, backend="cutlass")
         loss = (y.float() * weights[1]).sum()
         if outputs == "both":
             loss = loss + (s.float() * weights[0]).sum()

@@ -51,13 +51,14 @@ struct PartialSums {
   ColumnTotals totals;
 
   PartialSums(int64_t ctas, int64_t parts, const at::TensorOptions& f32, ParamTensor out0, ParamTensor out1,
-              cudaStream_t stream) {
+              cudaStream_t stream, ParamTensor out2 = {nullptr, kParamFloat}) {
     const int64_t groups = (ctas + kCtasPerSumGroup - 1) / kCtasPerSumGroup;
     part = output({(ctas + groups) * parts}, f32);  // [ctas + groups, parts]
     totals.group_part = part.data_ptr<float>() + ctas * parts;
     totals.tickets = zeroed_tickets(groups + 1, f32.device(), stream, &fresh_tickets);
     totals.out[0] = out0;
     totals.out[1] = out1;
+    totals.out[2] = out2;
   }
   float* data() { return part.data_ptr<float>(); }
 };

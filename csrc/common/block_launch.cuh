@@ -74,5 +74,17 @@ void launch_row_kernel(const Params& p, bool flag, Pick pick, int n_ctas, int sm
   else with(std::false_type{});
 }
 
+// The same with two bool template flags: pick(chunks, flag, flag2).
+template <typename T, typename Params, typename Pick>
+void launch_row_kernel(const Params& p, bool flag, bool flag2, Pick pick, int n_ctas, int smem_bytes,
+                       cudaStream_t stream, const char* name) {
+  const auto with = [&](auto f) {
+    launch_row_kernel<T>(p, flag2, [&](auto chunks, auto f2) { return pick(chunks, f, f2); }, n_ctas, smem_bytes,
+                         stream, name);
+  };
+  if (flag) with(std::true_type{});
+  else with(std::false_type{});
+}
+
 }  // namespace block
 }  // namespace evoformer

@@ -40,7 +40,7 @@ constexpr int kCtasPerSumGroup = 16;
 struct ColumnTotals {
   unsigned* tickets = nullptr;
   float* group_part = nullptr;
-  ParamTensor out[2] = {{nullptr, kParamFloat}, {nullptr, kParamFloat}};
+  ParamTensor out[3] = {{nullptr, kParamFloat}, {nullptr, kParamFloat}, {nullptr, kParamFloat}};
 };
 
 // Row kernels: a row is spread over up to limits::kRowMaxLanes lanes with up to kMaxRowChunks chunks

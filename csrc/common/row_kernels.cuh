@@ -231,6 +231,15 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* ticket, unsigned count)
   return last;
 }
 
+// Entry i (< kParts <= 3) of a small array by selects, not by a dynamic index (which would put the
+// array in local memory).
+template <int kParts, typename E>
+__device__ __forceinline__ E select_part(const E (&a)[kParts], int i) {
+  if constexpr (kParts == 1) return a[0];
+  else if constexpr (kParts == 2) return i == 0 ? a[0] : a[1];
+  else return i == 0 ? a[0] : i == 1 ? a[1] : a[2];
+}
+
 // Group sums the final stage reads in one round of loads: every group of a grid of up to 640 CTAs
 // (four per SM on 160 SMs).
 constexpr int kSumGroupsInFlight = 40;
@@ -248,14 +257,14 @@ constexpr int kSumGroupsInFlight = 40;
 template <int kParts>
 __device__ __forceinline__ void add_partials_in_last_cta(const ColumnTotals& totals, float* const (&part)[kParts],
                                                          int64_t part_stride, int C) {
-  static_assert(kParts == 1 || kParts == 2, "ColumnTotals holds two totals");
+  static_assert(kParts >= 1 && kParts <= 3, "ColumnTotals holds three totals");
   const int n_groups = (int(gridDim.x) + kCtasPerSumGroup - 1) / kCtasPerSumGroup;
   const int group = int(blockIdx.x) / kCtasPerSumGroup, first = group * kCtasPerSumGroup;
   const int in_group = min(kCtasPerSumGroup, int(gridDim.x) - first);
   if (!last_to_arrive(totals.tickets + group, unsigned(in_group))) return;
   for (int k = threadIdx.x; k < kParts * C; k += blockDim.x) {
     const int i = kParts == 1 ? 0 : k / C, col = k - i * C;
-    const float* rows = i == 0 ? part[0] : part[kParts - 1];
+    const float* rows = select_part<kParts>(part, i);
     if (rows == nullptr) continue;
     totals.group_part[(int64_t(group) * kParts + i) * C + col] =
         add_rows_in_order<kCtasPerSumGroup>(rows + first * part_stride + col, part_stride, in_group);
@@ -263,8 +272,10 @@ __device__ __forceinline__ void add_partials_in_last_cta(const ColumnTotals& tot
   if (!last_to_arrive(totals.tickets + n_groups, unsigned(n_groups))) return;
   for (int k = threadIdx.x; k < kParts * C; k += blockDim.x) {
     const int i = kParts == 1 ? 0 : k / C, col = k - i * C;
-    if ((i == 0 ? part[0] : part[kParts - 1]) == nullptr) continue;
-    param_store(i == 0 ? totals.out[0] : totals.out[1], col,
+    if (select_part<kParts>(part, i) == nullptr) continue;
+    param_store(kParts <= 2 ? (i == 0 ? totals.out[0] : totals.out[1])
+                            : (i == 0 ? totals.out[0] : i == 1 ? totals.out[1] : totals.out[2]),
+                col,
                 add_rows_in_order<kSumGroupsInFlight>(totals.group_part + i * C + col, kParts * C, n_groups));
   }
 }

@@ -23,18 +23,22 @@ void launch_channel_kernel(void (*kernel)(Params), const Params& p, int smem_byt
 template <typename T>
 void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t stream) {
   launch_row_kernel<T>(
-      p, p.residual_scale != nullptr,
-      [](auto chunks, auto scaled) { return layer_norm_rows_kernel<T, decltype(chunks)::value, decltype(scaled)::value>; },
+      p, p.residual_scale != nullptr, p.residual_bias.ptr != nullptr,
+      [](auto chunks, auto scaled, auto biased) {
+        return layer_norm_rows_kernel<T, decltype(chunks)::value, decltype(scaled)::value, decltype(biased)::value>;
+      },
       n_ctas, 0, stream, "evoformer layer norm");
 }
 
 template <typename T>
 void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas, cudaStream_t stream) {
-  const int smem = p.affine_part != nullptr ? (kBlockOpThreads / p.row_threads) * 2 * p.C * 4 : 0;
+  const int parts = p.bias_part != nullptr ? 3 : p.affine_part != nullptr ? 2 : 0;
+  const int smem = (kBlockOpThreads / p.row_threads) * parts * p.C * 4;
   launch_row_kernel<T>(
-      p, p.dresidual != nullptr,
-      [](auto chunks, auto residual) {
-        return layer_norm_rows_backward_kernel<T, decltype(chunks)::value, decltype(residual)::value>;
+      p, p.dresidual != nullptr, p.bias_part != nullptr,
+      [](auto chunks, auto residual, auto bias_grad) {
+        return layer_norm_rows_backward_kernel<T, decltype(chunks)::value, decltype(residual)::value,
+                                               decltype(bias_grad)::value>;
       },
       n_ctas, smem, stream, "evoformer layer norm backward");
 }

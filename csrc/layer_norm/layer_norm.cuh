@@ -65,12 +65,16 @@ struct ResidualScale {
 // residual, and scale) before it reduces and stores the current group's, so that two rows per thread
 // are in flight: one row per warp at a time left the kernel waiting on DRAM latency.
 //
+// With p.residual_bias (kBiased), the residual is the update before its projection's bias: x +
+// (residual + bias) (* scale), the biased update rounded to T first as a PyTorch add would round it.
+//
 // kScaled: the instantiation that reads p.residual_scale. Its registers (the scale's chunks loaded
 // ahead, the row map) would take the plain one past 64 per thread at one chunk per lane, i.e. below
 // the four CTAs per SM its grid is sized for (measured: the block's ten layer norms 0.80 -> 0.92 ms
-// on an H100), so the scale has an instantiation of its own, launched three CTAs per SM.
-template <typename T, int kChunks, bool kScaled>
-__global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm) : 1)
+// on an H100), so the scale has an instantiation of its own, launched three CTAs per SM; so has the
+// bias (kBiased: its values held in registers, read once), launched as the scaled one.
+template <typename T, int kChunks, bool kScaled, bool kBiased>
+__global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled || kBiased ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm) : 1)
     layer_norm_rows_kernel(RowNormParams p) {
   using Th = RowNormThread<T, kChunks>;
   const int lanes = row_lanes<kChunks>(p.row_threads);
@@ -82,6 +86,8 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRo
   float weight[kChunks][Th::kVec], bias[kChunks][Th::kVec];  // of the thread's columns, read once
   load_affine(th, p.weight, 1.f, p.C, weight);
   load_affine(th, p.bias, 0.f, p.C, bias);
+  float residual_bias[kBiased ? kChunks : 1][Th::kVec];  // (kBiased) the update's bias, read once
+  if constexpr (kBiased) load_affine(th, p.residual_bias, 0.f, p.C, residual_bias);
   RowChunks<kChunks> next_x, next_r;  // the next row group's chunks, in flight
   ResidualScale<T, kChunks> next_s;  // and its scale (kScaled)
   next_x.load(th, p.x, p.x_stride, rs.first_row(), p.M, p.C);
@@ -96,6 +102,10 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRo
     for (int c = 0; c < kChunks; ++c) {
       th.x[c].unpack(next_x.raw[c]);
       if (add) r[c].unpack(next_r.raw[c]);
+      if constexpr (kBiased) {
+#pragma unroll
+        for (int i = 0; i < Th::kVec; ++i) r[c].v[i] = round_to<T>(r[c].v[i] + residual_bias[c][i]);
+      }
       if constexpr (kScaled) {
         const Vec<T> s = next_s.values(p, c);
 #pragma unroll
@@ -154,27 +164,35 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? (kScaled ? kRo
 // (float32). With p.dresidual, dx * residual_scale (dx rounded first) is written there too: the
 // gradient of a scaled residual (add_layer_norm's). The next row group's x and dy are loaded ahead,
 // as in the forward.
+// With p.bias_part (kBiasGrad), each CTA also writes its column sums of the residual's gradient (as
+// stored: dresidual with a scale, else dx) there: the gradient of add_layer_norm's residual_bias.
 // One chunk per lane (rows up to 256 half-precision values, AF2's widths): registers capped for the
 // CTAs per SM the host sizes its grid for (kRowNormBackwardCtasPerSm). kScaled: the instantiation
-// that writes p.dresidual (the scale's registers made the plain one spill at four chunks per lane).
-template <typename T, int kChunks, bool kScaled>
+// that writes p.dresidual (the scale's registers made the plain one spill at four chunks per lane);
+// kBiasGrad the one with the third sum.
+template <typename T, int kChunks, bool kScaled, bool kBiasGrad>
 __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwardCtasPerSm : 1)
     layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
   using Th = RowNormThread<T, kChunks>;
   constexpr int kVec = Th::kVec;
-  extern __shared__ float partial_smem[];  // [rows_per_cta][2][C] when the affine gradient is wanted
+  constexpr int kParts = kBiasGrad ? 3 : 2;
+  extern __shared__ float partial_smem[];  // [rows_per_cta][kParts][C] when a column sum is wanted
   const int lanes = row_lanes<kChunks>(p.row_threads);
   RowSlots<T, kChunks> rs(lanes);
   Th& th = rs.th;
   const int rows_per_cta = rs.rows_per_cta, slot = rs.slot;
   const float inv_c = 1.f / float(p.C);
-  float sums[2][kChunks][kVec];  // over the thread's rows: dy * x_hat (the weight's gradient), dy (the bias's)
+  // over the thread's rows: dy * x_hat (the weight's gradient), dy (the bias's), with kBiasGrad the
+  // residual's gradient (the residual bias's)
+  float sums[kParts][kChunks][kVec];
   float (&dw)[kChunks][kVec] = sums[0];
   float (&db)[kChunks][kVec] = sums[1];
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c)
+  for (int k = 0; k < kParts; ++k)
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) dw[c][i] = 0.f, db[c][i] = 0.f;
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) sums[k][c][i] = 0.f;
 
   const bool has_dsum = p.dsum != nullptr;
   float weight[kChunks][kVec];  // of the thread's columns, read once
@@ -235,11 +253,22 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
         for (int i = 0; i < kVec; ++i) out.v[i] = round_to<T>(out.v[i]) * s.v[i];
         out.store(static_cast<T*>(p.dresidual) + row * p.dresidual_stride + th.col(c));
       }
+      if constexpr (kBiasGrad) {  // (the values as stored)
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) sums[2][c][i] += round_to<T>(out.v[i]);
+      }
     }
   }
-  if (p.affine_part == nullptr) return;
-  float* const part[2] = {p.affine_part, p.affine_part + p.C};  // [gridDim.x, (dweight, dbias), C]
-  store_cta_column_sums<2>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 2 * int64_t(p.C), p.totals);
+  if (p.affine_part == nullptr && p.bias_part == nullptr) return;
+  // rows of [gridDim.x, kParts, C]: dweight, dbias (nullptr where not wanted), with kBiasGrad dresidual_bias
+  float* const dweight = p.affine_part, *const dbias = p.affine_part == nullptr ? nullptr : p.affine_part + p.C;
+  if constexpr (kBiasGrad) {
+    float* const part[3] = {dweight, dbias, p.bias_part};
+    store_cta_column_sums<3>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 3 * int64_t(p.C), p.totals);
+  } else {
+    float* const part[2] = {dweight, dbias};
+    store_cta_column_sums<2>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 2 * int64_t(p.C), p.totals);
+  }
 }
 
 // ---- channel-major layer norm -----------------------------------------------------------------

@@ -35,6 +35,10 @@ struct RowNormParams {
   const void* residual_scale = nullptr;
   RowMap scale_rows{0, 1, 0, 0, 0};
   bool scale_per_row = true;
+  // [C] or absent: the residual's bias, added to it before the scale (x + (residual + bias) * scale,
+  // the sum rounded to the type first as a PyTorch add would): an update whose projection left its
+  // bias to this pass
+  ParamTensor residual_bias{nullptr, kParamFloat};
 };
 
 struct RowNormBackwardParams {
@@ -44,11 +48,13 @@ struct RowNormBackwardParams {
   ParamTensor weight;    // [C] or absent
   const float* mean;     // [M]
   const float* rstd;     // [M]
-  float* affine_part;    // [n_ctas, 2, C] partial sums of dy * x_hat and of dy, or nullptr (not wanted)
+  // [n_ctas, 2, C] partial sums of dy * x_hat and of dy ([n_ctas, 3, C] with bias_part), or nullptr
+  // (not wanted)
+  float* affine_part;
   int64_t M, x_stride, dy_stride, dx_stride;
   int C;
   int row_threads;
-  ColumnTotals totals;   // affine_part's sums: out[0] dweight, out[1] dbias
+  ColumnTotals totals;   // the partials' sums: out[0] dweight, out[1] dbias, out[2] dresidual_bias
   const void* dsum = nullptr;  // [M, C] row-major or nullptr: a gradient of x to add to dx
   int64_t dsum_stride = 0;
   // With residual_scale (the forward's, located as there), dresidual ([M, C] row-major) gets
@@ -58,6 +64,9 @@ struct RowNormBackwardParams {
   bool scale_per_row = true;
   void* dresidual = nullptr;
   int64_t dresidual_stride = 0;
+  // Row 2 of [n_ctas, 3, C] partials or nullptr: the column sums of the residual's gradient
+  // (dresidual with a scale, else dx): the gradient of the forward's residual_bias.
+  float* bias_part = nullptr;
 };
 
 struct ChannelNormParams {

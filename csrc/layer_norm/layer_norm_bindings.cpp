@@ -10,11 +10,15 @@
 //       -> (dx, [2, C] in affine_dtype (a float type): the gradients of weight and bias, or [0] without
 //           need_affine)
 //   (weight and bias: contiguous float16, bfloat16 or float32, read in their own dtype)
-//   add_layer_norm_fwd(x, residual, weight?, bias?, eps, residual_scale? (broadcasts to x))
-//       -> (sum = x + residual (* residual_scale), layer_norm(sum), mean, rstd)
-//   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype, residual_scale?)
+//   add_layer_norm_fwd(x, residual, weight?, bias?, eps, residual_scale? (broadcasts to x),
+//                      residual_bias? ([C], x's dtype))
+//       -> (sum = x + (residual + residual_bias) (* residual_scale), layer_norm(sum), mean, rstd)
+//   add_layer_norm_bwd(dsum, dy, sum, weight?, mean, rstd, need_affine, affine_dtype, residual_scale?,
+//                      residual_bias_dtype?)
 //       -> (dsum + the layer norm's input gradient: the gradient of x (and of residual without a scale),
-//           [2, C] as above, that gradient times residual_scale: the residual's (else empty))
+//           [2, C] as above, that gradient times residual_scale: the residual's (else empty), with
+//           residual_bias_dtype the residual's gradient summed over rows [C] in that dtype: the
+//           residual bias's (else empty))
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -75,11 +79,12 @@ ScaleRows scale_rows(const at::Tensor& scale, const at::Tensor& x, const char* o
 
 // y = layer_norm(rows of x) and its statistics; x must have C % (16 bytes / element) == 0 (the op
 // routes others to eager). With `residual` (x's shape and dtype), of the rows of x + residual instead
-// (x + residual * residual_scale with a scale broadcasting to x), whose sum is written to `sum` (a new
-// [M, C] tensor).
+// (x + (residual + residual_bias) * residual_scale with a scale broadcasting to x and a bias [C]),
+// whose sum is written to `sum` (a new [M, C] tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, ParamTensor weight, ParamTensor bias,
                                                          double eps, const at::Tensor* residual, at::Tensor* sum,
-                                                         const std::optional<at::Tensor>& residual_scale) {
+                                                         const std::optional<at::Tensor>& residual_scale,
+                                                         ParamTensor residual_bias) {
   const int64_t C = x.size(-1);
   at::Tensor rows = as_rows(x, C);  // [M, C]
   const int64_t M = rows.size(0);
@@ -99,8 +104,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
       scale = scale_rows(*residual_scale, x, "add layer norm");
       p.residual_scale = scale->values.data_ptr(), p.scale_rows = scale->rows, p.scale_per_row = scale->per_row;
     }
+    p.residual_bias = residual_bias;
   }
-  const int per_sm = scale.has_value() ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm;
+  const int per_sm = scale.has_value() || p.residual_bias.ptr != nullptr ? kRowNormScaledCtasPerSm : kRowNormCtasPerSm;
   by_dtype(rows.scalar_type(), "layer norm", [&](auto element) {
     launch_layer_norm_rows<decltype(element)>(p, row_norm_ctas(M, p.row_threads, per_sm),
                                               c10::cuda::getCurrentCUDAStream());
@@ -110,11 +116,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, Pa
 
 // dx and, when affine_grad, the float32 sums over rows of dy * x_hat and of dy as one [2, C] tensor
 // (else [0]) of norm_rows; with residual_scale (broadcasting to x_in), also dresidual = dx *
-// residual_scale ([M, C]; else undefined).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
+// residual_scale ([M, C]; else undefined); with residual_bias_dtype, the residual's gradient (dresidual,
+// or dx without a scale) summed over rows into a [C] tensor of that dtype (else undefined).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
     const at::Tensor& dy_in, const at::Tensor& x_in, ParamTensor weight, const at::Tensor& mean,
     const at::Tensor& rstd, bool affine_grad, at::ScalarType affine_dtype, const at::Tensor* dsum_in,
-    const std::optional<at::Tensor>& residual_scale) {
+    const std::optional<at::Tensor>& residual_scale, std::optional<at::ScalarType> residual_bias_dtype) {
   const int64_t C = x_in.size(-1);
   at::Tensor x = as_rows(x_in, C), dy = as_rows(dy_in, C);
   const int64_t M = x.size(0);
@@ -130,18 +137,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
     scale = scale_rows(*residual_scale, x_in, "add layer norm backward");
     dresidual = output({M, C}, x.options());
   }
-  if (affine_grad && M == 0) return {dx, at::zeros({2, C}, affine_options), dresidual};
+  at::Tensor dresidual_bias;
+  if (residual_bias_dtype.has_value()) dresidual_bias = output({C}, x.options().dtype(*residual_bias_dtype));
+  if (M == 0) {  // (no rows: zero sums)
+    if (dresidual_bias.defined()) dresidual_bias.zero_();
+    return {dx, affine_grad ? at::zeros({2, C}, affine_options) : at::empty({0}, f32), dresidual, dresidual_bias};
+  }
   at::Tensor affine = affine_grad ? output({2, C}, affine_options) : at::empty({0}, f32);  // (dweight, dbias)
-  std::optional<PartialSums> sums;  // [ctas, (dweight, dbias), C], added by the last CTA into affine
-  if (affine_grad) {  // (the rows of affine by pointer: no select op per row)
-    const ParamTensor dweight = param_tensor(affine);
-    const ParamTensor dbias{static_cast<char*>(affine.data_ptr()) + C * affine.element_size(), dweight.dtype};
-    sums.emplace(ctas, 2 * C, f32, dweight, dbias, stream);
+  // [ctas, (dweight, dbias[, dresidual_bias]), C], added by the last CTAs into affine and dresidual_bias
+  const int64_t parts = dresidual_bias.defined() ? 3 : 2;
+  std::optional<PartialSums> sums;
+  if (affine_grad || dresidual_bias.defined()) {  // (the rows of affine by pointer: no select op per row)
+    const ParamTensor dweight = affine_grad ? param_tensor(affine) : kNoParam;
+    const ParamTensor dbias{affine_grad ? static_cast<char*>(affine.data_ptr()) + C * affine.element_size() : nullptr,
+                            dweight.dtype};
+    sums.emplace(ctas, parts * C, f32, dweight, dbias, stream,
+                 dresidual_bias.defined() ? param_tensor(dresidual_bias) : kNoParam);
   }
   RowNormBackwardParams p{x.data_ptr(), dy.data_ptr(), dx.data_ptr(), weight, mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), affine_grad ? sums->data() : nullptr, M,
                           M > 1 ? x.stride(0) : C, M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
-  if (affine_grad) p.totals = sums->totals;
+  if (sums.has_value()) p.totals = sums->totals;
+  if (dresidual_bias.defined()) p.bias_part = sums->data() + 2 * C;
   at::Tensor dsum;  // another gradient of x, added to dx
   if (dsum_in != nullptr) {
     dsum = as_rows(*dsum_in, C);
@@ -153,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
   }
   by_dtype(x.scalar_type(), "layer norm backward",
            [&](auto element) { launch_layer_norm_rows_backward<decltype(element)>(p, ctas, stream); });
-  return {dx, affine, dresidual};
+  return {dx, affine, dresidual, dresidual_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x,
@@ -179,38 +196,42 @@ std::tuple<at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at
   EVO_CHECK(mean.numel() * x.size(-1) == x.numel() && rstd.numel() == mean.numel(),
             "layer norm backward: `mean` and `rstd` must hold one value per row of x");
   const c10::cuda::CUDAGuard guard(x.device());
-  auto [dx, affine, unused] =
+  auto [dx, affine, unused, unused_bias] =
       norm_rows_backward(dy, x, optional_param(weight, x, "weight"), mean, rstd, need_affine, affine_dtype);
   return {raw_reshape(dx, x.sizes()), affine};
 }
 
 }  // namespace
 
-// sum = x + residual (residual * residual_scale with a scale) and layer_norm(sum), in one pass over
-// the rows (the residual add of a block, its update's mask or dropout, and the layer norm of the
-// module after it).
+// sum = x + residual (x + (residual + residual_bias) * residual_scale with a bias and a scale) and
+// layer_norm(sum), in one pass over the rows (the residual add of a block, its update's projection
+// bias, mask or dropout, and the layer norm of the module after it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
     const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, double eps, const std::optional<at::Tensor>& residual_scale) {
+    const std::optional<at::Tensor>& bias, double eps, const std::optional<at::Tensor>& residual_scale,
+    const std::optional<at::Tensor>& residual_bias) {
   check_cuda(x, "x", "add layer norm");
   EVO_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
                 residual.device() == x.device(),
             "add layer norm: `residual` must match x, got ", residual.sizes(), " ", residual.scalar_type());
+  EVO_CHECK(!residual_bias.has_value() || residual_bias->scalar_type() == x.scalar_type(),
+            "add layer norm: `residual_bias` must have x's dtype, got ", residual_bias->scalar_type());
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor sum;
   auto [y, mean, rstd] =
       norm_rows(x, optional_param(weight, x, "weight"), optional_param(bias, x, "bias"), eps, &residual, &sum,
-                residual_scale);
+                residual_scale, optional_param(residual_bias, x, "residual_bias"));
   return {raw_reshape(sum, x.sizes()), raw_reshape(y, x.sizes()), mean, rstd};
 }
 
 // The backward of add_layer_norm_fwd: dx = dsum + the layer norm's input gradient (the gradient of
 // x, and of residual without a scale), the weight and bias gradients as layer_norm_bwd returns them,
-// and with residual_scale the residual's gradient dx * residual_scale (else an empty tensor).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
+// with residual_scale the residual's gradient dx * residual_scale (else an empty tensor), and with
+// residual_bias_dtype the residual bias's gradient, the residual's summed over rows (else empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
     const at::Tensor& dsum, const at::Tensor& dy, const at::Tensor& sum, const std::optional<at::Tensor>& weight,
     const at::Tensor& mean, const at::Tensor& rstd, bool need_affine, at::ScalarType affine_dtype,
-    const std::optional<at::Tensor>& residual_scale) {
+    const std::optional<at::Tensor>& residual_scale, std::optional<at::ScalarType> residual_bias_dtype) {
   check_cuda(sum, "sum", "add layer norm backward");
   EVO_CHECK(dsum.sizes() == sum.sizes() && dsum.scalar_type() == sum.scalar_type() && dy.sizes() == sum.sizes() &&
                 dy.scalar_type() == sum.scalar_type(),
@@ -220,10 +241,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
   EVO_CHECK(is_param_dtype(affine_dtype),
             "add layer norm backward: `affine_dtype` must be float16, bfloat16 or float32, got ", affine_dtype);
   const c10::cuda::CUDAGuard guard(sum.device());
-  auto [dx, affine, dresidual] = norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd,
-                                                    need_affine, affine_dtype, &dsum, residual_scale);
+  EVO_CHECK(!residual_bias_dtype.has_value() || is_param_dtype(*residual_bias_dtype),
+            "add layer norm backward: `residual_bias_dtype` must be float16, bfloat16 or float32, got ",
+            *residual_bias_dtype);
+  auto [dx, affine, dresidual, dresidual_bias] =
+      norm_rows_backward(dy, sum, optional_param(weight, sum, "weight"), mean, rstd, need_affine, affine_dtype,
+                         &dsum, residual_scale, residual_bias_dtype);
   return {raw_reshape(dx, sum.sizes()), affine,
-          dresidual.defined() ? raw_reshape(dresidual, sum.sizes()) : new_empty({0}, sum.options())};
+          dresidual.defined() ? raw_reshape(dresidual, sum.sizes()) : new_empty({0}, sum.options()),
+          dresidual_bias.defined() ? dresidual_bias : new_empty({0}, sum.options())};
 }
 
 }  // namespace block

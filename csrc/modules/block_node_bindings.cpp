@@ -1,7 +1,8 @@
 // One Evoformer block's update from C++: the node ops of the other files in this directory called in
 // the order, and with the arguments, that evoformer_blocks/evoformer.py's _MSABlock._update calls
 // them from Python when every module of the block runs its node (AF2's EvoformerBlock: the MSA
-// column attention, the outer product mean after the MSA transition, no chunking). The autograd
+// column attention, the outer product mean after the MSA transition, no chunking), the updates'
+// output-projection biases left to the add + layer norm after them as there. The autograd
 // graph is the one the Python path records (the same nodes: each op below records its own; the pair
 // transition's masked residual add is one node of the row kernel where the Python path calls
 // torch.addcmul, whose values it gives), so results and gradients are equal bit for bit; what goes
@@ -50,13 +51,14 @@ using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 using KeepingInputSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptionalTensor&,
                                                            const OptionalTensor&, double);
 using AddNormSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                                      const OptionalTensor&, double, const OptionalTensor&);
+                                                      const OptionalTensor&, double, const OptionalTensor&,
+                                                      const OptionalTensor&);
 using GatedSig = at::Tensor(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                             const OptionalTensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
                             const OptionalTensor&, int64_t, bool, bool, double, const std::string&);
 using TransitionSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&);
+                                 const OptionalTensor&);
 using OpmSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const OptionalTensor&, double, const std::string&);
@@ -134,31 +136,42 @@ std::tuple<at::Tensor, at::Tensor> keeping_input(const at::Tensor& x, Params& p,
   return {x, std::get<0>(layer_norm_forward_op().call(x, weight, bias, eps))};
 }
 
-// evoformer.add_and_norm: (x + update (* scale), its layer norm) by the add + layer norm node.
-std::tuple<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Tensor& update, Params& p, double eps,
+// An update before its output projection's bias, and that bias (None where the projection has none):
+// the next add_and_norm adds it (evoformer.py's _deferred).
+struct Update {
+  at::Tensor value;
+  OptionalTensor bias;
+};
+
+// evoformer.add_and_norm: (x + (update + its bias) (* scale), its layer norm) by the add + layer norm node.
+std::tuple<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const Update& update, Params& p, double eps,
                                                 const OptionalTensor& scale) {
   const OptionalTensor weight = p.layer_norm(), bias = p.layer_norm();
-  return add_norm_op().call(x, update, weight, bias, eps, scale);
+  return add_norm_op().call(x, update.value, weight, bias, eps, scale, update.bias);
 }
 
-// A gated attention module's node on x [*, A, A', c] (normalised); the module's parameters from p:
-// q, k, v, g, b_q, b_g, o, b_o; head_weight and pair_source as the module passes them.
-at::Tensor gated(const at::Tensor& x, const at::Tensor& mask_bias, Params& p, const OptionalTensor& head_weight,
-                 const OptionalTensor& pair_source, int64_t heads, bool transposed, bool transpose_head,
-                 const std::string& family) {
+// A gated attention module's node on x [*, A, A', c] (normalised), its output projection's bias left
+// to the next add_and_norm; the module's parameters from p: q, k, v, g, b_q, b_g, o, b_o; head_weight
+// and pair_source as the module passes them.
+Update gated(const at::Tensor& x, const at::Tensor& mask_bias, Params& p, const OptionalTensor& head_weight,
+             const OptionalTensor& pair_source, int64_t heads, bool transposed, bool transpose_head,
+             const std::string& family) {
   const at::Tensor w_q = p.tensor(), w_k = p.tensor(), w_v = p.tensor(), w_g = p.tensor();
   const OptionalTensor b_q = p.optional(), b_g = p.optional();
   const at::Tensor w_o = p.tensor();
   const OptionalTensor b_o = p.optional();
   const double scale = 1.0 / std::sqrt(static_cast<double>(w_q.size(0) / heads));  // 1 / sqrt(D)
-  return gated_op().call(x, mask_bias, std::nullopt, w_q, w_k, w_v, w_g, b_q, b_g, w_o, b_o, head_weight,
-                         pair_source, heads, transposed, transpose_head, scale, family);
+  return {gated_op().call(x, mask_bias, std::nullopt, w_q, w_k, w_v, w_g, b_q, b_g, w_o, std::nullopt, head_weight,
+                          pair_source, heads, transposed, transpose_head, scale, family),
+          b_o};
 }
 
-// A transition's node on x (normalised): linear_1 (weight, bias), linear_2 (weight, bias) from p.
-at::Tensor transition(const at::Tensor& x, Params& p) {
+// A transition's node on x (normalised): linear_1 (weight, bias), linear_2 (weight, bias) from p;
+// with `defer`, linear_2's bias is left to the next add_and_norm.
+Update transition(const at::Tensor& x, Params& p, bool defer) {
   const at::Tensor w1 = p.tensor(), b1 = p.tensor(), w2 = p.tensor(), b2 = p.tensor();
-  return transition_op().call(x, w1, b1, w2, b2);
+  if (defer) return {transition_op().call(x, w1, b1, w2, std::nullopt), b2};
+  return {transition_op().call(x, w1, b1, w2, b2), std::nullopt};
 }
 
 // z + update * mask with one mask value per row (at::addcmul's values on the mask broadcast over c_z, bit for
@@ -206,7 +219,8 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
   EVO_CHECK(m_in.dim() >= 3 && m_in.is_contiguous() && z_in.is_contiguous(),
             "evoformer block module: `m` and `z` must be contiguous, got m ", m_in.sizes(), " and z ", z_in.sizes());
   Params p(params);
-  at::Tensor m, m_ln, z, z_ln, update;
+  at::Tensor m, m_ln, z, z_ln;
+  Update update;
 
   // m += MSARowAttentionWithPairBias(m, z) (its two layer norms keep their inputs: the residual streams)
   std::tie(m, m_ln) = keeping_input(m_in, p, eps[eRowM]);
@@ -219,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
                  msa_family);  // (the bias [*, R, S]: column r attends over the sequences)
   // m += MSATransition(m), masked in the next add
   std::tie(m, m_ln) = add_and_norm(m, update, p, eps[eMsaTransition], std::nullopt);
-  update = transition(m_ln, p);
+  update = transition(m_ln, p, true);
   // z += OuterProductMean(m)
   std::tie(m, m_ln) = add_and_norm(m, update, p, eps[eOpmNorm], msa_mask.unsqueeze(-1));
   {
@@ -237,10 +251,12 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
   // z += TriangleMultiplicationIncoming(z) (kept input; added in the next layer norm's add)
   {
     const TriangleParameters t = triangle_parameters(p);
-    std::tie(z, update) = triangle_keeping_op().call(z, pair_mask, t.norm_in_w, t.norm_in_b, t.w_ap, t.w_ag, t.w_bp,
-                                                     t.w_bg, t.b_ap, t.b_ag, t.b_bp, t.b_bg, t.w_g, t.b_g,
-                                                     t.norm_out_w, t.norm_out_b, t.w_z, t.b_z, eps[eTriangleIn],
-                                                     false, triangle_family);
+    at::Tensor value;  // (its bias added in the op)
+    std::tie(z, value) = triangle_keeping_op().call(z, pair_mask, t.norm_in_w, t.norm_in_b, t.w_ap, t.w_ag, t.w_bp,
+                                                    t.w_bg, t.b_ap, t.b_ag, t.b_bp, t.b_bg, t.w_g, t.b_g, t.norm_out_w,
+                                                    t.norm_out_b, t.w_z, t.b_z, eps[eTriangleIn], false,
+                                                    triangle_family);
+    update = {value, std::nullopt};
   }
   // z += TriangleAttentionStartingNode(z): the pair bias from its own normalised input
   std::tie(z, z_ln) = add_and_norm(z, update, p, eps[eStart], keeps.get(2));
@@ -253,8 +269,8 @@ std::tuple<at::Tensor, at::Tensor> evoformer_block_module(
                  end_transpose_head, pair_family);
   // z += PairTransition(z), masked in its residual add
   std::tie(z, z_ln) = add_and_norm(z, update, p, eps[ePairTransition], keeps.get(4));
-  update = transition(z_ln, p);
-  return {m, masked_add(z, update, pair_mask)};
+  update = transition(z_ln, p, false);
+  return {m, masked_add(z, update.value, pair_mask)};
 }
 
 }  // namespace

@@ -27,15 +27,17 @@
 //     from the normalised pair representation, as primitives._head_major computes it for one batch
 //     element: one GEMM, its gradients as autograd's for it); returns
 //     linear_o(sigmoid(g) * attention) [*, A, A', c_out].
-//   transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor
+//   transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor? b2) -> Tensor
 //     the AF2 transitions: relu(x W1^T + b1) W2^T + b2 for x [*, c] (normalised), w1 [n c, c], b1 [n c],
-//     w2 [c_out, n c], b2 [c_out] -> [*, c_out]; the ReLU in cuBLASLt's epilogue (ops.linear with
+//     w2 [c_out, n c], b2 [c_out] or None (a block adding it in its next add_layer_norm) -> [*, c_out];
+//     the ReLU in cuBLASLt's epilogue (ops.linear with
 //     activation="relu"), each backward linear_bwd (the ReLU's backward and the bias sums in one
 //     column-sum pass).
 //   add_layer_norm_node(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps,
-//                       Tensor? residual_scale=None) -> (Tensor, Tensor)
-//     (sum = x + residual (* residual_scale), layer_norm(sum)) by add_layer_norm_fwd, backward by
-//     add_layer_norm_bwd (x's and the residual's gradients in one pass).
+//                       Tensor? residual_scale=None, Tensor? residual_bias=None) -> (Tensor, Tensor)
+//     (sum = x + (residual + residual_bias) (* residual_scale), layer_norm(sum)) by add_layer_norm_fwd,
+//     backward by add_layer_norm_bwd (x's and the residual's gradients, and the residual bias's sum, in
+//     one pass).
 //   layer_norm_keeping_input_node(Tensor(a) x, Tensor? weight, Tensor? bias, float eps) -> (Tensor(a), Tensor)
 //     (x itself, layer_norm(x)) by layer_norm_fwd; the backward adds the returned x's gradient to the
 //     layer norm's input gradient in add_layer_norm_bwd's one pass.
@@ -276,7 +278,7 @@ enum TransitionInput : int { kTx, kW1, kB1, kW2, kB2, kTransitionInputs };
 
 struct TransitionNode : public torch::autograd::Function<TransitionNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1,
-                            const at::Tensor& w2, const at::Tensor& b2) {
+                            const at::Tensor& w2, const std::optional<at::Tensor>& b2) {
     EVO_CHECK(x.dim() >= 1 && w1.dim() == 2 && w1.size(1) == x.size(-1) && w2.dim() == 2 && w2.size(1) == w1.size(0),
               "transition module: `x` [*, c], `w1` [n c, c] and `w2` [c_out, n c] do not fit: ", x.sizes(), ", ",
               w1.sizes(), ", ", w2.sizes());
@@ -287,15 +289,16 @@ struct TransitionNode : public torch::autograd::Function<TransitionNode> {
     const at::Tensor h = raw_reshape(at::_addmm_activation(b1, rows, raw_transpose(w1)), hidden_sizes);
     const at::Tensor out = linear_rows(h, w2, b2);  // [*, c_out]
     ctx->save_for_backward({x, w1, h, w2});
+    save_edges(ctx, {true, true, true, true, b2.has_value()}, kTransitionInputs);  // TransitionInput order
     ctx->saved_data["b1_dtype"] = b1.scalar_type();
-    ctx->saved_data["b2_dtype"] = b2.scalar_type();
+    ctx->saved_data["b2_dtype"] = b2.has_value() ? b2->scalar_type() : x.scalar_type();
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w1 = saved[1], &h = saved[2], &w2 = saved[3];
-    const auto need = [&](int i) { return ctx->needs_input_grad(i); };
+    const Needs need(ctx);  // (b2 may be absent)
     variable_list result(kTransitionInputs);
     const bool need_dh = need(kTx) || need(kW1) || need(kB1);
     auto [dh, dw2, db2] = block::linear_bwd(grads[0], h, w2, std::nullopt, need_dh, need(kW2), need(kB2),
@@ -314,7 +317,7 @@ struct TransitionNode : public torch::autograd::Function<TransitionNode> {
 };
 
 at::Tensor transition_module(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
-                             const at::Tensor& b2) {
+                             const std::optional<at::Tensor>& b2) {
   return TransitionNode::apply(x, w1, b1, w2, b2);
 }
 
@@ -324,29 +327,35 @@ at::Tensor transition_module(const at::Tensor& x, const at::Tensor& w1, const at
 // with the same extension entry points and ATen calls).
 // Positions of the forward's arguments (after ctx): autograd wants one gradient per argument, an
 // undefined one for eps and for an absent optional.
-enum AddNormInput : int { kNx, kNres, kNw, kNb, kNeps, kNscale, kAddNormInputs };
+enum AddNormInput : int { kNx, kNres, kNw, kNb, kNeps, kNscale, kNresBias, kAddNormInputs };
 enum AddNormSaved : int { nSum, nW, nMean, nRstd, nScale, nResidual };
 
 struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
-  // (sum, y): sum = x + residual (* residual_scale), y = layer_norm(sum); without a residual (keeping
-  // x: layer_norm_keeping_input) sum is x itself and y its layer norm.
+  // (sum, y): sum = x + (residual + residual_bias) (* residual_scale), y = layer_norm(sum); without a
+  // residual (keeping x: layer_norm_keeping_input) sum is x itself and y its layer norm.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                               double eps, const std::optional<at::Tensor>& residual_scale) {
+                               double eps, const std::optional<at::Tensor>& residual_scale,
+                               const std::optional<at::Tensor>& residual_bias) {
     at::Tensor sum, y, mean, rstd;
     if (residual.has_value()) {
-      std::tie(sum, y, mean, rstd) = add_layer_norm_forward_op().call(x, *residual, weight, bias, eps, residual_scale);
+      std::tie(sum, y, mean, rstd) =
+          add_layer_norm_forward_op().call(x, *residual, weight, bias, eps, residual_scale, residual_bias);
     } else {
       std::tie(y, mean, rstd) = layer_norm_forward_op().call(x, weight, bias, eps);
       sum = x;  // (autograd returns the input as a view of itself)
     }
-    // the residual is kept only for the gradient of a residual_scale that requires one
+    // the residual is kept only for the gradient of a residual_scale that requires one (as the product
+    // took it: with its bias)
     const bool scale_grad = given(residual_scale) && residual_scale->requires_grad();
-    ctx->save_for_backward({sum, value_or_undefined(weight), mean, rstd,
-                            value_or_undefined(residual_scale), scale_grad ? *residual : at::Tensor()});
-    save_edges(ctx, {true, given(residual), given(weight), given(bias), false, given(residual_scale)},
+    at::Tensor scaled;
+    if (scale_grad) scaled = given(residual_bias) ? at::add(*residual, *residual_bias) : *residual;
+    ctx->save_for_backward({sum, value_or_undefined(weight), mean, rstd, value_or_undefined(residual_scale), scaled});
+    save_edges(ctx,
+               {true, given(residual), given(weight), given(bias), false, given(residual_scale), given(residual_bias)},
                kAddNormInputs);  // AddNormInput order
     if (given(bias)) ctx->saved_data["bias_dtype"] = bias->scalar_type();
+    if (given(residual_bias)) ctx->saved_data["residual_bias_dtype"] = residual_bias->scalar_type();
     return {sum, y};
   }
 
@@ -365,9 +374,11 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
     if (want_w && want_b) affine_dtype = weight.scalar_type() == bias_dtype ? bias_dtype : at::kFloat;
     else if (want_w) affine_dtype = weight.scalar_type();
     else if (want_b) affine_dtype = bias_dtype;
-    auto [dx, affine, dresidual] = add_layer_norm_backward_op().call(ds, dy, sum, optional_of(weight), saved[nMean],
-                                                                     saved[nRstd], want_w || want_b, affine_dtype,
-                                                                     optional_of(scale));
+    std::optional<at::ScalarType> residual_bias_dtype;
+    if (need(kNresBias)) residual_bias_dtype = ctx->saved_data.at("residual_bias_dtype").toScalarType();
+    auto [dx, affine, dresidual, dresidual_bias] = add_layer_norm_backward_op().call(
+        ds, dy, sum, optional_of(weight), saved[nMean], saved[nRstd], want_w || want_b, affine_dtype,
+        optional_of(scale), residual_bias_dtype);
     variable_list result(kAddNormInputs);
     result[kNx] = dx;
     if (need.given(kNres)) result[kNres] = scale.defined() ? dresidual : dx;  // (the add passes dx on)
@@ -379,6 +390,7 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
       result[kNscale] =
           (dx.to(at::kFloat) * saved[nResidual].to(at::kFloat)).sum_to_size(scale.sizes()).to(scale.scalar_type());
     }
+    if (need(kNresBias)) result[kNresBias] = dresidual_bias;
     return result;
   }
 };
@@ -386,16 +398,17 @@ struct AddLayerNormNode : public torch::autograd::Function<AddLayerNormNode> {
 std::tuple<at::Tensor, at::Tensor> add_layer_norm_node(const at::Tensor& x, const at::Tensor& residual,
                                                        const std::optional<at::Tensor>& weight,
                                                        const std::optional<at::Tensor>& bias, double eps,
-                                                       const std::optional<at::Tensor>& residual_scale) {
+                                                       const std::optional<at::Tensor>& residual_scale,
+                                                       const std::optional<at::Tensor>& residual_bias) {
   const variable_list out = AddLayerNormNode::apply(x, std::optional<at::Tensor>(residual), weight, bias, eps,
-                                                    residual_scale);
+                                                    residual_scale, residual_bias);
   return {out[0], out[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_norm_keeping_input_node(const at::Tensor& x,
                                                                  const std::optional<at::Tensor>& weight,
                                                                  const std::optional<at::Tensor>& bias, double eps) {
-  const variable_list out = AddLayerNormNode::apply(x, std::nullopt, weight, bias, eps, std::nullopt);
+  const variable_list out = AddLayerNormNode::apply(x, std::nullopt, weight, bias, eps, std::nullopt, std::nullopt);
   return {out[0], out[1]};
 }
 

@@ -42,11 +42,6 @@ constexpr int kTriInThreads = 256;
 constexpr int kTriInSlot = 32;         // channels of one edge per slot; a pass holds two slots
 constexpr int kTriInStagePitch = kTriInPassCols + 8;   // elements per staged row (bank-conflict free)
 
-// sigmoid(x) from one exp2 and one reciprocal (MUFU; the denominator is >= 1).
-__device__ __forceinline__ float fast_sigmoid(float x) {
-  return fast_rcp(1.f + fast_exp2(-1.4426950408889634f * x));
-}
-
 // tanh(x) in one MUFU op (absolute error about 2^-11).
 __device__ __forceinline__ float fast_tanh(float x) {
   float y;
@@ -95,7 +90,7 @@ __device__ __forceinline__ float sigmoid_gated(float gate, float bias_gate, floa
     const float half_mask = 0.5f * mask;
     return fmaf(fast_tanh(fmaf(gate, 0.5f, 0.5f * bias_gate)), half_mask, half_mask) * proj;
   } else {
-    return fast_sigmoid(gate + bias_gate) * proj * mask;
+    return sigmoid(gate + bias_gate) * proj * mask;
   }
 }
 
@@ -114,7 +109,7 @@ __device__ __forceinline__ void sigmoid_gated_backward(float d, float gate, floa
     d_proj = fmaf(half_d, t, half_d);                   // d (1 + t) / 2
     d_gate = half_d * proj * fmaf(-0.5f * t, t, 0.5f);  // s (1 - s) = (1 - t^2) / 4
   } else {
-    const float s = fast_sigmoid(gate + bias_gate);
+    const float s = sigmoid(gate + bias_gate);
     d_proj = d * s;
     d_gate = d * proj * s * (1.f - s);
   }

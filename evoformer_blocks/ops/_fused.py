@@ -43,9 +43,10 @@ SCHEMAS = (
     "layer_norm_bwd(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, bool need_affine, "
     "ScalarType affine_dtype) -> (Tensor, Tensor)",
     "add_layer_norm_fwd(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
-    "Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? residual_scale=None, Tensor? residual_bias=None) -> (Tensor, Tensor, Tensor, Tensor)",
     "add_layer_norm_bwd(Tensor dsum, Tensor dy, Tensor sum, Tensor? weight, Tensor mean, Tensor rstd, "
-    "bool need_affine, ScalarType affine_dtype, Tensor? residual_scale=None) -> (Tensor, Tensor, Tensor)",
+    "bool need_affine, ScalarType affine_dtype, Tensor? residual_scale=None, ScalarType? residual_bias_dtype=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
     "triangle_multiplication_fwd(Tensor z, Tensor? mask, Tensor[] weights, float eps, bool outgoing, str family, "
     "bool for_backward=True, bool add_input=False, Tensor? update_scale=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -67,9 +68,9 @@ SCHEMAS = (
     "gated_attention_module(Tensor x, Tensor? mask_bias, Tensor? pair_bias, Tensor w_q, Tensor w_k, Tensor w_v, "
     "Tensor w_g, Tensor? b_q, Tensor? b_g, Tensor w_o, Tensor? b_o, Tensor? w_head, Tensor? pair_source, int heads, "
     "bool transposed, bool transpose_head, float scale, str family) -> Tensor",
-    "transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor",
+    "transition_module(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor? b2) -> Tensor",
     "add_layer_norm_node(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, "
-    "Tensor? residual_scale=None) -> (Tensor, Tensor)",
+    "Tensor? residual_scale=None, Tensor? residual_bias=None) -> (Tensor, Tensor)",
     "layer_norm_keeping_input_node(Tensor(a) x, Tensor? weight, Tensor? bias, float eps) -> (Tensor(a), Tensor)",
     "triangle_multiplication_module(Tensor z, Tensor? mask, Tensor norm_in_weight, Tensor norm_in_bias, "
     "Tensor w_a_p, Tensor w_a_g, Tensor w_b_p, Tensor w_b_g, Tensor? b_a_p, Tensor? b_a_g, Tensor? b_b_p, "

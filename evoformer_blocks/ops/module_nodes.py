@@ -117,6 +117,7 @@ def gated_attention(
     pair_source: Optional[Tensor] = None,
     transposed: bool = False,
     backend: Optional[str] = None,
+    output_bias: bool = True,
 ) -> Optional[Tensor]:
     """The gated attention module's update from its normalised input, as one node, or None where the
     node cannot stand for the composed ops (see the module docstring).
@@ -137,6 +138,8 @@ def gated_attention(
             composed path's ``_head_major``, in the node) or None.
         transposed: attention along dim -3 instead of -2 (column attention, the ending node).
         backend: the module's backend setting (None: the global one).
+        output_bias: add the output layer's bias; False: the update without it (a block adds it in
+            the residual add that follows, ``ops.add_layer_norm``'s ``residual_bias``).
 
     Returns:
         ``[*, A, A', c_out]`` or None.
@@ -151,7 +154,8 @@ def gated_attention(
         return None  # (one batch element: the node replays the composed path's single GEMM)
     if any(getattr(layer, "backend", backend) != backend for layer in (q, k, v, g, output)):
         return None  # (a layer given a backend of its own: the composed path honours it)
-    tensors = (q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias, head_weight,
+    b_o = output.bias if output_bias else None
+    tensors = (q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, b_o, head_weight,
                pair_bias, pair_source)
     if not _same_kind(x, tensors):
         return None
@@ -159,7 +163,7 @@ def gated_attention(
     registry = _dispatch.REGISTRY
     key = ("gated_attention", registry.resolve(ATTENTION_OP, backend), metadata(x), heads, transposed,
            metadata(mask_bias), metadata(pair_bias), metadata(pair_source),
-           q.bias is not None, g.bias is not None, output.bias is not None, head_weight is not None, q.weight.shape,
+           q.bias is not None, g.bias is not None, b_o is not None, head_weight is not None, q.weight.shape,
            output.weight.shape)
 
     def decide() -> bool:
@@ -167,7 +171,7 @@ def gated_attention(
         if pair_source is not None:  # (the composed path's pair bias: [1, 1, H, L, L] in the source's dtype)
             length = pair_source.shape[-2]
             pair = _stand_in(pair_source, 1, 1, head_weight.shape[0], length, length)
-        return _node_selected(x, heads, mask_bias, pair, q, g, output, transposed, backend)
+        return _node_selected(x, heads, mask_bias, pair, q, g, output.weight, b_o, transposed, backend)
 
     if not registry.decision(key, decide):
         return None
@@ -175,7 +179,7 @@ def gated_attention(
     if pair_bias is None:  # (a pair bias made outside the node is not a form the block's one call takes)
         _dispatch.node_ran()
     return _fused.kernels().gated_attention_module(
-        x, mask_bias, pair_bias, q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, output.bias,
+        x, mask_bias, pair_bias, q.weight, k.weight, v.weight, g.weight, q.bias, g.bias, output.weight, b_o,
         head_weight, pair_source, heads, transposed, transpose_head, 1.0 / math.sqrt(head_dim), _family_of(x),
     )
 
@@ -186,10 +190,11 @@ def _one_pair_source(source: Tensor, head_weight: Tensor) -> bool:
             and source.shape[-1] == head_weight.shape[1] and math.prod(source.shape[:-3]) == 1)
 
 
-def _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed: bool, backend) -> bool:
+def _node_selected(x, heads, mask_bias, pair_bias, q, g, w_o, b_o, transposed: bool, backend) -> bool:
     """Whether the composed path would run every op the node stands for on the cutlass backend: the
     gated attention fused (attention and gate both cutlass), the stacked projection's bias gradient
-    on the column-sum kernel (where it has biases) and the output layer's node (where it has a bias).
+    on the column-sum kernel (where it has biases) and the output layer's node (where its bias
+    ``b_o`` is added).
     Decided from a stand-in for the stacked projection of x's shape (no memory: a broadcast
     scalar), as the composed path's selections see it."""
     hidden = q.weight.shape[0]
@@ -209,8 +214,8 @@ def _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed: boo
         gate = _dispatch.select(GATE_OP, validate_gate(gate_rows, gate_rows), backend)
         if getattr(attention, "gated_forward", None) is None or not attention.name == gate.name == _CUTLASS:
             return False
-        if output.bias is not None:
-            linear = _dispatch.select(LINEAR_OP, validate_linear(gate_rows, output.weight, output.bias), backend)
+        if b_o is not None:
+            linear = _dispatch.select(LINEAR_OP, validate_linear(gate_rows, w_o, b_o), backend)
             if linear.name != _CUTLASS:
                 return False
         biased = q if q.bias is not None else g if g.bias is not None else None
@@ -219,29 +224,32 @@ def _node_selected(x, heads, mask_bias, pair_bias, q, g, output, transposed: boo
         return False
 
 
-def transition(x: Tensor, linear_1: torch.nn.Linear, linear_2: torch.nn.Linear) -> Optional[Tensor]:
+def transition(x: Tensor, linear_1: torch.nn.Linear, linear_2: torch.nn.Linear,
+               output_bias: bool = True) -> Optional[Tensor]:
     """The AF2 transition's update before its mask, ``linear_2(relu(linear_1(x)))`` from the normalised
     ``x [*, c]``, as one node, or None where the node cannot stand for the composed ops
     (``ops.linear`` with ``activation="relu"``, then ``ops.linear``; see the module docstring). Both
-    layers need biases and one backend setting."""
+    layers need biases and one backend setting; ``output_bias=False``: the update without
+    ``linear_2``'s bias (a block adds it in the residual add that follows)."""
     if not _eligible(x):
         return None
     b1, b2 = linear_1.bias, linear_2.bias
     if b1 is None or b2 is None or not _same_kind(x, (linear_1.weight, b1, linear_2.weight, b2)):
         return None
+    b2 = b2 if output_bias else None
     backend = linear_1.backend
     if linear_2.backend != backend:
         return None
     registry = _dispatch.REGISTRY
     key = ("transition", registry.resolve(LINEAR_OP, backend), metadata(x), linear_1.weight.shape,
-           linear_2.weight.shape)
-    if not registry.decision(key, lambda: _transition_selected(x, linear_1, linear_2, backend)):
+           linear_2.weight.shape, output_bias)
+    if not registry.decision(key, lambda: _transition_selected(x, linear_1, linear_2.weight, b2, backend)):
         return None
     _dispatch.node_ran()
     return _fused.kernels().transition_module(x, linear_1.weight, b1, linear_2.weight, b2)
 
 
-def _transition_selected(x: Tensor, linear_1, linear_2, backend) -> bool:
+def _transition_selected(x: Tensor, linear_1, w2: Tensor, b2: Optional[Tensor], backend) -> bool:
     """Whether both layers' ``ops.linear`` would run their cutlass node (from a stand-in for the hidden
     activation of x's rows: no memory)."""
     if x.numel() == 0:
@@ -249,7 +257,7 @@ def _transition_selected(x: Tensor, linear_1, linear_2, backend) -> bool:
     hidden = _stand_in(x, *x.shape[:-1], linear_1.weight.shape[0])  # [*, n c]
     try:
         first = _dispatch.select(LINEAR_OP, validate_linear(x, linear_1.weight, linear_1.bias, "relu"), backend)
-        second = _dispatch.select(LINEAR_OP, validate_linear(hidden, linear_2.weight, linear_2.bias), backend)
+        second = _dispatch.select(LINEAR_OP, validate_linear(hidden, w2, b2), backend)
     except ValueError:
         return False
     return first.name == second.name == _CUTLASS

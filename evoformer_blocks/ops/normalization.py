@@ -228,7 +228,7 @@ class _LayerNormKeepingInputFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx_kept, dy):
-        dx, _, dw, db, _, _ = _add_gradients(ctx, dx_kept, dy, first_param=1)
+        dx, _, dw, db, _, _, _ = _add_gradients(ctx, dx_kept, dy, first_param=1)
         return dx, dw, db, None
 
 
@@ -279,7 +279,8 @@ _dispatch.register(EagerLayerNorm(), auto_priority=100)
 @dataclass(frozen=True)
 class AddLayerNormInputs(ValidatedInputs):
     """Validated inputs of :func:`add_layer_norm`: x and residual ``[*, C]``, weight and bias ``[C]``
-    or None, residual_scale (broadcasting to x's shape) or None."""
+    or None, residual_scale (broadcasting to x's shape) or None, residual_bias ``[C]`` (x's dtype) or
+    None."""
 
     x: Tensor
     residual: Tensor
@@ -287,15 +288,18 @@ class AddLayerNormInputs(ValidatedInputs):
     bias: Optional[Tensor]
     eps: float
     residual_scale: Optional[Tensor] = None
+    residual_bias: Optional[Tensor] = None
 
     def norm_inputs(self, s: Tensor) -> LayerNormInputs:
         return LayerNormInputs(s, self.weight, self.bias, self.eps)
 
 
-def validate_add(x, residual, weight=None, bias=None, eps=1e-5, residual_scale=None) -> AddLayerNormInputs:
+def validate_add(x, residual, weight=None, bias=None, eps=1e-5, residual_scale=None,
+                 residual_bias=None) -> AddLayerNormInputs:
     """Checks :func:`add_layer_norm`'s arguments (``ValueError`` naming the argument and the rule)."""
     inputs = validate(x, weight, bias, eps)
-    tensors = {"x": x, "residual": residual, "weight": weight, "bias": bias, "residual_scale": residual_scale}
+    tensors = {"x": x, "residual": residual, "weight": weight, "bias": bias, "residual_scale": residual_scale,
+               "residual_bias": residual_bias}
     if not isinstance(residual, torch.Tensor):
         raise ValueError(f"add_layer_norm: invalid `residual`: must be a torch.Tensor\n{describe(tensors)}")
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
@@ -313,7 +317,17 @@ def validate_add(x, residual, weight=None, bias=None, eps=1e-5, residual_scale=N
             "add_layer_norm: invalid `residual_scale`: must be a tensor that broadcasts to x's shape, in "
             f"x's dtype and device ({list(x.shape)}, {x.dtype}, {x.device}), or None\n{describe(tensors)}"
         )
-    return AddLayerNormInputs(x, residual, inputs.weight, inputs.bias, inputs.eps, residual_scale)
+    if residual_bias is not None and (
+        not isinstance(residual_bias, torch.Tensor)
+        or residual_bias.shape != x.shape[-1:]
+        or residual_bias.dtype != x.dtype
+        or residual_bias.device != x.device
+    ):
+        raise ValueError(
+            "add_layer_norm: invalid `residual_bias`: must be a [C] tensor in x's dtype and device "
+            f"([{x.shape[-1]}], {x.dtype}, {x.device}), or None\n{describe(tensors)}"
+        )
+    return AddLayerNormInputs(x, residual, inputs.weight, inputs.bias, inputs.eps, residual_scale, residual_bias)
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
@@ -331,6 +345,7 @@ def add_layer_norm(
     eps: float = 1e-5,
     *,
     residual_scale: Optional[Tensor] = None,
+    residual_bias: Optional[Tensor] = None,
     backend: Optional[str] = None,
 ) -> tuple[Tensor, Tensor]:
     """``s = x + residual`` and ``layer_norm(s, weight, bias, eps)``: a block's residual add and the
@@ -347,17 +362,24 @@ def add_layer_norm(
     so a masked or dropped-out update and its residual add take no pass of their own (the residual's
     gradient is written in the same backward pass).
 
+    ``residual_bias`` (``[C]``, x's dtype and device: the bias of the projection that made
+    ``residual``, left out of that projection) is added to ``residual`` first: ``s = x + (residual +
+    residual_bias) * residual_scale``, rounded as that PyTorch code rounds it. Its gradient, the
+    residual's summed over rows, comes from the same backward pass, so the projection needs neither
+    a bias epilogue nor a pass summing its bias gradient.
+
     Raises:
         ValueError: an argument breaks a rule above, or the requested backend cannot run it.
     """
     if isinstance(x, Tensor) and _node_decided(
-        ADD_OP, backend, (x, residual, weight, bias, residual_scale), eps,
-        lambda: validate_add(x, residual, weight, bias, eps, residual_scale), CutlassAddLayerNorm,
+        ADD_OP, backend, (x, residual, weight, bias, residual_scale, residual_bias), eps,
+        lambda: validate_add(x, residual, weight, bias, eps, residual_scale, residual_bias), CutlassAddLayerNorm,
     ):
         weight, bias = _kernel_parameters(weight, bias)
         _dispatch.node_ran()
-        return tuple(_fused.kernels().add_layer_norm_node(x, residual, weight, bias, float(eps), residual_scale))
-    inputs = validate_add(x, residual, weight, bias, eps, residual_scale)
+        return tuple(_fused.kernels().add_layer_norm_node(
+            x, residual, weight, bias, float(eps), residual_scale, residual_bias))
+    inputs = validate_add(x, residual, weight, bias, eps, residual_scale, residual_bias)
     if x.numel() == 0:
         return _eager_add(inputs)
     return _dispatch.select(ADD_OP, inputs, backend).forward(inputs, None)
@@ -387,6 +409,8 @@ def _node_decided(op: str, backend: Optional[str], tensors: tuple, eps, validate
 
 def _eager_add(inputs: AddLayerNormInputs) -> tuple[Tensor, Tensor]:
     residual, scale = inputs.residual, inputs.residual_scale
+    if inputs.residual_bias is not None:
+        residual = residual + inputs.residual_bias
     s = inputs.x + (residual if scale is None else residual * scale)
     return s, _eager(inputs.norm_inputs(s))
 
@@ -401,40 +425,47 @@ class EagerAddLayerNorm(Backend):
 
 
 @_fused.fake("add_layer_norm_fwd")
-def _(x, residual, weight, bias, eps, residual_scale=None):
-    """(s = x + residual (* residual_scale), y = layer_norm(s), mean [M], rstd [M])."""
+def _(x, residual, weight, bias, eps, residual_scale=None, residual_bias=None):
+    """(s = x + (residual + residual_bias) (* residual_scale), y = layer_norm(s), mean [M], rstd [M])."""
     rows = x.numel() // x.shape[-1]
     stats = (x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32))
     return x.new_empty(x.shape), x.new_empty(x.shape), *stats
 
 
 @_fused.fake("add_layer_norm_bwd")
-def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale=None):
+def _(ds, dy, s, weight, mean, rstd, need_affine, affine_dtype, residual_scale=None, residual_bias_dtype=None):
     """(dx = ds + the layer norm's input gradient: the gradient of x, and of the residual without a
     scale; affine as layer_norm_bwd's; with residual_scale, dresidual = dx * residual_scale, else
+    empty; with residual_bias_dtype, the residual's gradient summed over rows [C] in that dtype, else
     empty)."""
     dresidual = s.new_empty(s.shape if residual_scale is not None else (0,))
-    return s.new_empty(s.shape), _affine_like(s, need_affine, affine_dtype), dresidual
+    dbias = s.new_empty((0,)) if residual_bias_dtype is None else s.new_empty(s.shape[-1], dtype=residual_bias_dtype)
+    return s.new_empty(s.shape), _affine_like(s, need_affine, affine_dtype), dresidual, dbias
 
 
-def _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale) -> None:
-    # the residual is kept only for the gradient of a residual_scale that requires one
+def _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale, residual_bias=None) -> None:
+    # the residual is kept only for the gradient of a residual_scale that requires one (that gradient
+    # is taken with the residual as the product saw it: its bias added)
     ctx.scale_grad = residual_scale is not None and residual_scale.requires_grad
+    if ctx.scale_grad and residual_bias is not None:
+        residual = residual + residual_bias
     ctx.save_for_backward(s, weight, mean, rstd, residual_scale, residual if ctx.scale_grad else None)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.residual_bias_dtype = None if residual_bias is None else residual_bias.dtype
 
 
 def _add_gradients(ctx, ds, dy, first_param: int = 2):
-    """(dx, dresidual, dweight, dbias, None, dresidual_scale): without a residual_scale dx and
-    dresidual are one tensor (the add passes the gradient through to both). ``first_param``: the
-    index of the weight among the node's inputs (the bias follows it)."""
+    """(dx, dresidual, dweight, dbias, None, dresidual_scale, dresidual_bias): without a residual_scale
+    dx and dresidual are one tensor (the add passes the gradient through to both). ``first_param``:
+    the index of the weight among the node's inputs (the bias follows it)."""
     s, weight, mean, rstd, scale, residual = ctx.saved_tensors
     ds = torch.zeros_like(s) if ds is None else ds.contiguous()
     dy = torch.zeros_like(s) if dy is None else dy.contiguous()
     want_w, want_b, affine_dtype = _affine_request(ctx, weight, first_param)
-    dx, affine, dresidual = _fused.kernels().add_layer_norm_bwd(
-        ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype, scale)
+    bias_dtype = ctx.residual_bias_dtype if ctx.residual_bias_dtype is not None and ctx.needs_input_grad[6] else None
+    dx, affine, dresidual, dresidual_bias = _fused.kernels().add_layer_norm_bwd(
+        ds, dy, s, weight, mean, rstd, want_w or want_b, affine_dtype, scale, bias_dtype)
     dscale = None
     if scale is None:
         dresidual = dx
@@ -442,7 +473,8 @@ def _add_gradients(ctx, ds, dy, first_param: int = 2):
         # d(residual * scale) / d scale in float32, summed over the dims the scale broadcasts along (the
         # gradient of the product is dx)
         dscale = (dx.float() * residual.float()).sum_to_size(scale.shape).to(scale.dtype)
-    return (dx, dresidual, *_affine_grads(ctx, weight, affine, want_w, want_b), None, dscale)
+    return (dx, dresidual, *_affine_grads(ctx, weight, affine, want_w, want_b), None, dscale,
+            dresidual_bias if bias_dtype is not None else None)
 
 
 class _FusedAddLayerNormFunction(torch.autograd.Function):
@@ -450,9 +482,10 @@ class _FusedAddLayerNormFunction(torch.autograd.Function):
     ``add_layer_norm_bwd``."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, residual_scale):
-        s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(x, residual, weight, bias, eps, residual_scale)
-        _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale)
+    def forward(ctx, x, residual, weight, bias, eps, residual_scale, residual_bias):
+        s, y, mean, rstd = _fused.kernels().add_layer_norm_fwd(
+            x, residual, weight, bias, eps, residual_scale, residual_bias)
+        _save_add(ctx, s, weight, bias, mean, rstd, residual, residual_scale, residual_bias)
         return s, y
 
     @staticmethod
@@ -468,9 +501,9 @@ class CutlassAddLayerNorm(_CutlassRowNorm):
         if _dispatch.nodes_allowed():  # one C++ node (csrc/modules), the same calls as the Function's
             _dispatch.node_ran()
             return tuple(_fused.kernels().add_layer_norm_node(
-                inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale))
+                inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale, inputs.residual_bias))
         return _FusedAddLayerNormFunction.apply(
-            inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale)
+            inputs.x, inputs.residual, weight, bias, inputs.eps, inputs.residual_scale, inputs.residual_bias)
 
 
 _dispatch.register(CutlassAddLayerNorm(), auto_priority=10)
