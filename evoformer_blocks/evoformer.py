@@ -52,8 +52,9 @@ def add_and_norm(x: torch.Tensor, norm: LayerNorm, update: torch.Tensor, scale: 
     what ``x + update * scale`` gives. With ``bias`` (``[C]``: the bias of the projection that made
     the update, which left it out: a module's ``output_bias=False``), ``x + (update + bias) * scale``,
     the bias added in the same pass and its gradient summed in the same backward pass."""
-    if update.dtype != x.dtype or update.shape != x.shape or (bias is not None and bias.dtype != x.dtype):
-        # (e.g. autocast: the plain adds promote)
+    if bias is not None and bias.dtype != update.dtype:  # (autocast: the bias as F.linear would have cast it)
+        bias = bias.to(update.dtype)
+    if update.dtype != x.dtype or update.shape != x.shape:  # (e.g. autocast: the plain adds promote)
         update = update if bias is None else update + bias
         s = x + (update if scale is None else update * scale)
         return s, norm(s)

@@ -462,6 +462,24 @@ def test_inputs_of_another_dtype_than_the_weights_raise(name, argument, m_dtype,
     assert all(torch.isfinite(t).all() for t in (out if isinstance(out, tuple) else (out,)))
 
 
+@pytest.mark.parametrize("name", ["EvoformerBlock", "ExtraMSABlock"])
+def test_autocast_keeps_the_residual_streams_dtype(name):
+    # bfloat16 inputs, float32 weights, autocast: the updates' output biases, added in the residual adds
+    # (output_bias=False), are cast as F.linear casts them, so m and z stay bfloat16 and the biases get
+    # float32 gradients
+    module = _stacks_and_blocks()[name].train()
+    m, z, msa_mask, pair_mask = inputs(dtype=torch.float32)
+    m, z = m.bfloat16(), z.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_m, out_z = module(m, z, msa_mask, pair_mask)
+    assert out_m.dtype == out_z.dtype == torch.bfloat16
+    (out_m.float().square().mean() + out_z.float().square().mean()).backward()
+    for bias in (module.msa_att_row.linear_o.bias, module.msa_att_col.linear_o.bias, module.msa_transition.linear_2.bias,
+                 module.tri_att_start.linear_o.bias, module.tri_att_end.linear_o.bias):
+        assert bias.grad is not None and bias.grad.dtype == torch.float32 and torch.isfinite(bias.grad).all()
+        assert bias.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("name", ["EvoformerStack", "EvoformerBlock"])
 def test_inputs_on_another_device_than_the_weights_raise(name):
     module = _stacks_and_blocks()[name]
