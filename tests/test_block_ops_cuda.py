@@ -93,8 +93,9 @@ def test_layer_norm_keeping_input_matches_reference(dtype, shape, params):
     w = b = None
     if params != "none":
         w = (1 + 0.5 * torch.randn(c, device=DEV)).to(torch.float32 if params == "float32 weight" else dtype)
-        w.requires_grad_(True)
-        b = torch.randn(c, device=DEV).to(dtype).requires_grad_(True)
+        b = torch.randn(c, device=DEV).to(dtype)
+        w.requires_grad_(params != "frozen")
+        b.requires_grad_(params != "frozen")
     leaves = [t for t in (x, w, b) if t is not None]
     d_kept, dy = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
 
@@ -137,11 +138,13 @@ def test_add_layer_norm_matches_reference(dtype, shape, params, scale):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(7, 64), (3, 37, 128), (1000, 256), (5, 1024)])
 @pytest.mark.parametrize("scale", ["none", "mask", "random", "dropout columns"])
-def test_add_layer_norm_residual_bias_matches_reference(dtype, shape, scale):
+@pytest.mark.parametrize("params", ["affine", "frozen"])
+def test_add_layer_norm_residual_bias_matches_reference(dtype, shape, scale, params):
     # the residual's bias added in the same pass: s = x + (residual + residual_bias) (* scale) as torch
     # rounds it, bit for bit; the bias's gradient (the residual's summed over rows, in the backward's
-    # pass) with the others against float64 with the 2x rule
-    _check_add_layer_norm(dtype, shape, "affine", scale, residual_bias=True)
+    # pass) with the others against float64 with the 2x rule; "frozen": the layer norm's weight and
+    # bias want no gradient, the residual's bias still does (its sums alone)
+    _check_add_layer_norm(dtype, shape, params, scale, residual_bias=True)
 
 
 def _check_add_layer_norm(dtype, shape, params, scale, residual_bias):
@@ -153,8 +156,9 @@ def _check_add_layer_norm(dtype, shape, params, scale, residual_bias):
     w = b = sc = rb = None
     if params != "none":
         w = (1 + 0.5 * torch.randn(c, device=DEV)).to(torch.float32 if params == "float32 weight" else dtype)
-        w.requires_grad_(True)
-        b = torch.randn(c, device=DEV).to(dtype).requires_grad_(True)
+        b = torch.randn(c, device=DEV).to(dtype)
+        w.requires_grad_(params != "frozen")
+        b.requires_grad_(params != "frozen")
     if residual_bias:
         rb = (torch.randn(c, device=DEV) * 0.5).to(dtype).requires_grad_(True)
     if scale == "mask":  # a 0/1 row mask with a fully masked row
@@ -167,7 +171,7 @@ def _check_add_layer_norm(dtype, shape, params, scale, residual_bias):
         sc = torch.nn.functional.dropout(torch.ones(keep_shape, device=DEV, dtype=dtype), p=0.25, training=True)
     elif scale == "strided":  # every value its own, read from a view with padded rows
         sc = (torch.randn(*shape[:-1], c + 8, device=DEV) + 1).to(dtype)[..., :c]
-    leaves = ([t for t in (x, r, w, b) if t is not None] + ([sc] if scale == "random" else [])
+    leaves = ([t for t in (x, r, w, b) if t is not None and t.requires_grad] + ([sc] if scale == "random" else [])
               + ([rb] if residual_bias else []))
     ds, dy = torch.randn(shape, device=DEV), torch.randn(shape, device=DEV)
 
@@ -184,7 +188,9 @@ def _check_add_layer_norm(dtype, shape, params, scale, residual_bias):
         assert not fused[3].view(-1, c)[0].any()
     l64 = [t.detach().double().requires_grad_(True) for t in leaves]
     x64, r64 = l64[0], l64[1]
-    w64, b64 = (l64[2], l64[3]) if w is not None else (None, None)
+    w64, b64 = (l64[2], l64[3]) if w is not None and w.requires_grad else (None, None)
+    if w is not None and not w.requires_grad:
+        w64, b64 = w.double(), b.double()
 
     def update64():  # the residual as the op rounds it: with its bias added (rounded) first
         return r64 if rb is None else (r64 + l64[-1]).to(dtype).double()
@@ -197,7 +203,8 @@ def _check_add_layer_norm(dtype, shape, params, scale, residual_bias):
         s64 = lambda: x64 + (update64() * sc.double()).to(dtype).double()  # noqa: E731
     # the reference normalises the rounded sum, as both backends do
     ref = run(lambda: (s64(), F.layer_norm(s64().to(dtype).double(), (c,), w64, b64, 1e-5)), l64)
-    names = (["y", "dx", "dresidual"] + (["dw", "db"] if w is not None else []) + (["dscale"] if scale == "random" else [])
+    names = (["y", "dx", "dresidual"] + (["dw", "db"] if w is not None and w.requires_grad else [])
+             + (["dscale"] if scale == "random" else [])
              + (["dresidual_bias"] if residual_bias else []))
     assert len(names) == len(fused) - 1
     for name, f, e, rf in zip(names, fused[1:], eager[1:], ref[1:]):
