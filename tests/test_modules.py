@@ -16,6 +16,8 @@ from evoformer_blocks import (
     MSAColumnAttention,
     MSAColumnGlobalAttention,
     MSARowAttentionWithPairBias,
+    MSATransition,
+    SwiGLUTransition,
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
     ops,
@@ -223,6 +225,45 @@ def test_gradients_match_reference(name, assert_close):
     for n, got, want in zip(names, grads, expected):
         assert want.abs().max() > 0, n
         assert_close(got, want, msg=n)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_update_without_output_bias_is_the_update_less_that_bias(name, chunk_size):
+    # the entry the blocks call with output_bias=False (they add linear_o's bias in the residual add after
+    # the module, ops.add_layer_norm's residual_bias): the update as with it, less the bias
+    spec = SPECS[name]
+    module = randomized(spec)
+    inputs = spec.inputs((2,), F64)
+    mask = random_mask((2,), spec.mask_dims, F64)
+
+    def update(output_bias):
+        if name == "msa_row":
+            m, z = inputs
+            return module._normalized(module.layer_norm_m(m), module.layer_norm_z(z), module._mask_bias(mask, m),
+                                      chunk_size, output_bias=output_bias)
+        norm = module.layer_norm_m if hasattr(module, "layer_norm_m") else module.layer_norm_z
+        return module._normalized(norm(inputs[0]), mask, chunk_size, output_bias=output_bias)
+
+    with_bias = update(True)
+    torch.testing.assert_close(with_bias, module(*inputs, mask), rtol=0, atol=1e-12)
+    torch.testing.assert_close(update(False) + module.linear_o.bias, with_bias, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("make", [lambda: MSATransition(C_M, 2), lambda: SwiGLUTransition(C_M, 2)],
+                         ids=["MSATransition", "SwiGLUTransition"])
+def test_transition_update_without_output_bias_is_the_update_less_that_bias(make, chunk_size):
+    module = make().to(F64)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(0.5 * torch.randn_like(p))
+    x = module.layer_norm(torch.randn(2, N_SEQ, N_RES, C_M, dtype=F64))
+    with_bias = module._normalized_unmasked(x, chunk_size)
+    without = module._normalized_unmasked(x, chunk_size, output_bias=False)
+    bias = module._output().bias
+    torch.testing.assert_close(without + (0 if bias is None else bias), with_bias, rtol=0, atol=1e-12)
+    assert (bias is None) == isinstance(module, SwiGLUTransition)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
