@@ -176,6 +176,13 @@ def random_mask(batch, dims, dtype):
     return mask
 
 
+def random_case(name: str) -> tuple:
+    """(module, inputs, mask) of SPECS[name]: random float64 parameters and inputs of batch (2,), a
+    random mask."""
+    spec = SPECS[name]
+    return randomized(spec), spec.inputs((2,), F64), random_mask((2,), spec.mask_dims, F64)
+
+
 def double_reference(spec, module, inputs, mask):
     """The float64 reference with the module's own weights."""
     ref_module = spec.make(inf=module.inf).to(F64)
@@ -232,10 +239,7 @@ def test_gradients_match_reference(name, assert_close):
 def test_update_without_output_bias_is_the_update_less_that_bias(name, chunk_size):
     # the entry the blocks call with output_bias=False (they add linear_o's bias in the residual add after
     # the module, ops.add_layer_norm's residual_bias): the update as with it, less the bias
-    spec = SPECS[name]
-    module = randomized(spec)
-    inputs = spec.inputs((2,), F64)
-    mask = random_mask((2,), spec.mask_dims, F64)
+    module, inputs, mask = random_case(name)
 
     def update(output_bias):
         if name == "msa_row":
@@ -269,10 +273,7 @@ def test_transition_update_without_output_bias_is_the_update_less_that_bias(make
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_chunk_size_gives_the_same_result(name, chunk_size):
-    spec = SPECS[name]
-    module = randomized(spec)
-    inputs = spec.inputs((2,), F64)
-    mask = random_mask((2,), spec.mask_dims, F64)
+    module, inputs, mask = random_case(name)
     full = module(*inputs, mask)
     torch.testing.assert_close(module(*inputs, mask, chunk_size=chunk_size), full, rtol=0, atol=1e-12)
 
