@@ -137,7 +137,8 @@ std::tuple<at::Tensor, at::Tensor> keeping_input(const at::Tensor& x, Params& p,
 }
 
 // An update before its output projection's bias, and that bias (None where the projection has none):
-// the next add_and_norm adds it (evoformer.py's _deferred).
+// the next add_and_norm adds it (as evoformer.py's _MSABlock._module_update passes a module's
+// linear_o or linear_2 bias to its add_and_norm).
 struct Update {
   at::Tensor value;
   OptionalTensor bias;
