@@ -231,10 +231,14 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* ticket, unsigned count)
   return last;
 }
 
-// Entry i (< kParts <= 3) of a small array by selects, not by a dynamic index (which would put the
-// array in local memory).
-template <int kParts, typename E>
-__device__ __forceinline__ E select_part(const E (&a)[kParts], int i) {
+// Entry i (< kParts <= 3) of a small array (of kParts entries or more) by selects, not by a dynamic
+// index (which would put the array in local memory): a scalar (the partial rows' pointers, held in
+// registers) by value, a struct (ColumnTotals::out, kernel parameters) by reference, so that its fields
+// are read from the entry selected.
+template <int kParts, typename E, int kSize>
+__device__ __forceinline__ std::conditional_t<std::is_scalar_v<E>, E, const E&> select_part(const E (&a)[kSize],
+                                                                                          int i) {
+  static_assert(kParts >= 1 && kParts <= 3 && kParts <= kSize, "a part of the array's first three entries");
   if constexpr (kParts == 1) return a[0];
   else if constexpr (kParts == 2) return i == 0 ? a[0] : a[1];
   else return i == 0 ? a[0] : i == 1 ? a[1] : a[2];
@@ -273,9 +277,7 @@ __device__ __forceinline__ void add_partials_in_last_cta(const ColumnTotals& tot
   for (int k = threadIdx.x; k < kParts * C; k += blockDim.x) {
     const int i = kParts == 1 ? 0 : k / C, col = k - i * C;
     if (select_part<kParts>(part, i) == nullptr) continue;
-    param_store(kParts <= 2 ? (i == 0 ? totals.out[0] : totals.out[1])
-                            : (i == 0 ? totals.out[0] : i == 1 ? totals.out[1] : totals.out[2]),
-                col,
+    param_store(select_part<kParts>(totals.out, i), col,
                 add_rows_in_order<kSumGroupsInFlight>(totals.group_part + i * C + col, kParts * C, n_groups));
   }
 }
