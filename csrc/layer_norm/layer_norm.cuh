@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
     layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
   using Th = RowNormThread<T, kChunks>;
   constexpr int kVec = Th::kVec;
-  constexpr int kParts = kBiasGrad ? 3 : 2;
+  constexpr int kParts = kBiasGrad ? kResidualBiasPart + 1 : kBiasPart + 1;
   extern __shared__ float partial_smem[];  // [rows_per_cta][kParts][C] when a column sum is wanted
   const int lanes = row_lanes<kChunks>(p.row_threads);
   RowSlots<T, kChunks> rs(lanes);
@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
   // over the thread's rows: dy * x_hat (the weight's gradient), dy (the bias's), with kBiasGrad the
   // residual's gradient (the residual bias's)
   float sums[kParts][kChunks][kVec];
-  float (&dw)[kChunks][kVec] = sums[0];
-  float (&db)[kChunks][kVec] = sums[1];
+  float (&dw)[kChunks][kVec] = sums[kWeightPart];
+  float (&db)[kChunks][kVec] = sums[kBiasPart];
 #pragma unroll
   for (int k = 0; k < kParts; ++k)
 #pragma unroll
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
       }
       if constexpr (kBiasGrad) {  // (the values as stored)
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) sums[2][c][i] += round_to<T>(out.v[i]);
+        for (int i = 0; i < kVec; ++i) sums[kResidualBiasPart][c][i] += round_to<T>(out.v[i]);
       }
     }
   }

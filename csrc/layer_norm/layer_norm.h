@@ -48,8 +48,8 @@ struct RowNormBackwardParams {
   ParamTensor weight;    // [C] or absent
   const float* mean;     // [M]
   const float* rstd;     // [M]
-  // [n_ctas, 2, C] partial sums of dy * x_hat and of dy ([n_ctas, 3, C] with bias_part), or nullptr
-  // (not wanted)
+  // [n_ctas, 2, C] partial sums of dy * x_hat and of dy ([n_ctas, 3, C] with bias_part; NormPart
+  // orders them), or nullptr (not wanted)
   float* affine_part;
   int64_t M, x_stride, dy_stride, dx_stride;
   int C;
@@ -64,10 +64,14 @@ struct RowNormBackwardParams {
   bool scale_per_row = true;
   void* dresidual = nullptr;
   int64_t dresidual_stride = 0;
-  // Row 2 of [n_ctas, 3, C] partials or nullptr: the column sums of the residual's gradient
-  // (dresidual with a scale, else dx): the gradient of the forward's residual_bias.
+  // Row kResidualBiasPart of [n_ctas, 3, C] partials or nullptr: the column sums of the residual's
+  // gradient (dresidual with a scale, else dx): the gradient of the forward's residual_bias.
   float* bias_part = nullptr;
 };
+
+// The rows of the layer-norm backward's per-CTA partial sums ([n_ctas, parts, C]) and of their totals:
+// the weight's gradient, the bias's, then (add_layer_norm with a residual bias) the residual bias's.
+enum NormPart : int { kWeightPart = 0, kBiasPart = 1, kResidualBiasPart = 2 };
 
 struct ChannelNormParams {
   const void* x;  // [C, M] channel-major

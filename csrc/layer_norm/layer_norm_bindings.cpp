@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
   }
   at::Tensor affine = affine_grad ? output({2, C}, affine_options) : at::empty({0}, f32);  // (dweight, dbias)
   // [ctas, (dweight, dbias[, dresidual_bias]), C], added by the last CTAs into affine and dresidual_bias
-  const int64_t parts = dresidual_bias.defined() ? 3 : 2;
+  const int64_t parts = dresidual_bias.defined() ? kResidualBiasPart + 1 : kBiasPart + 1;
   std::optional<PartialSums> sums;
   if (affine_grad || dresidual_bias.defined()) {  // (the rows of affine by pointer: no select op per row)
     const ParamTensor dweight = affine_grad ? param_tensor(affine) : kNoParam;
@@ -158,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
                           rstd.data_ptr<float>(), affine_grad ? sums->data() : nullptr, M,
                           M > 1 ? x.stride(0) : C, M > 1 ? dy.stride(0) : C, C, int(C), row_threads};
   if (sums.has_value()) p.totals = sums->totals;
-  if (dresidual_bias.defined()) p.bias_part = sums->data() + 2 * C;
+  if (dresidual_bias.defined()) p.bias_part = sums->data() + kResidualBiasPart * C;
   at::Tensor dsum;  // another gradient of x, added to dx
   if (dsum_in != nullptr) {
     dsum = as_rows(*dsum_in, C);
