@@ -32,7 +32,8 @@ void launch_layer_norm_rows(const RowNormParams& p, int n_ctas, cudaStream_t str
 
 template <typename T>
 void launch_layer_norm_rows_backward(const RowNormBackwardParams& p, int n_ctas, cudaStream_t stream) {
-  const int parts = p.bias_part != nullptr ? 3 : p.affine_part != nullptr ? 2 : 0;
+  const bool column_sums = p.bias_part != nullptr || p.affine_part != nullptr;  // else no shared memory
+  const int parts = column_sums ? norm_backward_parts(p.bias_part != nullptr) : 0;
   const int smem = (kBlockOpThreads / p.row_threads) * parts * p.C * 4;
   launch_row_kernel<T>(
       p, p.dresidual != nullptr, p.bias_part != nullptr,

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
     layer_norm_rows_backward_kernel(RowNormBackwardParams p) {
   using Th = RowNormThread<T, kChunks>;
   constexpr int kVec = Th::kVec;
-  constexpr int kParts = kBiasGrad ? kResidualBiasPart + 1 : kBiasPart + 1;
+  constexpr int kParts = norm_backward_parts(kBiasGrad);
   extern __shared__ float partial_smem[];  // [rows_per_cta][kParts][C] when a column sum is wanted
   const int lanes = row_lanes<kChunks>(p.row_threads);
   RowSlots<T, kChunks> rs(lanes);

@@ -72,6 +72,8 @@ struct RowNormBackwardParams {
 // The rows of the layer-norm backward's per-CTA partial sums ([n_ctas, parts, C]) and of their totals:
 // the weight's gradient, the bias's, then (add_layer_norm with a residual bias) the residual bias's.
 enum NormPart : int { kWeightPart = 0, kBiasPart = 1, kResidualBiasPart = 2 };
+// How many of those rows a backward writes: all three with a residual bias, else the affine two.
+constexpr int norm_backward_parts(bool residual_bias) { return residual_bias ? kResidualBiasPart + 1 : kBiasPart + 1; }
 
 struct ChannelNormParams {
   const void* x;  // [C, M] channel-major

@@ -145,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_rows_backward(
   }
   at::Tensor affine = affine_grad ? output({2, C}, affine_options) : at::empty({0}, f32);  // (dweight, dbias)
   // [ctas, (dweight, dbias[, dresidual_bias]), C], added by the last CTAs into affine and dresidual_bias
-  const int64_t parts = dresidual_bias.defined() ? kResidualBiasPart + 1 : kBiasPart + 1;
+  const int64_t parts = norm_backward_parts(dresidual_bias.defined());
   std::optional<PartialSums> sums;
   if (affine_grad || dresidual_bias.defined()) {  // (the rows of affine by pointer: no select op per row)
     const ParamTensor dweight = affine_grad ? param_tensor(affine) : kNoParam;
