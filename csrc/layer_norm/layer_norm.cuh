@@ -261,14 +261,11 @@ __global__ void __launch_bounds__(kBlockOpThreads, kChunks == 1 ? kRowNormBackwa
   }
   if (p.affine_part == nullptr && p.bias_part == nullptr) return;
   // rows of [gridDim.x, kParts, C]: dweight, dbias (nullptr where not wanted), with kBiasGrad dresidual_bias
-  float* const dweight = p.affine_part, *const dbias = p.affine_part == nullptr ? nullptr : p.affine_part + p.C;
-  if constexpr (kBiasGrad) {
-    float* const part[3] = {dweight, dbias, p.bias_part};
-    store_cta_column_sums<3>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 3 * int64_t(p.C), p.totals);
-  } else {
-    float* const part[2] = {dweight, dbias};
-    store_cta_column_sums<2>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, 2 * int64_t(p.C), p.totals);
-  }
+  float* part[kParts];
+  part[kWeightPart] = p.affine_part;
+  part[kBiasPart] = p.affine_part == nullptr ? nullptr : p.affine_part + p.C;
+  if constexpr (kBiasGrad) part[kResidualBiasPart] = p.bias_part;
+  store_cta_column_sums<kParts>(th, slot, rows_per_cta, p.C, sums, partial_smem, part, kParts * int64_t(p.C), p.totals);
 }
 
 // ---- channel-major layer norm -----------------------------------------------------------------
