@@ -44,10 +44,11 @@ Implementations:
                  and triangle attention (AF2: also the MSA row attention, and SDPA for the column
                  attention; Pairformer: its attention_pair_bias) (benchmarks/trunk_peer.py), each
                  block ``torch.compile``d, checkpointed
-    peer-graphs  the peer with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) per block; not
-                 a default: with torch 2.11 it fails ("accessing tensor output of CUDAGraphs that has
-                 been overwritten by a subsequent run"; likely the 48 checkpointed blocks sharing one
-                 compiled graph whose replays reuse its output memory, which later blocks still read)
+    peer-graphs  the peer with CUDA graphs: ``torch.compile(mode="reduce-overhead")`` of each
+                 checkpointed block (the checkpoint inside the compiled region: CUDA-graph trees
+                 under an outer checkpoint fail with torch 2.11), a CUDA-graph step marked before
+                 each step; its graphs' pool and last outputs stay for the rest of the process, so
+                 the peaks of the cases measured after it include them
     peer-eager   the peer without compile
 
 Per implementation: wall ms per step (CUDA events around the step after a device synchronise, so
@@ -132,7 +133,7 @@ class TokenCase:
 
 IMPLS = ["plain", "plain-composed", "plain-per-module", "plain-separate", "plain-torch-checkpoint", "graphs", "peer",
          "peer-graphs", "peer-eager"]
-DEFAULT_IMPLS = ["plain", "graphs", "peer"]
+DEFAULT_IMPLS = ["plain", "graphs", "peer", "peer-graphs"]
 WARM_UP = {"plain": 2, "plain-composed": 2, "plain-per-module": 2, "plain-separate": 2, "plain-torch-checkpoint": 2,
            "graphs": 3, "peer": 3, "peer-graphs": 4, "peer-eager": 2}
 PLAIN = ("plain", "plain-composed", "plain-per-module", "plain-separate", "plain-torch-checkpoint",
@@ -319,10 +320,13 @@ def make_step(trunk, stacks, t):
     the loss's forward and backward."""
     leaves = [t[name] for name in trunk.leaves]
     params = [p for stack in stacks for p in stack.parameters()]
+    cuda_graph_steps = any(getattr(stack, "cuda_graph_steps", False) for stack in stacks)  # (peer-graphs)
 
     def step():
         for x in leaves + params:
             x.grad = None
+        if cuda_graph_steps:  # a new step: the CUDA-graph trees may reuse the last step's outputs' memory
+            torch.compiler.cudagraph_mark_step_begin()
         trunk.loss(stacks, t).backward()
 
     return step

@@ -22,7 +22,7 @@ Pairformer (and OpenFold3's) masks them.
 
 A :class:`PeerStack` (:class:`PeerPairformerStack`) checkpoints each block
 (``torch.utils.checkpoint``, non-reentrant, the RNG state restored for the recomputation's dropout)
-and can ``torch.compile`` each block. Its weights are its own (random); the benchmark times it.
+and can ``torch.compile`` each block (with CUDA graphs, the checkpointed block). Its weights are its own (random); the benchmark times it.
 tests/test_bench_trunk.py runs the Pairformer peer on the CPU with reference functions in place of
 cuEquivariance's and checks that, on the library block's weights, it computes the same function.
 """
@@ -310,20 +310,44 @@ class PeerPairformerBlock(nn.Module):
         return s, z
 
 
+class _CheckpointedBlock(nn.Module):
+    """One block under ``torch.utils.checkpoint`` (non-reentrant): what ``torch.compile`` compiles
+    where the checkpoint has to be inside the compiled region."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, z, x_mask, pair_mask):
+        return checkpoint(self.block, x, z, x_mask, pair_mask, use_reentrant=False)
+
+
 class _CheckpointedBlocks(nn.Module):
     """Blocks taking and returning two representations, each block checkpointed and, with a
-    ``compile_mode``, ``torch.compile``d (None: eager; ``"default"``, ``"reduce-overhead"``)."""
+    ``compile_mode``, ``torch.compile``d (None: eager; ``"default"``, ``"reduce-overhead"``).
+
+    Eager and ``"default"`` checkpoint the (compiled) block from outside. ``"reduce-overhead"``
+    compiles the checkpointed block instead (the compiler's own recomputation in the backward graph):
+    CUDA-graph trees under an outer non-reentrant checkpoint fail with torch 2.11 (the recorded
+    graphs see other tensors alive at replay). With it, call ``torch.compiler.cudagraph_mark_step_begin()``
+    before each training step (``cuda_graph_steps`` says so)."""
 
     def _set_blocks(self, blocks: list[nn.Module], compile_mode: Optional[str]) -> None:
         self.blocks = nn.ModuleList(blocks)
+        self.cuda_graph_steps = compile_mode == "reduce-overhead"
         if compile_mode is None:
             self._calls = list(self.blocks)
+        elif self.cuda_graph_steps:
+            self._calls = [torch.compile(_CheckpointedBlock(b), mode=compile_mode, dynamic=False) for b in self.blocks]
         else:
             self._calls = [torch.compile(b, mode=compile_mode, dynamic=False) for b in self.blocks]
 
     def _run_blocks(self, x, z, x_mask, pair_mask):
         for call in self._calls:
-            x, z = checkpoint(call, x, z, x_mask, pair_mask, use_reentrant=False)
+            if self.cuda_graph_steps:
+                x, z = call(x, z, x_mask, pair_mask)
+            else:
+                x, z = checkpoint(call, x, z, x_mask, pair_mask, use_reentrant=False)
         return x, z
 
 

@@ -218,6 +218,62 @@ def test_trunk_step_runs_on_cpu(reference_cueq, trunk_name, impl):
     assert trunk.flops(case) > 0
 
 
+def test_peer_graphs_compiles_the_checkpointed_blocks(reference_cueq, monkeypatch):
+    """peer-graphs (no CUDA graphs on the CPU, so ``torch.compile`` stands in as the identity): each
+    compiled call is a checkpointed block, the stack runs them without an outer checkpoint, its
+    gradients are the eager peer's, and every step marks a CUDA-graph step first."""
+    compiled, marks = [], []
+
+    def fake_compile(module, mode=None, dynamic=None):
+        compiled.append((module, mode))
+        return module
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(trunk_peer, "checkpoint", _counting(trunk_peer.checkpoint))
+    graphs = trunk_peer.PeerPairformerStack(no_blocks=2, compile_mode="reduce-overhead",
+                                            **WIDTHS).double()
+    assert graphs.cuda_graph_steps and [mode for _, mode in compiled] == ["reduce-overhead"] * 2
+    assert all(isinstance(m, trunk_peer._CheckpointedBlock) and m.block is b for (m, _), b in zip(compiled, graphs.blocks))
+    eager = trunk_peer.PeerPairformerStack(no_blocks=2, **WIDTHS).double()
+    eager.load_state_dict(graphs.state_dict())
+    assert not eager.cuda_graph_steps
+    s, z, single_mask, pair_mask = block_inputs(torch.float64)
+    grads = []
+    for stack in (graphs, eager):
+        trunk_peer.checkpoint.calls = 0
+        torch.manual_seed(5)
+        s_out, z_out = stack.train()(s, z, single_mask, pair_mask)
+        (s_out.sum() + z_out.square().sum()).backward()
+        assert trunk_peer.checkpoint.calls == 2  # one per block: inside the compiled call, or around it
+        grads.append([p.grad.clone() for p in stack.parameters()])
+    for g_graphs, g_eager in zip(*grads):
+        torch.testing.assert_close(g_graphs, g_eager)
+
+    class Trunk:  # make_step's view of a trunk: its leaves and its loss
+        leaves = ["s"]
+
+        @staticmethod
+        def loss(stacks, t):
+            return stacks[0](t["s"], z, single_mask, pair_mask)[1].sum()
+
+    step = bench_trunk.make_step(Trunk, [graphs], {"s": s.clone().requires_grad_(True)})
+    step()
+    step()
+    assert len(marks) == 2
+
+
+def _counting(fn):
+    """fn, counting its calls in the wrapper's ``calls``."""
+
+    def wrapper(*args, **kwargs):
+        wrapper.calls += 1
+        return fn(*args, **kwargs)
+
+    wrapper.calls = 0
+    return wrapper
+
+
 def test_trunk_cases_and_flops():
     trunk = bench_trunk.PairformerTrunk()
     assert [c.label() for c in trunk.cases] == ["N_token 384", "N_token 768"]
