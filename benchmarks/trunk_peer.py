@@ -22,7 +22,8 @@ Pairformer (and OpenFold3's) masks them.
 
 A :class:`PeerStack` (:class:`PeerPairformerStack`) checkpoints each block
 (``torch.utils.checkpoint``, non-reentrant, the RNG state restored for the recomputation's dropout)
-and can ``torch.compile`` each block (with CUDA graphs, the checkpointed block). Its weights are its own (random); the benchmark times it.
+and can ``torch.compile`` each block (with CUDA graphs, the checkpointed block). Its weights are
+its own (random); the benchmark times it.
 tests/test_bench_trunk.py runs the Pairformer peer on the CPU with reference functions in place of
 cuEquivariance's and checks that, on the library block's weights, it computes the same function.
 """
@@ -329,8 +330,9 @@ class _CheckpointedBlocks(nn.Module):
     Eager and ``"default"`` checkpoint the (compiled) block from outside. ``"reduce-overhead"``
     compiles the checkpointed block instead (the compiler's own recomputation in the backward graph):
     CUDA-graph trees under an outer non-reentrant checkpoint fail with torch 2.11 (the recorded
-    graphs see other tensors alive at replay). With it, call ``torch.compiler.cudagraph_mark_step_begin()``
-    before each training step (``cuda_graph_steps`` says so)."""
+    graphs see other tensors alive at replay). With it, call
+    ``torch.compiler.cudagraph_mark_step_begin()`` before each training step (``cuda_graph_steps``
+    says so)."""
 
     def _set_blocks(self, blocks: list[nn.Module], compile_mode: Optional[str]) -> None:
         self.blocks = nn.ModuleList(blocks)
@@ -338,7 +340,8 @@ class _CheckpointedBlocks(nn.Module):
         if compile_mode is None:
             self._calls = list(self.blocks)
         elif self.cuda_graph_steps:
-            self._calls = [torch.compile(_CheckpointedBlock(b), mode=compile_mode, dynamic=False) for b in self.blocks]
+            self._calls = [torch.compile(_CheckpointedBlock(b), mode=compile_mode, dynamic=False)
+                           for b in self.blocks]
         else:
             self._calls = [torch.compile(b, mode=compile_mode, dynamic=False) for b in self.blocks]
 

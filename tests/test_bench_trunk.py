@@ -234,7 +234,8 @@ def test_peer_graphs_compiles_the_checkpointed_blocks(reference_cueq, monkeypatc
     graphs = trunk_peer.PeerPairformerStack(no_blocks=2, compile_mode="reduce-overhead",
                                             **WIDTHS).double()
     assert graphs.cuda_graph_steps and [mode for _, mode in compiled] == ["reduce-overhead"] * 2
-    assert all(isinstance(m, trunk_peer._CheckpointedBlock) and m.block is b for (m, _), b in zip(compiled, graphs.blocks))
+    assert all(isinstance(m, trunk_peer._CheckpointedBlock) and m.block is b
+               for (m, _), b in zip(compiled, graphs.blocks))
     eager = trunk_peer.PeerPairformerStack(no_blocks=2, **WIDTHS).double()
     eager.load_state_dict(graphs.state_dict())
     assert not eager.cuda_graph_steps
