@@ -312,8 +312,8 @@ class PeerPairformerBlock(nn.Module):
 
 
 class _CheckpointedBlock(nn.Module):
-    """One block under ``torch.utils.checkpoint`` (non-reentrant): what ``torch.compile`` compiles
-    where the checkpoint has to be inside the compiled region."""
+    """One block (eager or compiled) under ``torch.utils.checkpoint`` (non-reentrant); compiled
+    itself where the checkpoint has to be inside the compiled region."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -338,19 +338,17 @@ class _CheckpointedBlocks(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.cuda_graph_steps = compile_mode == "reduce-overhead"
         if compile_mode is None:
-            self._calls = list(self.blocks)
+            self._calls = [_CheckpointedBlock(b) for b in self.blocks]
         elif self.cuda_graph_steps:
             self._calls = [torch.compile(_CheckpointedBlock(b), mode=compile_mode, dynamic=False)
                            for b in self.blocks]
         else:
-            self._calls = [torch.compile(b, mode=compile_mode, dynamic=False) for b in self.blocks]
+            self._calls = [_CheckpointedBlock(torch.compile(b, mode=compile_mode, dynamic=False))
+                           for b in self.blocks]
 
     def _run_blocks(self, x, z, x_mask, pair_mask):
         for call in self._calls:
-            if self.cuda_graph_steps:
-                x, z = call(x, z, x_mask, pair_mask)
-            else:
-                x, z = checkpoint(call, x, z, x_mask, pair_mask, use_reentrant=False)
+            x, z = call(x, z, x_mask, pair_mask)
         return x, z
 
 
